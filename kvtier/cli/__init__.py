@@ -1,0 +1,21 @@
+"""The ``kvtier`` command. Each sub-command lives in its own module and is registered here."""
+
+from __future__ import annotations
+
+import click
+
+from kvtier import __version__
+from kvtier.cli.plan import plan
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(__version__, prog_name="kvtier")
+def main() -> None:
+    """kvtier: KV-cache tiering for DeepSeek-sparse-attention models.
+
+    Skip-aware device pools (no indexer key cache for skip-topk layers), a host-memory tier and an
+    LMDB disk tier, served over gRPC.
+    """
+
+
+main.add_command(plan)

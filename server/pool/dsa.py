@@ -1,0 +1,390 @@
+"""DSA pool: MLA latent KV plus the paged indexer key cache, none for skip-topk layers.
+
+Indexer layout (DESIGN.md "Byte layouts"; SGLang's ``NSATokenToKVPool`` for the same arguments):
+per layer a uint8 buffer ``(num_pages, page_size * (index_head_dim + index_head_dim // 128 * 4))``
+with ``num_pages = (index_buf_size + page_size + 1) // page_size``. Inside a page row the first
+``page_size * 128`` bytes are the FP8 keys (token ``t`` at byte ``t * 128``), then ``page_size`` FP32
+scales (token ``t`` at byte ``page_size * 128 + 4 * t``). A token slot ``loc`` lives at page
+``loc // page_size``, offset ``loc % page_size`` -- never at row ``loc``.
+
+A skip-topk layer's indexer buffer has shape ``(0, cols)``: zero bytes, present so that layer
+positions line up with peers. It is never read, written, copied, hashed or sent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvtier.server.model_config import index_token_bytes
+from kvtier.server.pool.arena import alloc_arena, host_buffer, word_dtype
+from kvtier.server.pool.buffer_info import BufferRange, BufInfos, live_ranges
+from kvtier.server.pool.mla import MLATokenToKVPool, _check_out, _chunk_rows
+from kvtier.server.pool.validation import check_layer, check_unique
+
+INDEX_CHUNK_PAGES = 128  # get_cpu_copy: indexer chunks hold at most this many page rows
+
+
+def first_appearance_pages(slots: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pages touched by ``slots`` in order of first appearance, and each slot's index into them.
+
+    Args:
+        slots: ``(n,)`` int64 token slots (CPU or device).
+        page_size: tokens per page.
+
+    Returns:
+        ``(pages (p,) int64, page_idx (n,) int64)`` with ``pages[page_idx[i]] == slots[i] // page_size``.
+    """
+    pages = (slots // page_size).cpu().numpy()
+    if pages.size == 0:
+        empty = torch.empty(0, dtype=torch.int64)
+        return empty, empty
+    if pages.size == 1 or bool(np.all(pages[1:] >= pages[:-1])):  # common case: sorted slots
+        uniq, page_idx = np.unique(pages, return_inverse=True)
+        return torch.from_numpy(uniq), torch.from_numpy(page_idx.astype(np.int64))
+    uniq, first, inv = np.unique(pages, return_index=True, return_inverse=True)
+    order = np.argsort(first, kind="stable")
+    rank = np.empty_like(order)
+    rank[order] = np.arange(order.size)
+    return torch.from_numpy(uniq[order]), torch.from_numpy(rank[inv].astype(np.int64))
+
+
+class DSATokenToKVPool(MLATokenToKVPool):
+    """Skip-aware DSA KV pool: latent rows for every layer, indexer pages for live layers only.
+
+    Args:
+        size, page_size, kv_lora_rank, qk_rope_head_dim, layer_num, device, kv_cache_dtype:
+            as :class:`MLATokenToKVPool`.
+        index_head_dim: indexer key width (128 FP8 values, one FP32 scale each 128).
+        index_buf_size: tokens the indexer buffers cover (default ``size``).
+        skip_topk_layers: ``(layer_num,)`` booleans, True where the layer skips top-k (no indexer
+            buffer). None: no layer skips. Layer 0 may not skip.
+
+    Attributes:
+        index_k_with_scale_buffer: list of ``layer_num`` uint8 tensors ``(num_pages, page_bytes)``,
+            ``(0, page_bytes)`` on skip layers.
+        live_layers: ids of the layers with an indexer buffer.
+
+    Raises:
+        ValueError: bad sizes, a mask of the wrong length, or layer 0 marked skip.
+    """
+
+    def __init__(
+        self,
+        size: int,
+        page_size: int,
+        kv_lora_rank: int,
+        qk_rope_head_dim: int,
+        layer_num: int,
+        device: str | torch.device = "auto",
+        kv_cache_dtype: Any = "fp8",
+        index_head_dim: int = 128,
+        index_buf_size: int | None = None,
+        skip_topk_layers: Sequence[bool] | None = None,
+        *,
+        shared: bool = False,
+    ) -> None:
+        if isinstance(index_head_dim, bool) or not isinstance(index_head_dim, int) or index_head_dim <= 0 or index_head_dim % 128:
+            raise ValueError(f"index_head_dim must be a positive multiple of 128, got {index_head_dim!r}")
+        mask = tuple(bool(x) for x in skip_topk_layers) if skip_topk_layers is not None else (False,) * layer_num
+        if len(mask) != layer_num:
+            raise ValueError(f"skip_topk_layers has {len(mask)} entries but layer_num is {layer_num}")
+        if mask and mask[0]:
+            raise ValueError("skip_topk_layers marks layer 0 as skip, but layer 0 has no earlier top-k to reuse")
+        index_buf_size = size if index_buf_size is None else index_buf_size
+        if isinstance(index_buf_size, bool) or not isinstance(index_buf_size, int) or index_buf_size <= 0:
+            raise ValueError(f"index_buf_size must be a positive integer, got {index_buf_size!r}")
+        super().__init__(size, page_size, kv_lora_rank, qk_rope_head_dim, layer_num, device, kv_cache_dtype, shared=shared)
+
+        self.index_head_dim = index_head_dim
+        self.index_buf_size = index_buf_size
+        self.skip_topk_layers = mask
+        self.live_layers: tuple[int, ...] = tuple(i for i, s in enumerate(mask) if not s)
+        self._live_pos = {layer: i for i, layer in enumerate(self.live_layers)}
+        self.index_token_bytes = index_token_bytes(index_head_dim)
+        self.index_page_bytes = page_size * self.index_token_bytes
+        self.index_scale_bytes = self.index_token_bytes - index_head_dim  # per token: 4 per 128 keys
+        self.num_pages = (index_buf_size + page_size + 1) // page_size
+        self.index_slots = self.num_pages * page_size
+
+        n_live = len(self.live_layers)
+        self._idx_arena = alloc_arena(n_live * self.num_pages * self.index_page_bytes, self.device, shared=shared)
+        pages = self._idx_arena.view(n_live, self.num_pages, self.index_page_bytes)
+        # Word views of the page rows: keys (live, pages, page_size, key_words) and
+        # scales (live, pages, page_size, scale_words); both address a token by (page, offset).
+        self._key_word = word_dtype(self.index_page_bytes, index_head_dim)
+        kw = index_head_dim // self._key_word.itemsize
+        self._page_words = pages.view(self._key_word)
+        self._keys = self._page_words[:, :, : page_size * kw].unflatten(2, (page_size, kw))
+        sw_per_page = self.index_page_bytes // 4
+        scale_start = page_size * index_head_dim // 4
+        sw = self.index_scale_bytes // 4
+        self._scales = pages.view(torch.int32)[:, :, scale_start: scale_start + page_size * sw].unflatten(2, (page_size, sw))
+        assert scale_start + page_size * sw == sw_per_page
+
+        empty = torch.empty((0, self.index_page_bytes), dtype=torch.uint8, device=self.device)
+        self.index_k_with_scale_buffer: list[torch.Tensor] = [
+            empty if s else pages[self._live_pos[i]] for i, s in enumerate(mask)
+        ]
+
+    # ----- sizes and infos ----------------------------------------------------------------------
+    def get_kv_size_bytes(self) -> int:
+        """Bytes really allocated: latent buffers plus live-layer indexer buffers (skip layers: 0)."""
+        return int(self._lat_arena.nbytes) + int(self._idx_arena.nbytes)
+
+    def get_index_size_bytes(self) -> int:
+        """Bytes of the indexer buffers alone."""
+        return int(self._idx_arena.nbytes)
+
+    def get_state_buf_infos(self) -> BufInfos:
+        """Indexer buffer infos ``(data_ptrs, data_lens, item_lens)``, one entry per layer.
+
+        ``item_len`` is one page row (8448 bytes). Skip layers report ``(0, 0, 0)`` so layer
+        positions agree across PD peers; use :meth:`get_live_state_buf_infos` for a transfer engine.
+        """
+        ptrs, lens, items = [], [], []
+        for i, buf in enumerate(self.index_k_with_scale_buffer):
+            live = not self.skip_topk_layers[i]
+            ptrs.append(buf.data_ptr() if live else 0)
+            lens.append(int(buf.nbytes) if live else 0)
+            items.append(self.index_page_bytes if live else 0)
+        return ptrs, lens, items
+
+    def get_live_state_buf_infos(self) -> list[BufferRange]:
+        """Indexer ranges of live layers only, each with its layer id (no zero-length entry)."""
+        return live_ranges("index_k", self.get_state_buf_infos())
+
+    def get_live_contiguous_buf_infos(self) -> list[BufferRange]:
+        """Latent ranges with their layer ids (every layer has one)."""
+        return live_ranges("latent", self.get_contiguous_buf_infos())
+
+    # ----- indexer keys and scales --------------------------------------------------------------
+    def _check_live_layer(self, layer_id: Any) -> int:
+        layer_id = check_layer(layer_id, self.layer_num)
+        if self.skip_topk_layers[layer_id]:
+            raise ValueError(f"layer {layer_id} skips top-k and has no indexer buffer")
+        return layer_id
+
+    def _index_slots(self, loc: Any, what: str = "slots") -> torch.Tensor:
+        slots = self._slots(loc, what)
+        if slots.numel() and int(slots.max()) >= self.index_slots:
+            raise ValueError(f"{what} contains slot {int(slots.max())} outside the indexer buffer [0, {self.index_slots})")
+        return slots
+
+    def _check_keys_scales(self, index_k: Any, scale: Any, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        hd, sw = self.index_head_dim, self.index_scale_bytes // 4
+        if not isinstance(index_k, torch.Tensor) or not isinstance(scale, torch.Tensor):
+            raise TypeError("index_k and scale must be torch.Tensors")
+        if index_k.dtype not in (torch.uint8, torch.float8_e4m3fn):
+            raise TypeError(f"index_k must be uint8 or float8_e4m3fn, got {index_k.dtype}")
+        if tuple(index_k.shape) != (n, hd):
+            raise ValueError(f"index_k must have shape ({n}, {hd}), got {tuple(index_k.shape)}")
+        if scale.dtype != torch.float32:
+            raise TypeError(f"scale must be float32, got {scale.dtype}")
+        if tuple(scale.shape) not in ((n,), (n, sw)) or (scale.dim() == 1 and sw != 1):
+            raise ValueError(f"scale must have shape ({n},) or ({n}, {sw}), got {tuple(scale.shape)}")
+        keys = index_k.contiguous().view(torch.uint8).view(self._key_word).reshape(n, -1)
+        scales = scale.contiguous().view(torch.int32).reshape(n, sw)
+        return keys.to(self.device), scales.to(self.device)
+
+    def set_index_k_scale_buffer(self, layer_id: int, loc: Any, index_k: torch.Tensor, scale: torch.Tensor) -> None:
+        """Write FP8 indexer keys and FP32 scales of slots ``loc`` on one live layer.
+
+        Args:
+            layer_id: a live (non-skip) layer.
+            loc: ``(n,)`` int slots, no duplicates.
+            index_k: ``(n, index_head_dim)`` uint8 or float8_e4m3fn keys.
+            scale: ``(n,)`` (or ``(n, index_head_dim // 128)``) float32 scales.
+
+        Raises:
+            TypeError/ValueError: skip layer, bad slots, dtype or shape; the pool is unchanged.
+        """
+        layer_id = self._check_live_layer(layer_id)
+        slots = self._index_slots(loc)
+        check_unique(slots, "slots")
+        keys, scales = self._check_keys_scales(index_k, scale, slots.numel())
+        if slots.numel() == 0:
+            return
+        page, off = slots // self.page_size, slots % self.page_size
+        pos = self._live_pos[layer_id]
+        self._keys[pos].index_put_((page, off), keys)
+        self._scales[pos].index_put_((page, off), scales)
+
+    def get_index_k_scale(self, layer_id: int, loc: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Indexer data of slots ``loc`` on one live layer.
+
+        Returns:
+            ``(index_k (n, index_head_dim) uint8, scale (n,) float32)`` (scale ``(n, k)`` when
+            ``index_head_dim = 128 * k`` with k > 1).
+        """
+        layer_id = self._check_live_layer(layer_id)
+        slots = self._index_slots(loc)
+        page, off = slots // self.page_size, slots % self.page_size
+        pos = self._live_pos[layer_id]
+        keys = self._keys[pos][page, off].contiguous().view(torch.uint8)
+        scales = self._scales[pos][page, off].contiguous().view(torch.float32)
+        return keys, (scales.reshape(-1) if scales.shape[1] == 1 else scales)
+
+    # ----- moves --------------------------------------------------------------------------------
+    def move_kv_cache(self, tgt_loc: Any, src_loc: Any) -> None:
+        """Copy latent and indexer data of ``src_loc`` onto ``tgt_loc`` token by token.
+
+        Indexer keys and scales move by (page, offset): the other tokens of a target page stay as
+        they were. All sources are read before any target is written. Skip layers are not touched.
+        Empty moves are a no-op.
+
+        Raises:
+            TypeError/ValueError: bad slots, unequal lengths or duplicate targets; pool unchanged.
+        """
+        tgt, src = self._check_move(tgt_loc, src_loc)
+        if tgt.numel() == 0:
+            return
+        for what, t in (("tgt_loc", tgt), ("src_loc", src)):
+            if int(t.max()) >= self.index_slots:
+                raise ValueError(f"{what} contains slot {int(t.max())} outside the indexer buffer")
+        self._move_latent(tgt, src)
+        if self.live_layers:
+            sp, so = src // self.page_size, src % self.page_size
+            tp, to = tgt // self.page_size, tgt % self.page_size
+            keys = self._keys[:, sp, so]  # advanced indexing copies: sources read first
+            scales = self._scales[:, sp, so]
+            self._keys[:, tp, to] = keys
+            self._scales[:, tp, to] = scales
+
+    # ----- host copies --------------------------------------------------------------------------
+    def cpu_copy_nbytes(self, indices: Any) -> int:
+        """Host bytes :meth:`get_cpu_copy` of ``indices`` takes: latent rows plus live-layer page rows."""
+        slots = self._index_slots(indices, "indices")
+        pages, _ = first_appearance_pages(slots, self.page_size)
+        return self.latent_copy_nbytes(slots.numel()) + len(self.live_layers) * pages.numel() * self.index_page_bytes
+
+    def get_cpu_copy(self, indices: Any, out: torch.Tensor | None = None) -> dict[str, Any]:
+        """Copy slots ``indices`` (latent and live indexer data) to host memory.
+
+        Args:
+            indices: ``(n,)`` int slots.
+            out: optional flat uint8 host buffer of at least :meth:`cpu_copy_nbytes` bytes; the
+                returned chunks are then views into it (latent first, then indexer pages).
+
+        Returns:
+            ``{"kv", "index_k", "src_loc"}``:
+
+            * ``kv[layer]``: chunks ``(c, 1, kv_cache_dim)`` ``store_dtype``, ``c <= 8192`` slots;
+            * ``index_k[layer]``: chunks ``(p, 8448)`` uint8 of whole page rows, ``p <= 128``, the
+              pages the slots touch in order of first appearance; ``[]`` on skip layers;
+            * ``src_loc``: ``(n,)`` int64 source slots (where in those pages each token lies).
+
+            On CUDA the chunks are in pinned memory and complete when this returns.
+        """
+        slots = self._index_slots(indices, "indices")
+        pages, _ = first_appearance_pages(slots, self.page_size)
+        lat_bytes = self.latent_copy_nbytes(slots.numel())
+        idx_bytes = len(self.live_layers) * pages.numel() * self.index_page_bytes
+        _check_out(out, lat_bytes + idx_bytes)
+        kv = self._latent_copy(slots, out)
+        index_k: list[list[torch.Tensor]] = [[] for _ in range(self.layer_num)]
+        if self.live_layers and pages.numel():
+            p = pages.numel()
+            flat = host_buffer((idx_bytes,), torch.uint8, self.device) if out is None else out[lat_bytes:lat_bytes + idx_bytes]
+            words = flat.view(self._key_word).view(len(self.live_layers), p, -1)
+            dev_pages = pages.to(self.device)
+            if self.device.type == "cpu":
+                for pos in range(len(self.live_layers)):
+                    torch.index_select(self._page_words[pos], 0, dev_pages, out=words[pos])
+            else:
+                words.copy_(self._page_words.index_select(1, dev_pages), non_blocking=True)
+            rows = flat.view(len(self.live_layers), p, self.index_page_bytes)
+            for layer in self.live_layers:
+                r = rows[self._live_pos[layer]]
+                index_k[layer] = [r[i:i + INDEX_CHUNK_PAGES] for i in range(0, p, INDEX_CHUNK_PAGES)]
+        self._sync()
+        return {"kv": kv, "index_k": index_k, "src_loc": slots.cpu()}
+
+    def check_cpu_copy(self, copy: Mapping[str, Any], n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Check that ``copy`` matches this pool's layout for ``n`` target slots.
+
+        Checks layer count, skip mask (empty lists exactly on skip layers), row bytes, dtypes and
+        chunk lengths. A copy without ``src_loc`` (e.g. from SGLang) is read as page-aligned:
+        token ``i`` at page ``i // page_size``, offset ``i % page_size``.
+
+        Returns:
+            ``(page_idx (n,), offset (n,))``: where each token's indexer data lies in the copy's pages.
+
+        Raises:
+            ValueError/TypeError: naming the first mismatch.
+        """
+        if not isinstance(copy, Mapping) or "kv" not in copy or "index_k" not in copy:
+            raise ValueError("copy must be a mapping with 'kv' and 'index_k' entries (a get_cpu_copy result)")
+        self._check_latent_copy(copy["kv"], n)
+        src = copy.get("src_loc")
+        if src is not None:
+            if not isinstance(src, torch.Tensor) or src.dim() != 1 or src.numel() != n:
+                raise ValueError(f"copy['src_loc'] must be a (n,) int tensor with n = {n}")
+            if src.dtype not in (torch.int64, torch.int32) or (n and int(src.min()) < 0):
+                raise ValueError("copy['src_loc'] must hold non-negative integer slots")
+            pages, page_idx = first_appearance_pages(src.to(torch.int64), self.page_size)
+            n_pages, offset = pages.numel(), (src.to(torch.int64).cpu() % self.page_size)
+        else:
+            page_idx = torch.arange(n, dtype=torch.int64) // self.page_size
+            offset = torch.arange(n, dtype=torch.int64) % self.page_size
+            n_pages = -(-n // self.page_size)
+        index_k = copy["index_k"]
+        if not isinstance(index_k, Sequence) or len(index_k) != self.layer_num:
+            raise ValueError(f"copy['index_k'] must have {self.layer_num} layers")
+        expected = [min(INDEX_CHUNK_PAGES, n_pages - i) for i in range(0, n_pages, INDEX_CHUNK_PAGES)]
+        for layer, chunks in enumerate(index_k):
+            sizes = _chunk_rows(chunks, f"copy['index_k'][{layer}]")
+            if self.skip_topk_layers[layer]:
+                if sizes:
+                    raise ValueError(f"copy['index_k'][{layer}] has data, but layer {layer} skips top-k here (skip masks differ)")
+                continue
+            if sizes != expected:
+                if not sizes and n_pages:
+                    raise ValueError(f"copy['index_k'][{layer}] is empty, but layer {layer} owns an indexer buffer here (skip masks differ)")
+                raise ValueError(f"copy['index_k'][{layer}] chunk lengths {sizes} differ from the expected {expected} pages")
+            for c in chunks:
+                if c.dtype != torch.uint8 or c.dim() != 2 or c.shape[1] != self.index_page_bytes:
+                    raise ValueError(
+                        f"copy['index_k'][{layer}] chunks must be (pages, {self.index_page_bytes}) uint8, "
+                        f"got {tuple(c.shape)} {c.dtype}"
+                    )
+        return page_idx, offset
+
+    def load_cpu_copy(self, copy: Mapping[str, Any], indices: Any) -> None:
+        """Write a :meth:`get_cpu_copy` result onto slots ``indices`` (may differ from the source slots).
+
+        Latent rows go row by row; indexer keys and scales token by token at (page, offset), so
+        when the target slots cover part of a page only those tokens' bytes change.
+
+        Raises:
+            TypeError/ValueError: bad slots or a layout mismatch (:meth:`check_cpu_copy`), raised
+                before anything is written.
+        """
+        slots = self._index_slots(indices, "indices")
+        check_unique(slots, "indices")
+        page_idx, offset = self.check_cpu_copy(copy, slots.numel())
+        if slots.numel() == 0:
+            return
+        self._load_latent(copy["kv"], slots)
+        if self.live_layers:
+            tp, to = slots // self.page_size, slots % self.page_size
+            page_idx, offset = page_idx.to(self.device), offset.to(self.device)
+            kw = self._keys.shape[3]
+            for layer in self.live_layers:
+                chunks = copy["index_k"][layer]
+                rows = chunks[0] if len(chunks) == 1 else torch.cat(list(chunks))
+                rows = rows.to(self.device, non_blocking=True).contiguous()
+                p = rows.shape[0]
+                words = rows.view(self._key_word).view(p, -1)
+                src_keys = words[:, : self.page_size * kw].unflatten(1, (self.page_size, kw))
+                scale_start = self.page_size * self.index_head_dim // 4
+                sw = self._scales.shape[3]
+                src_scales = rows.view(torch.int32).view(p, -1)[:, scale_start: scale_start + self.page_size * sw]
+                src_scales = src_scales.unflatten(1, (self.page_size, sw))
+                pos = self._live_pos[layer]
+                self._keys[pos].index_put_((tp, to), src_keys[page_idx, offset])
+                self._scales[pos].index_put_((tp, to), src_scales[page_idx, offset])
+        self._sync()

@@ -1,0 +1,274 @@
+"""MLA latent KV pool: one latent row per token per layer, addressed by token slot.
+
+Layout (DESIGN.md "Byte layouts", same as SGLang's ``MLATokenToKVPool`` for the same arguments):
+per layer a buffer of shape ``(size + page_size, 1, kv_cache_dim)``;
+
+* ``bf16``: dtype ``torch.bfloat16``, ``kv_cache_dim = kv_lora_rank + qk_rope_head_dim`` (576);
+* ``fp8``:  dtype ``torch.uint8``, ``kv_cache_dim`` = 656 bytes = 512 fp8 latent + 4 fp32 scales +
+  64 bf16 rope values (fp8 is stored as uint8 because indexed writes do not exist for fp8 dtypes).
+
+Slot 0 (page 0) is padding for dummy writes; the allocator never hands it out, but the pool
+accepts it so padded batches can write there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from kvtier.server.model_config import KV_CACHE_DTYPES, latent_row_bytes
+from kvtier.server.pool.arena import alloc_arena, host_buffer, resolve_device, word_dtype
+from kvtier.server.pool.buffer_info import BufInfos
+from kvtier.server.pool.validation import as_slots, check_layer, check_rows, check_unique
+
+KV_CHUNK_SLOTS = 8192  # get_cpu_copy: latent chunks hold at most this many slots
+_STORE_DTYPE = {"bf16": torch.bfloat16, "fp8": torch.uint8}
+
+
+def parse_kv_cache_dtype(kv_cache_dtype: Any) -> str:
+    """Normalise ``"bf16"``/``"fp8"`` (or ``torch.bfloat16``/``torch.float8_e4m3fn``) to the string form."""
+    if isinstance(kv_cache_dtype, torch.dtype):
+        if kv_cache_dtype == torch.bfloat16:
+            return "bf16"
+        if kv_cache_dtype in (torch.float8_e4m3fn, torch.uint8):
+            return "fp8"
+    elif isinstance(kv_cache_dtype, str) and kv_cache_dtype.lower() in KV_CACHE_DTYPES:
+        return kv_cache_dtype.lower()
+    raise ValueError(f"kv_cache_dtype must be 'bf16' or 'fp8', got {kv_cache_dtype!r}")
+
+
+class MLATokenToKVPool:
+    """Device pool of MLA latent KV rows.
+
+    Args:
+        size: token capacity (slots ``1 .. size + page_size - 1`` are usable; slot 0 is padding).
+        page_size: tokens per page.
+        kv_lora_rank, qk_rope_head_dim: latent geometry (512, 64 for DeepSeek/GLM).
+        layer_num: number of layers.
+        device: ``"auto"``, ``"cpu"`` or ``"cuda"``.
+        kv_cache_dtype: ``"bf16"`` or ``"fp8"``.
+        shared: CPU only: put the buffers in shared memory so a local worker can map them.
+
+    Attributes:
+        kv_buffer: list of ``layer_num`` tensors ``(size + page_size, 1, kv_cache_dim)``.
+        store_dtype: ``torch.bfloat16`` or ``torch.uint8``.
+        row_bytes: bytes of one latent row (1152 or 656).
+
+    Raises:
+        ValueError: non-positive sizes, an unknown dtype or device.
+    """
+
+    def __init__(
+        self,
+        size: int,
+        page_size: int,
+        kv_lora_rank: int,
+        qk_rope_head_dim: int,
+        layer_num: int,
+        device: str | torch.device = "auto",
+        kv_cache_dtype: Any = "fp8",
+        *,
+        shared: bool = False,
+    ) -> None:
+        for name, v in (("size", size), ("page_size", page_size), ("kv_lora_rank", kv_lora_rank),
+                        ("qk_rope_head_dim", qk_rope_head_dim), ("layer_num", layer_num)):
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        self.size = size
+        self.page_size = page_size
+        self.kv_lora_rank = kv_lora_rank
+        self.qk_rope_head_dim = qk_rope_head_dim
+        self.layer_num = layer_num
+        self.device = resolve_device(device)
+        self.kv_cache_dtype = parse_kv_cache_dtype(kv_cache_dtype)
+        self.store_dtype = _STORE_DTYPE[self.kv_cache_dtype]
+        self.row_bytes = latent_row_bytes(kv_lora_rank, qk_rope_head_dim, self.kv_cache_dtype)
+        self.kv_cache_dim = self.row_bytes // self.store_dtype.itemsize
+        self.num_slots = size + page_size  # rows per layer, padding page included
+
+        self._lat_word = word_dtype(self.row_bytes)
+        self._lat_arena = alloc_arena(layer_num * self.num_slots * self.row_bytes, self.device, shared=shared)
+        # (layers, slots, words): the view every copy goes through.
+        self._lat_words = self._lat_arena.view(self._lat_word).view(layer_num, self.num_slots, -1)
+        self.kv_buffer: list[torch.Tensor] = [
+            self._lat_arena.view(layer_num, self.num_slots * self.row_bytes)[i]
+            .view(self.store_dtype)
+            .view(self.num_slots, 1, self.kv_cache_dim)
+            for i in range(layer_num)
+        ]
+
+    # ----- sizes and infos ----------------------------------------------------------------------
+    def get_kv_size_bytes(self) -> int:
+        """Bytes really allocated for this pool's buffers."""
+        return int(self._lat_arena.nbytes)
+
+    def get_contiguous_buf_infos(self) -> BufInfos:
+        """Latent buffer infos ``(data_ptrs, data_lens, item_lens)``, one entry per layer.
+
+        ``item_len = row_bytes * page_size`` (one page of latent rows).
+        """
+        ptrs = [b.data_ptr() for b in self.kv_buffer]
+        lens = [int(b.nbytes) for b in self.kv_buffer]
+        items = [self.row_bytes * self.page_size] * self.layer_num
+        return ptrs, lens, items
+
+    # ----- slot checks --------------------------------------------------------------------------
+    def _slots(self, loc: Any, what: str = "slots") -> torch.Tensor:
+        return as_slots(loc, limit=self.num_slots, what=what, device=self.device)
+
+    # ----- latent rows --------------------------------------------------------------------------
+    def set_kv_buffer(self, layer_id: int, loc: Any, rows: torch.Tensor) -> None:
+        """Write latent rows for ``loc`` on one layer.
+
+        Args:
+            layer_id: layer index.
+            loc: ``(n,)`` int slots, each in ``[0, size + page_size)``, no duplicates.
+            rows: ``(n, kv_cache_dim)`` or ``(n, 1, kv_cache_dim)`` of ``store_dtype``, or raw
+                ``(n, row_bytes)`` uint8.
+
+        Raises:
+            TypeError/ValueError: bad layer, slots, dtype or shape; the pool is unchanged.
+        """
+        layer_id = check_layer(layer_id, self.layer_num)
+        slots = self._slots(loc)
+        check_unique(slots, "slots")
+        data = check_rows(rows, slots.numel(), self.kv_cache_dim, self.store_dtype, self.row_bytes, "rows")
+        if slots.numel() == 0:
+            return
+        data = data.to(self.device, non_blocking=True).view(self._lat_word)
+        self._lat_words[layer_id].index_copy_(0, slots, data)
+
+    def get_kv_buffer_rows(self, layer_id: int, loc: Any) -> torch.Tensor:
+        """Latent rows of ``loc`` on one layer: ``(n, 1, kv_cache_dim)`` ``store_dtype`` (a copy, on the pool's device)."""
+        layer_id = check_layer(layer_id, self.layer_num)
+        slots = self._slots(loc)
+        return self.kv_buffer[layer_id].index_select(0, slots)
+
+    # ----- moves --------------------------------------------------------------------------------
+    def _check_move(self, tgt_loc: Any, src_loc: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        tgt = self._slots(tgt_loc, "tgt_loc")
+        src = self._slots(src_loc, "src_loc")
+        if tgt.numel() != src.numel():
+            raise ValueError(f"tgt_loc has {tgt.numel()} slots but src_loc has {src.numel()}")
+        check_unique(tgt, "tgt_loc")
+        return tgt, src
+
+    def move_kv_cache(self, tgt_loc: Any, src_loc: Any) -> None:
+        """Copy the KV of slots ``src_loc`` onto slots ``tgt_loc``, every layer, in place.
+
+        All sources are read before any target is written, so overlapping sets are safe.
+        Raises TypeError/ValueError (pool unchanged) on bad slots, unequal lengths or duplicate targets.
+        """
+        tgt, src = self._check_move(tgt_loc, src_loc)
+        if tgt.numel():
+            self._move_latent(tgt, src)
+
+    def _move_latent(self, tgt: torch.Tensor, src: torch.Tensor) -> None:
+        rows = self._lat_words.index_select(1, src)
+        self._lat_words.index_copy_(1, tgt, rows)
+
+    # ----- host copies --------------------------------------------------------------------------
+    def latent_copy_nbytes(self, n_slots: int) -> int:
+        """Host bytes the latent part of a copy of ``n_slots`` slots takes (``layers * n * row_bytes``)."""
+        return self.layer_num * n_slots * self.row_bytes
+
+    def _latent_copy(self, slots: torch.Tensor, out: torch.Tensor | None = None) -> list[list[torch.Tensor]]:
+        n = slots.numel()
+        nbytes = self.latent_copy_nbytes(n)
+        flat = host_buffer((nbytes,), torch.uint8, self.device) if out is None else out[:nbytes]
+        words = flat.view(self._lat_word).view(self.layer_num, n, -1)
+        if n:
+            if self.device.type == "cpu":
+                # one gather per layer into its slice: ~2x faster than one gather along dim 1
+                for layer in range(self.layer_num):
+                    torch.index_select(self._lat_words[layer], 0, slots, out=words[layer])
+            else:
+                words.copy_(self._lat_words.index_select(1, slots), non_blocking=True)
+        rows = flat.view(self.layer_num, n, self.row_bytes).view(self.store_dtype)
+        rows = rows.view(self.layer_num, n, 1, self.kv_cache_dim)
+        return [[rows[layer, i:i + KV_CHUNK_SLOTS] for i in range(0, n, KV_CHUNK_SLOTS)] for layer in range(self.layer_num)]
+
+    def get_cpu_copy(self, indices: Any, out: torch.Tensor | None = None) -> dict[str, Any]:
+        """Copy slots ``indices`` to host memory.
+
+        Args:
+            indices: ``(n,)`` int slots.
+            out: optional flat uint8 host buffer of at least ``latent_copy_nbytes(n)`` bytes to copy
+                into (reusing host memory avoids page faults on fresh allocations).
+
+        Returns:
+            ``{"kv": kv, "src_loc": src}``: ``kv[layer]`` is a list of chunks ``(c, 1, kv_cache_dim)``
+            ``store_dtype`` with ``c <= 8192``; ``src`` the ``(n,)`` int64 source slots.
+        """
+        slots = self._slots(indices, "indices")
+        _check_out(out, self.latent_copy_nbytes(slots.numel()))
+        copy = {"kv": self._latent_copy(slots, out), "src_loc": slots.cpu()}
+        self._sync()
+        return copy
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def _check_latent_copy(self, kv: Any, n: int) -> None:
+        if not isinstance(kv, Sequence) or len(kv) != self.layer_num:
+            got = len(kv) if isinstance(kv, Sequence) else type(kv).__name__
+            raise ValueError(f"copy['kv'] must have {self.layer_num} layers, got {got}")
+        for layer, chunks in enumerate(kv):
+            sizes = _chunk_rows(chunks, f"copy['kv'][{layer}]")
+            if sum(sizes) != n:
+                raise ValueError(f"copy['kv'][{layer}] holds {sum(sizes)} rows but {n} target slots were given")
+            expected = [min(KV_CHUNK_SLOTS, n - i) for i in range(0, n, KV_CHUNK_SLOTS)]
+            if sizes != expected:
+                raise ValueError(f"copy['kv'][{layer}] chunk lengths {sizes} differ from the pool's {expected}")
+            for c in chunks:
+                check_rows(c, c.shape[0], self.kv_cache_dim, self.store_dtype, self.row_bytes, f"copy['kv'][{layer}]")
+
+    def _load_latent(self, kv: Sequence[Sequence[torch.Tensor]], slots: torch.Tensor) -> None:
+        for layer, chunks in enumerate(kv):
+            dst = self._lat_words[layer]
+            start = 0
+            for c in chunks:
+                rows = c.shape[0]
+                data = c.reshape(rows, -1).contiguous().view(torch.uint8).view(self._lat_word)
+                dst.index_copy_(0, slots[start:start + rows], data.to(self.device, non_blocking=True))
+                start += rows
+
+    def load_cpu_copy(self, copy: Mapping[str, Any], indices: Any) -> None:
+        """Write a :meth:`get_cpu_copy` result onto slots ``indices`` (may differ from the source slots).
+
+        Raises:
+            TypeError/ValueError: layout mismatch (layers, chunk lengths, row bytes) or bad slots;
+                raised before anything is written.
+        """
+        slots = self._slots(indices, "indices")
+        check_unique(slots, "indices")
+        if not isinstance(copy, Mapping) or "kv" not in copy:
+            raise ValueError("copy must be a mapping with a 'kv' entry (a get_cpu_copy result)")
+        self._check_latent_copy(copy["kv"], slots.numel())
+        self._load_latent(copy["kv"], slots)
+        self._sync()
+
+
+def _check_out(out: torch.Tensor | None, nbytes: int) -> None:
+    if out is None:
+        return
+    if not isinstance(out, torch.Tensor) or out.dtype != torch.uint8 or out.dim() != 1 or not out.is_contiguous():
+        raise TypeError("out must be a contiguous 1-D uint8 tensor")
+    if out.device.type != "cpu":
+        raise ValueError("out must be in host memory")
+    if out.numel() < nbytes:
+        raise ValueError(f"out holds {out.numel()} bytes but the copy needs {nbytes}")
+
+
+def _chunk_rows(chunks: Any, what: str) -> list[int]:
+    if not isinstance(chunks, Sequence) or isinstance(chunks, torch.Tensor):
+        raise ValueError(f"{what} must be a list of tensors")
+    sizes = []
+    for c in chunks:
+        if not isinstance(c, torch.Tensor) or c.dim() < 1:
+            raise TypeError(f"{what} must hold tensors")
+        sizes.append(int(c.shape[0]))
+    return sizes
