@@ -44,6 +44,18 @@ def word_dtype(*byte_counts: int) -> torch.dtype:
     return torch.uint8
 
 
+def as_words(t: torch.Tensor, word: torch.dtype) -> torch.Tensor:
+    """The bytes of ``t`` viewed as ``word`` along the last dimension (last dim scaled accordingly).
+
+    Copies ``t`` first when it is not contiguous or its first byte is not ``word``-aligned within its
+    storage (e.g. a chunk parsed out of a wire payload at an odd offset), so the view never fails.
+    """
+    t = t.contiguous()
+    if word.itemsize > 1 and (t.storage_offset() * t.element_size()) % word.itemsize:
+        t = t.clone()
+    return t.view(torch.uint8).view(word)
+
+
 def alloc_arena(nbytes: int, device: torch.device, *, shared: bool = False) -> torch.Tensor:
     """Zero-filled uint8 ``(nbytes,)`` buffer on ``device``; in shared memory when ``shared`` (CPU only)."""
     buf = torch.zeros(nbytes, dtype=torch.uint8, device=device)

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from kvtier.server.model_config import index_token_bytes
-from kvtier.server.pool.arena import alloc_arena, host_buffer, word_dtype
+from kvtier.server.pool.arena import alloc_arena, as_words, host_buffer, word_dtype
 from kvtier.server.pool.buffer_info import BufferRange, BufInfos, live_ranges
 from kvtier.server.pool.mla import MLATokenToKVPool, _check_out, _chunk_rows
 from kvtier.server.pool.validation import check_layer, check_unique
@@ -186,7 +186,7 @@ class DSATokenToKVPool(MLATokenToKVPool):
             raise TypeError(f"scale must be float32, got {scale.dtype}")
         if tuple(scale.shape) not in ((n,), (n, sw)) or (scale.dim() == 1 and sw != 1):
             raise ValueError(f"scale must have shape ({n},) or ({n}, {sw}), got {tuple(scale.shape)}")
-        keys = index_k.contiguous().view(torch.uint8).view(self._key_word).reshape(n, -1)
+        keys = as_words(index_k, self._key_word).reshape(n, -1)
         scales = scale.contiguous().view(torch.int32).reshape(n, sw)
         return keys.to(self.device), scales.to(self.device)
 
@@ -283,7 +283,7 @@ class DSATokenToKVPool(MLATokenToKVPool):
         pages, _ = first_appearance_pages(slots, self.page_size)
         lat_bytes = self.latent_copy_nbytes(slots.numel())
         idx_bytes = len(self.live_layers) * pages.numel() * self.index_page_bytes
-        _check_out(out, lat_bytes + idx_bytes)
+        _check_out(out, lat_bytes + idx_bytes, max(self._lat_word.itemsize, self._key_word.itemsize))
         kv = self._latent_copy(slots, out)
         index_k: list[list[torch.Tensor]] = [[] for _ in range(self.layer_num)]
         if self.live_layers and pages.numel():
@@ -353,6 +353,21 @@ class DSATokenToKVPool(MLATokenToKVPool):
                     )
         return page_idx, offset
 
+    def _index_source(self, chunks: Sequence[torch.Tensor]) -> torch.Tensor:
+        """A checked layer's page-row chunks as one ``(pages, page_words)`` tensor (where they lie)."""
+        rows = chunks[0] if len(chunks) == 1 else torch.cat(list(chunks))
+        return as_words(rows, self._key_word)
+
+    def _split_page_words(self, words: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(pages, page_words)`` -> keys ``(pages, page_size, key_words)`` and scales
+        ``(pages, page_size, scale_words)`` int32 views, addressed by (page index, offset)."""
+        p, ps = words.shape[0], self.page_size
+        kw, sw = self._keys.shape[3], self._scales.shape[3]
+        keys = words[:, : ps * kw].unflatten(1, (ps, kw))
+        scale_start = ps * self.index_head_dim // 4
+        scales = words.view(torch.int32).view(p, -1)[:, scale_start: scale_start + ps * sw].unflatten(1, (ps, sw))
+        return keys, scales
+
     def load_cpu_copy(self, copy: Mapping[str, Any], indices: Any) -> None:
         """Write a :meth:`get_cpu_copy` result onto slots ``indices`` (may differ from the source slots).
 
@@ -368,22 +383,15 @@ class DSATokenToKVPool(MLATokenToKVPool):
         page_idx, offset = self.check_cpu_copy(copy, slots.numel())
         if slots.numel() == 0:
             return
-        self._load_latent(copy["kv"], slots)
+        # Every source view is made before the first write, so nothing below can fail half-way.
+        lat_sources = self._latent_sources(copy["kv"])
+        idx_sources = {layer: self._index_source(copy["index_k"][layer]) for layer in self.live_layers}
+        self._load_latent(lat_sources, slots)
         if self.live_layers:
             tp, to = slots // self.page_size, slots % self.page_size
             page_idx, offset = page_idx.to(self.device), offset.to(self.device)
-            kw = self._keys.shape[3]
-            for layer in self.live_layers:
-                chunks = copy["index_k"][layer]
-                rows = chunks[0] if len(chunks) == 1 else torch.cat(list(chunks))
-                rows = rows.to(self.device, non_blocking=True).contiguous()
-                p = rows.shape[0]
-                words = rows.view(self._key_word).view(p, -1)
-                src_keys = words[:, : self.page_size * kw].unflatten(1, (self.page_size, kw))
-                scale_start = self.page_size * self.index_head_dim // 4
-                sw = self._scales.shape[3]
-                src_scales = rows.view(torch.int32).view(p, -1)[:, scale_start: scale_start + self.page_size * sw]
-                src_scales = src_scales.unflatten(1, (self.page_size, sw))
+            for layer, words in idx_sources.items():
+                src_keys, src_scales = self._split_page_words(words.to(self.device, non_blocking=True))
                 pos = self._live_pos[layer]
                 self._keys[pos].index_put_((tp, to), src_keys[page_idx, offset])
                 self._scales[pos].index_put_((tp, to), src_scales[page_idx, offset])

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from kvtier.server.model_config import KV_CACHE_DTYPES, latent_row_bytes
-from kvtier.server.pool.arena import alloc_arena, host_buffer, resolve_device, word_dtype
+from kvtier.server.pool.arena import alloc_arena, as_words, host_buffer, resolve_device, word_dtype
 from kvtier.server.pool.buffer_info import BufInfos
 from kvtier.server.pool.validation import as_slots, check_layer, check_rows, check_unique
 
@@ -137,7 +137,7 @@ class MLATokenToKVPool:
         data = check_rows(rows, slots.numel(), self.kv_cache_dim, self.store_dtype, self.row_bytes, "rows")
         if slots.numel() == 0:
             return
-        data = data.to(self.device, non_blocking=True).view(self._lat_word)
+        data = as_words(data, self._lat_word).to(self.device, non_blocking=True)
         self._lat_words[layer_id].index_copy_(0, slots, data)
 
     def get_kv_buffer_rows(self, layer_id: int, loc: Any) -> torch.Tensor:
@@ -178,7 +178,7 @@ class MLATokenToKVPool:
         n = slots.numel()
         nbytes = self.latent_copy_nbytes(n)
         flat = host_buffer((nbytes,), torch.uint8, self.device) if out is None else out[:nbytes]
-        words = flat.view(self._lat_word).view(self.layer_num, n, -1)
+        words = flat.view(self._lat_word).view(self.layer_num, n, self.row_bytes // self._lat_word.itemsize)
         if n:
             if self.device.type == "cpu":
                 # one gather per layer into its slice: ~2x faster than one gather along dim 1
@@ -203,7 +203,7 @@ class MLATokenToKVPool:
             ``store_dtype`` with ``c <= 8192``; ``src`` the ``(n,)`` int64 source slots.
         """
         slots = self._slots(indices, "indices")
-        _check_out(out, self.latent_copy_nbytes(slots.numel()))
+        _check_out(out, self.latent_copy_nbytes(slots.numel()), self._lat_word.itemsize)
         copy = {"kv": self._latent_copy(slots, out), "src_loc": slots.cpu()}
         self._sync()
         return copy
@@ -226,13 +226,16 @@ class MLATokenToKVPool:
             for c in chunks:
                 check_rows(c, c.shape[0], self.kv_cache_dim, self.store_dtype, self.row_bytes, f"copy['kv'][{layer}]")
 
-    def _load_latent(self, kv: Sequence[Sequence[torch.Tensor]], slots: torch.Tensor) -> None:
-        for layer, chunks in enumerate(kv):
+    def _latent_sources(self, kv: Sequence[Sequence[torch.Tensor]]) -> list[list[torch.Tensor]]:
+        """Each checked chunk as a ``(rows, words)`` view, where it lies (nothing written yet)."""
+        return [[as_words(c.reshape(c.shape[0], -1), self._lat_word) for c in chunks] for chunks in kv]
+
+    def _load_latent(self, sources: list[list[torch.Tensor]], slots: torch.Tensor) -> None:
+        for layer, chunks in enumerate(sources):
             dst = self._lat_words[layer]
             start = 0
-            for c in chunks:
-                rows = c.shape[0]
-                data = c.reshape(rows, -1).contiguous().view(torch.uint8).view(self._lat_word)
+            for data in chunks:
+                rows = data.shape[0]
                 dst.index_copy_(0, slots[start:start + rows], data.to(self.device, non_blocking=True))
                 start += rows
 
@@ -248,15 +251,17 @@ class MLATokenToKVPool:
         if not isinstance(copy, Mapping) or "kv" not in copy:
             raise ValueError("copy must be a mapping with a 'kv' entry (a get_cpu_copy result)")
         self._check_latent_copy(copy["kv"], slots.numel())
-        self._load_latent(copy["kv"], slots)
+        self._load_latent(self._latent_sources(copy["kv"]), slots)
         self._sync()
 
 
-def _check_out(out: torch.Tensor | None, nbytes: int) -> None:
+def _check_out(out: torch.Tensor | None, nbytes: int, align: int = 1) -> None:
     if out is None:
         return
     if not isinstance(out, torch.Tensor) or out.dtype != torch.uint8 or out.dim() != 1 or not out.is_contiguous():
         raise TypeError("out must be a contiguous 1-D uint8 tensor")
+    if out.storage_offset() % align:
+        raise ValueError(f"out must start {align}-byte aligned in its storage, got offset {out.storage_offset()}")
     if out.device.type != "cpu":
         raise ValueError("out must be in host memory")
     if out.numel() < nbytes:
