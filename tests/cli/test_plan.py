@@ -1,0 +1,80 @@
+"""``kvtier plan``: the right values as JSON and as a table, and clear errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from click.testing import CliRunner
+
+from kvtier.cli import main
+
+GLM_ARGS = ["plan", "--model", "glm-5.2", "--available-bytes", "134227000000", "--kv-dtype", "fp8", "--accounting", "sglang"]
+GLM52_LIVE = [0, 1, 2] + list(range(6, 75, 4))
+MODELS_DIR = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "models"
+
+
+def verify_glm52_figures(data: dict) -> None:
+    assert data["naive_tokens"] == 2_430_528
+    assert data["skip_aware_tokens"] == 2_813_952
+    assert data["saved_bytes_per_token"] == 7_524
+    assert data["saved_bytes"] == 18_287_292_672
+    assert data["live_indexer_layers"] == GLM52_LIVE
+    assert abs(data["gain_ratio"] - 2_813_952 / 2_430_528) < 1e-12
+
+
+def test_json_output_has_the_right_values():
+    result = CliRunner().invoke(main, GLM_ARGS + ["--json"])
+    assert result.exit_code == 0, result.output
+    verify_glm52_figures(json.loads(result.output))
+
+
+def test_table_output_is_readable():
+    result = CliRunner().invoke(main, GLM_ARGS)
+    assert result.exit_code == 0, result.output
+    out = result.output
+    for figure in ("55,224", "47,700", "2,430,528", "2,813,952", "7,524", "18,287,292,672", "+15.8%"):
+        assert figure in out, figure
+    assert "naive" in out and "skip-aware" in out and "max total tokens" in out
+    assert "21 with an indexer buffer, 57 skip top-k" in out
+
+
+def test_model_from_a_config_path():
+    result = CliRunner().invoke(main, GLM_ARGS[:1] + ["--model", str(MODELS_DIR / "glm-5.2.json")] + GLM_ARGS[3:] + ["--json"])
+    assert result.exit_code == 0, result.output
+    verify_glm52_figures(json.loads(result.output))
+
+
+def test_exact_is_the_default_accounting():
+    result = CliRunner().invoke(main, ["plan", "--available-bytes", "150000000", "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert data["accounting"] == "exact" and data["model"] == "glm-5.2"
+    assert data["skip_aware_tokens"] == 64 * (150_000_000 // (78 * 64 * 656 + 21 * 8448) - 1)
+
+
+def test_unknown_model_is_a_clear_error():
+    result = CliRunner().invoke(main, ["plan", "--model", "llama-3", "--available-bytes", "1000"])
+    assert result.exit_code == 2
+    assert "--model" in result.output and "unknown model preset 'llama-3'" in result.output
+    assert "glm-5.2" in result.output and "Traceback" not in result.output
+
+
+def test_bad_options_are_clear_errors():
+    result = CliRunner().invoke(main, ["plan", "--available-bytes", "-5"])
+    assert result.exit_code == 2 and "--available-bytes" in result.output
+    result = CliRunner().invoke(main, ["plan", "--available-bytes", "5", "--kv-dtype", "fp16"])
+    assert result.exit_code == 2 and "--kv-dtype" in result.output
+
+
+def test_console_script_runs_in_a_real_process():
+    exe = shutil.which("kvtier", path=str(Path(sys.executable).parent))
+    assert exe, "the kvtier console script is not installed next to this Python"
+    proc = subprocess.run([exe, *GLM_ARGS, "--json"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    verify_glm52_figures(json.loads(proc.stdout))
+    proc = subprocess.run([exe, "plan", "--model", "nope", "--available-bytes", "1"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "unknown model preset 'nope'" in proc.stderr
