@@ -186,7 +186,7 @@ class DSATokenToKVPool(MLATokenToKVPool):
             raise TypeError(f"scale must be float32, got {scale.dtype}")
         if tuple(scale.shape) not in ((n,), (n, sw)) or (scale.dim() == 1 and sw != 1):
             raise ValueError(f"scale must have shape ({n},) or ({n}, {sw}), got {tuple(scale.shape)}")
-        keys = as_words(index_k, self._key_word).reshape(n, -1)
+        keys = as_words(index_k, self._key_word).reshape(n, hd // self._key_word.itemsize)
         scales = scale.contiguous().view(torch.int32).reshape(n, sw)
         return keys.to(self.device), scales.to(self.device)
 

@@ -592,3 +592,13 @@ def test_get_cpu_copy_into_misaligned_out_buffer_is_refused():
     out = torch.empty(pool.cpu_copy_nbytes(a) + 1, dtype=torch.uint8)
     with pytest.raises(ValueError, match="aligned"):
         pool.get_cpu_copy(a, out=out[1:])
+
+
+def test_writes_of_zero_tokens_are_no_ops():
+    """Regression: set_index_k_scale_buffer with zero slots (an empty batch) raised RuntimeError
+    ("cannot reshape tensor of 0 elements") instead of doing nothing."""
+    pool = small_pool()
+    before = snapshot(pool)
+    pool.set_index_k_scale_buffer(0, [], torch.empty(0, 128, dtype=torch.uint8), torch.empty(0))
+    pool.set_kv_buffer(0, [], torch.empty(0, 656, dtype=torch.uint8))
+    assert_same_bytes(before, snapshot(pool))
