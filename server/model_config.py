@@ -228,6 +228,8 @@ class DSAModelConfig:
             name = name or path.stem
         else:
             data = config
+        if not isinstance(data, Mapping):
+            raise ValueError(f"HF config must be a JSON object (a mapping), got {type(data).__name__}")
         for key in ("num_hidden_layers", "kv_lora_rank", "qk_rope_head_dim"):
             if data.get(key) is None:
                 raise ValueError(f"HF config lacks required field {key!r}")

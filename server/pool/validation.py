@@ -76,7 +76,7 @@ def check_rows(rows: torch.Tensor, n: int, row_elems: int, dtype: torch.dtype, r
     """
     if not isinstance(rows, torch.Tensor):
         raise TypeError(f"{what} must be a torch.Tensor, got {type(rows).__name__}")
-    r = rows.reshape(rows.shape[0], -1) if rows.dim() == 3 and rows.shape[1] == 1 else rows
+    r = rows.reshape(rows.shape[0], rows.shape[2]) if rows.dim() == 3 and rows.shape[1] == 1 else rows
     if r.dim() != 2:
         raise ValueError(f"{what} must have shape (n, {row_elems}) or (n, 1, {row_elems}), got {tuple(rows.shape)}")
     if r.shape[0] != n:

@@ -63,6 +63,14 @@ def test_unknown_model_is_a_clear_error():
     assert "glm-5.2" in result.output and "Traceback" not in result.output
 
 
+def test_config_path_that_is_not_an_object_is_a_clear_error(tmp_path):
+    """Regression: --model pointing at a JSON list ended in an AttributeError traceback."""
+    path = tmp_path / "config.json"
+    path.write_text("[]")
+    result = CliRunner().invoke(main, ["plan", "--model", str(path), "--available-bytes", "1000"])
+    assert result.exit_code == 2 and "JSON object" in result.output and "Traceback" not in result.output
+
+
 def test_bad_options_are_clear_errors():
     result = CliRunner().invoke(main, ["plan", "--available-bytes", "-5"])
     assert result.exit_code == 2 and "--available-bytes" in result.output

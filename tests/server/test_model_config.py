@@ -207,3 +207,15 @@ def test_negative_layer_id_raises():
 def test_model_config_rejects_bad_geometry(kwargs, field):
     with pytest.raises(ValueError, match=field):
         DSAModelConfig(name="x", **kwargs)
+
+
+def test_config_file_that_is_not_a_json_object(tmp_path):
+    """Regression: a config.json holding a JSON list raised AttributeError ('list' object has no
+    attribute 'get'); it is a ValueError saying what is wrong."""
+    path = tmp_path / "config.json"
+    path.write_text("[1, 2]")
+    with pytest.raises(ValueError, match="JSON object"):
+        DSAModelConfig.from_hf_config(path)
+    path.write_text("{not json")
+    with pytest.raises(ValueError):
+        DSAModelConfig.from_hf_config(path)

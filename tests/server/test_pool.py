@@ -595,10 +595,12 @@ def test_get_cpu_copy_into_misaligned_out_buffer_is_refused():
 
 
 def test_writes_of_zero_tokens_are_no_ops():
-    """Regression: set_index_k_scale_buffer with zero slots (an empty batch) raised RuntimeError
-    ("cannot reshape tensor of 0 elements") instead of doing nothing."""
+    """Regression: set_index_k_scale_buffer with zero slots (an empty batch), and set_kv_buffer with
+    zero ``(0, 1, kv_cache_dim)`` rows, raised RuntimeError ("cannot reshape tensor of 0 elements")
+    instead of doing nothing."""
     pool = small_pool()
     before = snapshot(pool)
     pool.set_index_k_scale_buffer(0, [], torch.empty(0, 128, dtype=torch.uint8), torch.empty(0))
     pool.set_kv_buffer(0, [], torch.empty(0, 656, dtype=torch.uint8))
+    pool.set_kv_buffer(0, [], torch.empty(0, 1, 656, dtype=torch.uint8))  # was RuntimeError too
     assert_same_bytes(before, snapshot(pool))
