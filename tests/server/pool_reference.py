@@ -24,16 +24,16 @@ def randomize(pool: DSATokenToKVPool, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
     for layer in range(pool.layer_num):
         lat = latent_view(pool, layer)
-        lat.copy_(torch.randint(0, 256, lat.shape, dtype=torch.uint8, generator=g))
+        lat.copy_(torch.randint(0, 256, tuple(lat.shape), dtype=torch.uint8, generator=g))
         idx = pool.index_k_with_scale_buffer[layer]
         if idx.numel():
-            idx.copy_(torch.randint(0, 256, idx.shape, dtype=torch.uint8, generator=g))
+            idx.copy_(torch.randint(0, 256, tuple(idx.shape), dtype=torch.uint8, generator=g))
 
 
 def snapshot(pool: DSATokenToKVPool) -> list[np.ndarray]:
     """Copies of every latent and indexer buffer's bytes (indexer buffers of skip layers are empty)."""
-    lat = [latent_view(pool, layer).numpy().copy() for layer in range(pool.layer_num)]
-    idx = [pool.index_k_with_scale_buffer[layer].numpy().copy() for layer in range(pool.layer_num)]
+    lat = [latent_view(pool, layer).cpu().numpy().copy() for layer in range(pool.layer_num)]
+    idx = [pool.index_k_with_scale_buffer[layer].cpu().numpy().copy() for layer in range(pool.layer_num)]
     return lat + idx
 
 

@@ -604,3 +604,23 @@ def test_writes_of_zero_tokens_are_no_ops():
     pool.set_kv_buffer(0, [], torch.empty(0, 656, dtype=torch.uint8))
     pool.set_kv_buffer(0, [], torch.empty(0, 1, 656, dtype=torch.uint8))  # was RuntimeError too
     assert_same_bytes(before, snapshot(pool))
+
+
+def test_mla_pool_round_trip_and_move():
+    pool = MLATokenToKVPool(256, PS, 512, 64, 3, "cpu", "bf16")
+    for layer in range(3):
+        lat = pool.kv_buffer[layer].view(torch.uint8).reshape(320, -1)
+        lat.copy_(torch.randint(0, 256, (320, 1152), dtype=torch.uint8, generator=torch.Generator().manual_seed(layer)))
+    before = [pool.kv_buffer[layer].view(torch.uint8).reshape(320, -1).clone() for layer in range(3)]
+    a, b = [5, 70, 71, 300], [200, 9, 64, 1]
+    copy = pool.get_cpu_copy(a)
+    assert set(copy) == {"kv", "src_loc"} and [c.shape for c in copy["kv"][0]] == [(4, 1, 576)]
+    pool.load_cpu_copy(copy, b)
+    pool.move_kv_cache([10, 11], [11, 10])
+    for layer in range(3):
+        want = before[layer].clone()
+        want[b] = before[layer][a]
+        want[[10, 11]] = want[[11, 10]]
+        assert torch.equal(pool.kv_buffer[layer].view(torch.uint8).reshape(320, -1), want)
+    with pytest.raises(ValueError, match="3 layers"):
+        pool.load_cpu_copy({"kv": copy["kv"][:2]}, b)
