@@ -301,7 +301,7 @@ class DSATokenToKVPool(MLATokenToKVPool):
                 r = rows[self._live_pos[layer]]
                 index_k[layer] = [r[i:i + INDEX_CHUNK_PAGES] for i in range(0, p, INDEX_CHUNK_PAGES)]
         self._sync()
-        return {"kv": kv, "index_k": index_k, "src_loc": slots.cpu()}
+        return {"kv": kv, "index_k": index_k, "src_loc": slots.to("cpu", copy=True)}
 
     def check_cpu_copy(self, copy: Mapping[str, Any], n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Check that ``copy`` matches this pool's layout for ``n`` target slots.

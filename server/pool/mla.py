@@ -204,7 +204,7 @@ class MLATokenToKVPool:
         """
         slots = self._slots(indices, "indices")
         _check_out(out, self.latent_copy_nbytes(slots.numel()), self._lat_word.itemsize)
-        copy = {"kv": self._latent_copy(slots, out), "src_loc": slots.cpu()}
+        copy = {"kv": self._latent_copy(slots, out), "src_loc": slots.to("cpu", copy=True)}
         self._sync()
         return copy
 

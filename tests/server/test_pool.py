@@ -624,3 +624,18 @@ def test_mla_pool_round_trip_and_move():
         assert torch.equal(pool.kv_buffer[layer].view(torch.uint8).reshape(320, -1), want)
     with pytest.raises(ValueError, match="3 layers"):
         pool.load_cpu_copy({"kv": copy["kv"][:2]}, b)
+
+
+def test_copy_does_not_alias_the_callers_index_tensor():
+    """Regression: get_cpu_copy(a)["src_loc"] was the caller's own tensor ``a``; a scheduler that
+    reused ``a`` for the next request before load_cpu_copy made the indexer keys and scales come
+    from the wrong (page, offset) while the latent rows were right (9,205 bytes wrong on one layer)."""
+    pool = small_pool(seed=5)
+    a = torch.arange(100, 170)
+    expected = RefPool(pool)
+    copy = pool.get_cpu_copy(a)
+    a.add_(30)  # the caller reuses its index tensor
+    b = torch.arange(600, 670)
+    expected.move(b.tolist(), list(range(100, 170)))
+    pool.load_cpu_copy(copy, b)
+    assert_same_bytes(expected.buffers(), snapshot(pool))
