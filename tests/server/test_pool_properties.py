@@ -31,7 +31,7 @@ def pool_for(dtype: str):
     return POOLS[dtype]
 
 
-PROPS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+PROPS = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 slot = st.integers(0, SLOTS - 1)
 
 
