@@ -639,3 +639,17 @@ def test_copy_does_not_alias_the_callers_index_tensor():
     expected.move(b.tolist(), list(range(100, 170)))
     pool.load_cpu_copy(copy, b)
     assert_same_bytes(expected.buffers(), snapshot(pool))
+
+
+def test_copy_loads_into_another_pool_of_the_same_model():
+    """A host copy is pool-independent: restoring into a pool of another size (or a PD peer's) works."""
+    src_pool = small_pool(seed=8)
+    dst_pool = small_pool(size=2048, seed=9)
+    a = scattered_slots(129, seed=8, limit=1088)
+    b = scattered_slots(129, seed=9, limit=2112)
+    source = RefPool(src_pool)
+    expected = RefPool(dst_pool)
+    dst_pool.load_cpu_copy(src_pool.get_cpu_copy(a), b)
+    for t, s in zip(b.tolist(), a.tolist()):
+        expected.put_token(t, source.token(s))
+    assert_same_bytes(expected.buffers(), snapshot(dst_pool))
