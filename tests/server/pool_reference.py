@@ -11,7 +11,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvtier.server.pool import DSATokenToKVPool
+from kvtier.server.model_config import DSAModelConfig
+from kvtier.server.pool import DSATokenToKVPool, create_pool
 
 
 def latent_view(pool: DSATokenToKVPool, layer: int) -> torch.Tensor:
@@ -94,3 +95,21 @@ class RefPool:
         data = [self.token(s) for s in src]
         for t, d in zip(tgt, data):
             self.put_token(t, d)
+
+
+SMALL_LIVE = [0, 1, 2, 6]  # GLM-5.2's rules on its first 8 layers
+
+
+def small_pool(dtype: str = "fp8", size: int = 1024, seed: int = 0, role: str = "target") -> DSATokenToKVPool:
+    """A CPU pool with GLM-5.2's rules on 8 layers (live 0, 1, 2, 6), filled with random bytes."""
+    model = DSAModelConfig.from_preset("glm-5.2", num_layers=8, kv_cache_dtype=dtype)
+    pool = create_pool(model, size, role=role, device="cpu")
+    randomize(pool, seed)
+    return pool
+
+
+def scattered_slots(n: int, seed: int, limit: int, exclude=()) -> torch.Tensor:
+    """``n`` distinct slots in ``[1, limit)``, in random (non-contiguous, non-aligned) order."""
+    rng = np.random.default_rng(seed)
+    free = np.setdiff1d(np.arange(1, limit), np.asarray(list(exclude), dtype=np.int64))
+    return torch.from_numpy(rng.choice(free, size=n, replace=False).astype(np.int64))
