@@ -4,6 +4,8 @@ The reference knows only DESIGN.md's byte layout: a latent row per (layer, slot)
 layer an indexer page row of 8448 bytes where token ``t`` of page ``loc // 64`` keeps its key at byte
 ``t * 128`` and its scale at byte ``64 * 128 + 4 * t``. It applies that rule by hand, so comparing
 it with the pool checks the pool's indexing, not a copy of it.
+
+Also the small builders the pool tests share (``small_pool``, ``scattered_slots``, ``snapshot``).
 """
 
 from __future__ import annotations
