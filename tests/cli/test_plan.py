@@ -86,3 +86,11 @@ def test_console_script_runs_in_a_real_process():
     verify_glm52_figures(json.loads(proc.stdout))
     proc = subprocess.run([exe, "plan", "--model", "nope", "--available-bytes", "1"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "unknown model preset 'nope'" in proc.stderr
+
+
+def test_draft_role_plans_an_indexer_on_every_layer():
+    result = CliRunner().invoke(main, GLM_ARGS + ["--role", "draft", "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert data["naive_tokens"] == data["skip_aware_tokens"] == 2_430_528
+    assert data["live_indexer_layers"] == list(range(78)) and data["saved_bytes"] == 0

@@ -76,3 +76,11 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="role"):
         plan_pool(model, BUDGET, role="decode")
     assert max_total_num_tokens(model, 1000, skip_aware=True) == 0
+
+
+def test_glm52_sglang_accounting_bf16():
+    plan = plan_pool(DSAModelConfig.from_preset("glm-5.2", kv_cache_dtype="bf16"), BUDGET, accounting="sglang")
+    assert plan.naive_cell_bytes == 78 * (1152 + 132) == 100_152
+    assert plan.skip_aware_cell_bytes == 78 * 1152 + 21 * 132 == 92_628
+    assert plan.naive_tokens == BUDGET // 100_152 // 64 * 64 == 1_340_224
+    assert plan.skip_aware_tokens == BUDGET // 92_628 // 64 * 64 == 1_449_088
