@@ -129,3 +129,64 @@ def test_duplicate_targets_are_refused_and_change_nothing(tgt, data):
     with pytest.raises(ValueError, match="duplicate"):
         pool.load_cpu_copy(pool.get_cpu_copy(src), tgt)
     assert_same_bytes(before, snapshot(pool))
+
+
+def corrupt(copy: dict, how: str, live: int, skip: int) -> dict:
+    """A copy of ``copy`` with one layout fault."""
+    c = {"kv": [list(x) for x in copy["kv"]], "index_k": [list(x) for x in copy["index_k"]], "src_loc": copy["src_loc"]}
+    kv0, idx0 = c["kv"][0][0], c["index_k"][live][0]
+    if how == "drop_kv_layer":
+        c["kv"].pop()
+    elif how == "drop_index_layer":
+        c["index_k"].pop()
+    elif how == "data_on_skip_layer":
+        c["index_k"][skip] = [idx0]
+    elif how == "live_layer_empty":
+        c["index_k"][live] = []
+    elif how == "kv_row_short":
+        c["kv"][-1] = [kv0[:-1]]
+    elif how == "kv_dtype":
+        c["kv"][1] = [kv0.view(torch.int16)]
+    elif how == "kv_shape":
+        c["kv"][1] = [kv0.reshape(kv0.shape[0], 2, -1)]
+    elif how == "index_width":
+        c["index_k"][live] = [idx0[:, :-8]]
+    elif how == "index_dtype":
+        c["index_k"][live] = [idx0.view(torch.int8)]
+    elif how == "index_1d":
+        c["index_k"][live] = [idx0.reshape(-1)]
+    elif how == "index_extra_page":
+        c["index_k"][live] = [torch.cat([idx0, idx0[:1]])]
+    elif how == "index_not_list":
+        c["index_k"][live] = idx0
+    elif how == "kv_not_list":
+        c["kv"][0] = kv0
+    elif how == "src_loc_short":
+        c["src_loc"] = c["src_loc"][:-1]
+    elif how == "src_loc_negative":
+        c["src_loc"] = c["src_loc"] - 10_000
+    elif how == "src_loc_float":
+        c["src_loc"] = c["src_loc"].float()
+    elif how == "no_index_k":
+        del c["index_k"]
+    return c
+
+
+CORRUPTIONS = ["drop_kv_layer", "drop_index_layer", "data_on_skip_layer", "live_layer_empty", "kv_row_short",
+               "kv_dtype", "kv_shape", "index_width", "index_dtype", "index_1d", "index_extra_page",
+               "index_not_list", "kv_not_list", "src_loc_short", "src_loc_negative", "src_loc_float", "no_index_k"]
+
+
+@PROPS
+@given(how=st.sampled_from(CORRUPTIONS), data=st.data())
+def test_a_corrupted_copy_is_refused_and_changes_nothing(how, data):
+    """Whatever layout fault a copy has, load_cpu_copy raises ValueError/TypeError before writing."""
+    pool = pool_for("fp8")
+    n = data.draw(st.integers(1, 150))
+    a = data.draw(st.lists(slot, min_size=n, max_size=n, unique=True))
+    b = data.draw(st.lists(slot, min_size=n, max_size=n, unique=True))
+    bad = corrupt(pool.get_cpu_copy(a), how, live=data.draw(st.sampled_from(LIVE)), skip=data.draw(st.sampled_from([3, 4])))
+    before = snapshot(pool)
+    with pytest.raises((ValueError, TypeError)):
+        pool.load_cpu_copy(bad, b)
+    assert_same_bytes(before, snapshot(pool))
