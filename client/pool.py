@@ -157,8 +157,8 @@ class PoolMixin(BaseClient):
         step = self.chunk_bytes
         for layer, comp, data in segments:
             for off in range(0, len(data), step):
-                yield pool_pb2.WriteKVRequest(chunk=pool_pb2.KVChunk(
-                    layer_id=layer, component=comp, offset=off, data=bytes(data[off:off + step])))
+                yield pool_pb2.WriteKVRequest(
+                    layer_id=layer, component=comp, offset=off, data=bytes(data[off:off + step]))
 
     def write_kv(
         self,
@@ -218,8 +218,7 @@ class PoolMixin(BaseClient):
         def consume(stream: Iterator[pool_pb2.ReadKVResponse]) -> KVData:
             bufs: dict[tuple[int, int], np.ndarray] = {}
             filled: dict[tuple[int, int], int] = {}
-            for msg in stream:
-                c = msg.chunk
+            for c in stream:
                 key = (c.layer_id, c.component)
                 if key not in bufs:
                     bufs[key] = np.empty(n * sizes[c.component], dtype=np.uint8)
