@@ -69,6 +69,13 @@ def test_non_loopback_tcp_without_tls_is_refused():
     assert r.returncode != 0 and "refusing to listen on 0.0.0.0:0 without TLS" in r.stderr
 
 
+def test_bad_configured_pool_is_a_clean_error():
+    """A --pool the daemon cannot create stops it at start with the reason, no traceback."""
+    r = _serve(["--device", "cpu", "--listen", "127.0.0.1:0", "--pool", "glm-5.2:100"])
+    assert r.returncode == 1 and "size_tokens must be a multiple of page_size=64, got 100" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
 def test_default_socket_is_private(tmp_path):
     """With no --listen the daemon listens on <XDG_RUNTIME_DIR>/kvtier/kvtier.sock: dir 0700, socket 0600."""
     ready = tmp_path / "ready"
