@@ -3,8 +3,9 @@
 The py-lmdb way (DESIGN.md, STYLE.md):
 
 * the tier owns the only ``Environment`` of its file in this process (:func:`open_environment`
-  refuses a second one), opened lazily on first use so it is created after any ``fork()``; a child
-  that inherits a tier re-opens its own environment and never touches the parent's;
+  refuses a second one), opened lazily on first use so it is created after any ``fork()``. An
+  environment must not cross ``fork()``: a child that inherits an *opened* tier gets
+  :class:`EnvironmentInUseError` and never touches the parent's handle (build tiers after forking);
 * ``map_size`` is the ``--disk-size`` budget; kvtier evicts (LRU) to keep its charged bytes under
   ``map_size * (1 - reserve_fraction)``, so LMDB's own ``MapFullError`` should never happen; if it does,
   the transaction aborts, nothing of it is visible, and the caller gets :class:`TierFullError`;
@@ -48,7 +49,6 @@ MAX_KEY_BYTES = 511
 _SEQ = struct.Struct(">Q")  # big-endian: the order sub-database iterates oldest first
 
 _envs: dict[str, tuple[int, lmdb.Environment]] = {}
-_inherited: list[lmdb.Environment] = []  # environments that came through fork(): never used or closed
 _envs_lock = threading.Lock()
 
 
@@ -63,8 +63,9 @@ def open_environment(path: str | Path, **kwargs: object) -> lmdb.Environment:
         held = _envs.get(real)
         if held is not None and held[0] == os.getpid():
             raise EnvironmentInUseError(f"an LMDB environment for {real} is already open in this process")
-        if held is not None:  # opened by a parent before fork(): leave it alone
-            _inherited.append(held[1])
+        if held is not None:
+            raise EnvironmentInUseError(f"the LMDB environment for {real} was opened by process {held[0]} before "
+                                        f"fork(); environments must not cross fork(): open tiers after forking")
         os.makedirs(real, exist_ok=True)
         env = lmdb.open(real, **kwargs)
         _envs[real] = (os.getpid(), env)
@@ -97,6 +98,8 @@ class DiskTierConfig(TierConfig):
         capacity_bytes: the ``--disk-size`` budget: LMDB's ``map_size`` (default 4 GiB).
         reserve_fraction: part of the map kept free of records for LMDB's B-tree pages, copy-on-write
             pages and free-list slack; records may use ``capacity_bytes * (1 - reserve_fraction)``.
+            LMDB reuses pages freed by a transaction only two transactions later, so the reserve must
+            hold about two write batches (``max_txn_bytes``) on top of the B-tree.
         max_txn_bytes: a write batch commits in transactions of at most this many record bytes.
         max_readers: LMDB reader slots (concurrent read transactions).
         sync: fsync on every commit (durable across power loss; slower).
@@ -156,7 +159,10 @@ class DiskTier(Tier):
     # ----- environment ------------------------------------------------------------------------
     def _env(self) -> tuple[lmdb.Environment, lmdb._Database, lmdb._Database, lmdb._Database]:
         with self.index.lock:
-            if self._env_obj is None or self._pid != os.getpid():
+            if self._env_obj is not None and self._pid != os.getpid():
+                raise EnvironmentInUseError(f"this disk tier's LMDB environment was opened by process {self._pid} "
+                                            f"before fork(); environments must not cross fork(): build tiers after forking")
+            if self._env_obj is None:
                 self._env_obj = open_environment(
                     self.config.path, map_size=self.config.capacity_bytes, max_readers=self.config.max_readers,
                     max_dbs=3, subdir=True, sync=self.config.sync, metasync=self.config.sync, readahead=False,
@@ -272,42 +278,58 @@ class DiskTier(Tier):
             size += n
         with self.index.lock:
             for batch in batches:
-                victims_all: list[bytes] = []
-                done: list[bytes] = []
-                try:
-                    with env.begin(write=True) as txn:
-                        for key, rec in batch:
-                            if key in self.index:
-                                if not replace:
-                                    self.index.touch(key)
-                                    self._stamp(txn, key)
-                                    continue
-                                self._delete(txn, key)
-                                self.index.remove(key)
-                            charge = disk_charge(int(rec.numel()))
-                            victims = self.index.plan_insert(key, charge)
-                            for v in victims:
-                                self._delete(txn, v)
-                            txn.put(key, memoryview(rec.numpy()), db=records)
-                            self._stamp(txn, key)
-                            self.index.commit_insert(key, charge, victims)
-                            victims_all.extend(victims)
-                            done.append(key)
-                except (lmdb.MapFullError, TierFullError) as e:
-                    self._load_index(scrub=False)  # the transaction aborted: back to what LMDB holds
-                    self._count(full_errors=1)
-                    if isinstance(e, lmdb.MapFullError):
-                        raise TierFullError(f"LMDB map full ({self.config.capacity_bytes} bytes): the write was "
-                                            f"rolled back") from e
-                    raise
-                done_set = set(done)
-                self._count(writes=len(done), bytes_written=sum(int(r.numel()) for k, r in batch if k in done_set),
-                            evictions=len(victims_all))
-                for v in victims_all:
-                    if on_evict is not None:
-                        on_evict(v, None)
-                written.extend(done)
+                written.extend(self._write_batch(env, records, batch, on_evict, replace))
         return written
+
+    def _write_batch(self, env: lmdb.Environment, records: lmdb._Database, batch: list[tuple[bytes, torch.Tensor]],
+                     on_evict: EvictHook | None, replace: bool) -> list[bytes]:
+        """Plan the batch on the index, commit the evictions (their pages become reusable), then put
+        the records in one transaction. On any failure the index is reloaded from LMDB, so memory
+        and disk agree and nothing of the failed records is visible."""
+        victims: list[bytes] = []
+        puts: list[tuple[bytes, torch.Tensor]] = []
+        touched: list[bytes] = []
+        try:
+            for key, rec in batch:
+                if key in self.index:
+                    if not replace:
+                        self.index.touch(key)
+                        touched.append(key)
+                        continue
+                    self.index.remove(key)
+                    victims.append(key)
+                charge = disk_charge(int(rec.numel()))
+                chosen = self.index.plan_insert(key, charge)
+                self.index.commit_insert(key, charge, chosen)
+                victims.extend(chosen)
+                puts.append((key, rec))
+            stored_before = set(self._seq)
+            puts = [(k, r) for k, r in puts if k in self.index]  # not evicted again within the batch
+            if victims:
+                with env.begin(write=True) as txn:
+                    for v in victims:
+                        self._delete(txn, v)
+            with env.begin(write=True) as txn:
+                for key, rec in puts:
+                    txn.put(key, memoryview(rec.numpy()), db=records)
+                    self._stamp(txn, key)
+                for key in touched:
+                    if key in self.index:
+                        self._stamp(txn, key)
+        except (lmdb.MapFullError, TierFullError) as e:
+            self._load_index(scrub=False)  # back to exactly what LMDB holds
+            self._count(full_errors=1)
+            if isinstance(e, lmdb.MapFullError):
+                raise TierFullError(f"LMDB map full ({self.config.capacity_bytes} bytes): the write was "
+                                    f"rolled back") from e
+            raise
+        put_keys = {k for k, _ in puts}
+        evicted = [v for v in dict.fromkeys(victims) if v in stored_before and v not in put_keys]
+        self._count(writes=len(puts), bytes_written=sum(int(r.numel()) for _, r in puts), evictions=len(evicted))
+        if on_evict is not None:
+            for v in evicted:
+                on_evict(v, None)
+        return [k for k, _ in puts]
 
     def remove(self, keys: Sequence[bytes]) -> int:
         env, _, _, _ = self._env()
@@ -371,6 +393,7 @@ class DiskTier(Tier):
                 "entries": entries}
 
     def stats(self):  # type: ignore[override]
+        self._env()
         s = super().stats()
         s.extra = {"scrubbed": self._scrubbed, "map_size": self.config.capacity_bytes}
         return s

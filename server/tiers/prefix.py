@@ -175,8 +175,7 @@ class PrefixCache:
         return sum(1 for k in self._pages if self._device.pin_count(k))
 
     def _evict_device(self, key: bytes) -> None:
-        page = self._pages.pop(key)
-        self._device.remove(key)
+        page = self._pages[key]
         tkey = self._tier_key(key)
         if self.stack.tiers:
             top = self.stack.tiers[0]
@@ -184,9 +183,12 @@ class PrefixCache:
                 top.index.touch(tkey)  # same content is already there: no bytes move
                 self.stack.count_move(DEVICE, f"{top.name}(present)", 0)
             else:
-                self.stack.put(tkey, self._page_record(page), source=DEVICE)
+                rec = self._page_record(page)  # may fail: then nothing below changed
+                self.stack.put(tkey, rec, source=DEVICE)
         else:
             self.stack.count_move(DEVICE, "gone", self.page_record_bytes)
+        del self._pages[key]
+        self._device.remove(key)
         self.allocator.free_pages_by_id([page])
 
     def _page_record(self, page: int) -> RecordLike:
