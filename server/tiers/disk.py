@@ -153,6 +153,7 @@ class DiskTier(Tier):
         self._env_obj: lmdb.Environment | None = None
         self._pid = -1
         self._seq: dict[bytes, int] = {}
+        self._sizes: dict[bytes, int] = {}
         self._next_seq = 0
         self._scrubbed = 0
 
@@ -202,6 +203,7 @@ class DiskTier(Tier):
         unordered = [k for k in sizes if k not in known]
         self.index.clear()
         self._seq = {}
+        self._sizes = dict(sizes)
         for s, k in ordered:
             self._seq[k] = s
             self.index.commit_insert(k, disk_charge(sizes[k]))
@@ -303,7 +305,7 @@ class DiskTier(Tier):
                 self.index.commit_insert(key, charge, chosen)
                 victims.extend(chosen)
                 puts.append((key, rec))
-            stored_before = set(self._seq)
+            stored_before = {k: self._sizes[k] for k in victims if k in self._sizes}
             puts = [(k, r) for k, r in puts if k in self.index]  # not evicted again within the batch
             if victims:
                 with env.begin(write=True) as txn:
@@ -326,9 +328,14 @@ class DiskTier(Tier):
         put_keys = {k for k, _ in puts}
         evicted = [v for v in dict.fromkeys(victims) if v in stored_before and v not in put_keys]
         self._count(writes=len(puts), bytes_written=sum(int(r.numel()) for _, r in puts), evictions=len(evicted))
+        for v in evicted:
+            self._sizes.pop(v, None)
+        for k, r in puts:
+            self._sizes[k] = int(r.numel())
+        self._count(bytes_evicted=sum(stored_before[v] for v in evicted))
         if on_evict is not None:
             for v in evicted:
-                on_evict(v, None)
+                on_evict(v, stored_before[v])  # the last tier: its victims' sizes, not their bytes
         return [k for k, _ in puts]
 
     def remove(self, keys: Sequence[bytes]) -> int:
@@ -339,6 +346,7 @@ class DiskTier(Tier):
                 if k in self.index:
                     self._delete(txn, k)
                     self.index.remove(k)
+                    self._sizes.pop(k, None)
                     n += 1
         return n
 
@@ -376,6 +384,7 @@ class DiskTier(Tier):
                     if k in self.index:
                         self._delete(txn, k)
                         self.index.remove(k)
+                        self._sizes.pop(k, None)
                 for k in hits:
                     if k in self.index:
                         self.index.touch(k)
