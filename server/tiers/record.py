@@ -95,6 +95,39 @@ def verify_record(buf: torch.Tensor | np.ndarray | bytes | memoryview) -> Record
     return RecordInfo(n_tokens, n_pages, total, header, lat, idx)
 
 
+def read_header(buf: torch.Tensor | np.ndarray | bytes | memoryview) -> tuple[DSAModelConfig, tuple[bool, ...], RecordInfo]:
+    """Verify a record (:func:`verify_record`) and read the model and layer mask its header names.
+
+    Returns:
+        ``(model, indexer_layers, info)``: ``RecordCodec(model, indexer_layers)`` decodes it.
+
+    Raises:
+        RecordError: a failed check or a header that names no valid model.
+    """
+    arr = _as_array(buf)
+    info = verify_record(arr)
+    fp_len, num_layers = _FIXED.unpack_from(arr, 0)[6], _FIXED.unpack_from(arr, 0)[5]
+    meta = arr[_FIXED.size:_FIXED.size + fp_len + num_layers].tobytes()
+    try:
+        return model_from_fingerprint(json.loads(meta[:fp_len])), tuple(b == 1 for b in meta[fp_len:]), info
+    except (ValueError, KeyError, TypeError) as e:
+        raise RecordError(f"record header names no valid model: {e}") from None
+
+
+def model_from_fingerprint(fp: dict[str, Any]) -> DSAModelConfig:
+    """The :class:`DSAModelConfig` a :meth:`DSAModelConfig.fingerprint` dict describes.
+
+    Raises:
+        ValueError/KeyError: a missing or invalid field.
+    """
+    return DSAModelConfig(
+        name=str(fp["name"]), num_layers=int(fp["num_layers"]), kv_lora_rank=int(fp["kv_lora_rank"]),
+        qk_rope_head_dim=int(fp["qk_rope_head_dim"]), index_head_dim=int(fp["index_head_dim"]),
+        kv_cache_dtype=str(fp["kv_cache_dtype"]), page_size=int(fp["page_size"]),
+        skip_topk_layers=tuple(c == "S" for c in str(fp["skip_mask"])),
+    )
+
+
 def _as_array(buf: Any) -> np.ndarray:
     if isinstance(buf, torch.Tensor):
         if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.device.type != "cpu":
@@ -193,6 +226,40 @@ class RecordCodec:
         arr[_FIXED.size + len(self._meta):self.header_nbytes] = 0
         digest = _checksum(arr, self.header_nbytes, arr.size)
         arr[_CHECKSUM_AT:_FIXED.size] = np.frombuffer(struct.pack("<Q", digest), dtype=np.uint8)
+
+    def encode_copy(self, copy: dict[str, Any], *, pin_memory: bool = False) -> torch.Tensor:
+        """A sealed record of a ``get_cpu_copy`` result (one copy of its bytes).
+
+        Raises:
+            ValueError: the copy's layout differs from this codec's (layers, chunk shapes).
+        """
+        src = torch.as_tensor(copy.get("src_loc"), dtype=torch.int64).reshape(-1).cpu()
+        n = src.numel()
+        pages, _ = first_appearance_pages(src, self.page_size)
+        p = pages.numel()
+        rec = torch.empty(self.nbytes(n, p), dtype=torch.uint8, pin_memory=pin_memory)
+        latent, index, src_out = self.payload(rec, n, p)
+        kv, idx = copy["kv"], copy["index_k"]
+        if len(kv) != self.model.num_layers or len(idx) != self.model.num_layers:
+            raise ValueError(f"the copy has {len(kv)} latent and {len(idx)} indexer layers, the codec {self.model.num_layers}")
+        for layer, chunks in enumerate(kv):
+            rows = torch.cat([c.reshape(c.shape[0], -1).contiguous().view(torch.uint8) for c in chunks]) if chunks else None
+            if rows is None or tuple(rows.shape) != (n, self.row_bytes):
+                raise ValueError(f"copy['kv'][{layer}] does not hold {n} rows of {self.row_bytes} bytes")
+            latent[layer].copy_(rows)
+        for layer in range(self.model.num_layers):
+            chunks = idx[layer]
+            if not self.indexer_layers[layer]:
+                if chunks:
+                    raise ValueError(f"copy['index_k'][{layer}] has data but the layer has no indexer buffer")
+                continue
+            rows = torch.cat(list(chunks)) if chunks else torch.empty(0, self.index_page_bytes, dtype=torch.uint8)
+            if tuple(rows.shape) != (p, self.index_page_bytes):
+                raise ValueError(f"copy['index_k'][{layer}] does not hold {p} page rows of {self.index_page_bytes} bytes")
+            index[self.live_layers.index(layer)].copy_(rows)
+        src_out.copy_(src)
+        self.seal(rec, n, p)
+        return rec
 
     def payload(self, rec: torch.Tensor, n_tokens: int, n_pages: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Views ``(latent (L, n, row_bytes), index (live, p, page_bytes), src_loc (n,) int64)`` of ``rec``."""

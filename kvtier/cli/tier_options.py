@@ -1,0 +1,62 @@
+"""``kvtier serve`` flags for the tiers: ``--disk-path``, ``--disk-size``, ``--disk-max-readers``,
+``--disk-sync``, ``--write-through``.
+
+They are added to the ``serve`` command by :func:`add_tier_options` (one line in
+``kvtier/cli/__init__.py``) and reach the daemon as its ``tiers`` setting
+(:class:`~kvtier.server.service.tier_settings.TierSettings`). Given flags replace the config file's
+``[tiers]`` table; without them the file's table (or the defaults) stays.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+from kvtier.server.service.config import parse_bytes
+from kvtier.server.service.tier_settings import TierSettings
+
+_META = "kvtier.tier_flags"
+
+
+def _remember(name: str, convert: Any = None) -> Any:
+    def callback(ctx: click.Context, param: click.Parameter, value: Any) -> None:
+        if value is None or (ctx.get_parameter_source(param.name or "") == click.core.ParameterSource.DEFAULT):
+            return
+        try:
+            ctx.meta.setdefault(_META, {})[name] = convert(value) if convert else value
+        except ValueError as e:
+            raise click.BadParameter(str(e)) from None
+    return callback
+
+
+def _settings(ctx: click.Context, _param: click.Parameter, _value: Any) -> TierSettings | None:
+    flags = ctx.meta.get(_META)
+    if not flags:
+        return None  # keep the config file's [tiers] (or the defaults)
+    try:
+        return TierSettings(**flags)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+
+
+def add_tier_options(command: click.Command) -> click.Command:
+    """Add the tier flags to ``command`` (``kvtier serve``); it receives them as ``tiers=``."""
+    command.params.extend([
+        click.Option(["--disk-path"], default=None, metavar="DIR", expose_value=False,
+                     callback=_remember("disk_path"),
+                     help="Directory of the LMDB disk tier (created if missing); none: host tier only."),
+        click.Option(["--disk-size"], default=None, metavar="BYTES", expose_value=False,
+                     callback=_remember("disk_bytes", lambda v: parse_bytes(v, "--disk-size")),
+                     help="Disk tier budget = LMDB map size, e.g. 64GiB [4GiB]."),
+        click.Option(["--disk-max-readers"], type=click.IntRange(min=1), default=None, expose_value=False,
+                     callback=_remember("disk_max_readers"), help="LMDB reader slots [126]."),
+        click.Option(["--disk-sync/--no-disk-sync"], default=None, expose_value=False, callback=_remember("disk_sync"),
+                     help="fsync every disk commit [no]."),
+        click.Option(["--write-through/--write-back"], default=None, expose_value=False,
+                     callback=_remember("write_through"),
+                     help="Host tier writes records to disk on entry (write-through) or on eviction [write-back]."),
+        # processed last (never on the command line): turns the flags above into the tiers setting
+        click.Option(["--tiers-from-flags", "tiers"], hidden=True, default=None, callback=_settings, expose_value=True),
+    ])
+    return command
