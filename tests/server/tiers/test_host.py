@@ -105,21 +105,26 @@ def test_reads_racing_eviction_return_the_whole_record_or_a_miss(records, codec)
     keys = list(records)
     stop = threading.Event()
     bad: list[str] = []
+    reads = [0, 0]  # per reader: reads done, hits among them
 
-    def reader() -> None:
+    def reader(i: int) -> None:
         out = torch.empty(size, dtype=torch.uint8)
         while not stop.is_set():
             for k in keys:
                 n = host.read_into([k], [out])[0]
+                reads[i] += 1
                 if n and not torch.equal(out[:n], records[k]):
                     bad.append(k.hex())
 
-    threads = [threading.Thread(target=reader) for _ in range(2)]
+    threads = [threading.Thread(target=reader, args=(i,)) for i in range(2)]
     for t in threads:
         t.start()
-    for round_ in range(40):
+    rounds = 0
+    while rounds < 40 or min(reads) < 400:  # both readers really raced the writer
         for k in keys:
             host.write([(k, records[k])])
+        rounds += 1
+        assert rounds < 100_000
     stop.set()
     for t in threads:
         t.join()
