@@ -3,8 +3,8 @@
 
 They are added to the ``serve`` command by :func:`add_tier_options` (one line in
 ``kvtier/cli/__init__.py``) and reach the daemon as its ``tiers`` setting
-(:class:`~kvtier.server.service.tier_settings.TierSettings`). Given flags replace the config file's
-``[tiers]`` table; without them the file's table (or the defaults) stays.
+(:class:`~kvtier.server.service.tier_settings.TierSettings`): the config file's ``[tiers]`` table
+(checked here, so a bad key is a usage error) with the given flags over it.
 """
 
 from __future__ import annotations
@@ -31,12 +31,17 @@ def _remember(name: str, convert: Any = None) -> Any:
 
 
 def _settings(ctx: click.Context, _param: click.Parameter, _value: Any) -> TierSettings | None:
-    flags = ctx.meta.get(_META)
-    if not flags:
-        return None  # keep the config file's [tiers] (or the defaults)
+    flags = ctx.meta.get(_META, {})
     try:
-        return TierSettings(**flags)
-    except ValueError as e:
+        base = TierSettings()
+        config_file = ctx.params.get("config_file")
+        if config_file:  # check the file's [tiers] now (a clear usage error) and put the flags over it
+            import tomllib
+
+            with open(config_file, "rb") as f:
+                base = TierSettings.coerce(tomllib.load(f).get("tiers"))
+        return TierSettings(**{**base.__dict__, **flags})
+    except (ValueError, OSError) as e:
         raise click.UsageError(str(e)) from None
 
 

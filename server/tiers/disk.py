@@ -11,7 +11,9 @@ The py-lmdb way (DESIGN.md, STYLE.md):
   the transaction aborts, nothing of it is visible, and the caller gets :class:`TierFullError`;
 * every transaction is a ``with env.begin(...)``; reads use ``buffers=True`` and copy out inside it;
 * the LRU order persists in two sub-databases (``seq``: key -> access sequence number, ``order``:
-  sequence number -> key), so it survives a restart; a startup scrub drops damaged records.
+  sequence number -> key), so it survives a restart; a read hit's new position is written with the
+  next write transaction (or at flush/close), so reads never open a write transaction (with
+  ``sync`` that would be an fsync per read); a startup scrub drops damaged records.
 
 Thread safety: writes, touches and removals are serialised by the index lock (LMDB allows one writer
 anyway); reads run in parallel read transactions and see a snapshot, so a read racing an eviction
@@ -154,6 +156,7 @@ class DiskTier(Tier):
         self._pid = -1
         self._seq: dict[bytes, int] = {}
         self._sizes: dict[bytes, int] = {}
+        self._touched: dict[bytes, None] = {}  # read hits whose new LRU position is not on disk yet
         self._next_seq = 0
         self._scrubbed = 0
 
@@ -204,6 +207,7 @@ class DiskTier(Tier):
         self.index.clear()
         self._seq = {}
         self._sizes = dict(sizes)
+        self._touched = {}
         for s, k in ordered:
             self._seq[k] = s
             self.index.commit_insert(k, disk_charge(sizes[k]))
@@ -252,6 +256,13 @@ class DiskTier(Tier):
         txn.put(key, _SEQ.pack(s), db=seqdb)
         self._seq[key] = s
 
+    def _stamp_touched(self, txn: lmdb.Transaction) -> None:
+        """Persist the LRU positions of read hits (deferred so a read never needs a write txn)."""
+        for key in self._touched:
+            if key in self.index:
+                self._stamp(txn, key)
+        self._touched.clear()
+
     def _delete(self, txn: lmdb.Transaction, key: bytes) -> None:
         _, records, seqdb, orderdb = self._env()
         txn.delete(key, db=records)
@@ -290,13 +301,13 @@ class DiskTier(Tier):
         and disk agree and nothing of the failed records is visible."""
         victims: list[bytes] = []
         puts: list[tuple[bytes, torch.Tensor]] = []
-        touched: list[bytes] = []
+        order: list[bytes] = []  # keys in the order memory saw them (touched or inserted)
         try:
             for key, rec in batch:
                 if key in self.index:
                     if not replace:
                         self.index.touch(key)
-                        touched.append(key)
+                        order.append(key)
                         continue
                     self.index.remove(key)
                     victims.append(key)
@@ -305,19 +316,22 @@ class DiskTier(Tier):
                 self.index.commit_insert(key, charge, chosen)
                 victims.extend(chosen)
                 puts.append((key, rec))
+                order.append(key)
             stored_before = {k: self._sizes[k] for k in victims if k in self._sizes}
             puts = [(k, r) for k, r in puts if k in self.index]  # not evicted again within the batch
             if victims:
                 with env.begin(write=True) as txn:
                     for v in victims:
                         self._delete(txn, v)
+            recs = dict(puts)
             with env.begin(write=True) as txn:
-                for key, rec in puts:
-                    txn.put(key, memoryview(rec.numpy()), db=records)
+                self._stamp_touched(txn)
+                for key in order:
+                    if key not in self.index:
+                        continue  # evicted again within the batch
+                    if key in recs:
+                        txn.put(key, memoryview(recs[key].numpy()), db=records)
                     self._stamp(txn, key)
-                for key in touched:
-                    if key in self.index:
-                        self._stamp(txn, key)
         except (lmdb.MapFullError, TierFullError) as e:
             self._load_index(scrub=False)  # back to exactly what LMDB holds
             self._count(full_errors=1)
@@ -342,6 +356,7 @@ class DiskTier(Tier):
         env, _, _, _ = self._env()
         n = 0
         with self.index.lock, env.begin(write=True) as txn:
+            self._stamp_touched(txn)
             for k in keys:
                 if k in self.index:
                     self._delete(txn, k)
@@ -378,17 +393,20 @@ class DiskTier(Tier):
                         sizes[i] = 0
         hits = [k for k, n in zip(keys, sizes) if n]
         self._count(hits=len(hits), misses=len(keys) - len(hits), damaged=len(damaged), bytes_read=sum(sizes))
-        if hits or damaged:
-            with self.index.lock, env.begin(write=True) as txn:
-                for k in damaged:
-                    if k in self.index:
-                        self._delete(txn, k)
-                        self.index.remove(k)
-                        self._sizes.pop(k, None)
-                for k in hits:
-                    if k in self.index:
-                        self.index.touch(k)
-                        self._stamp(txn, k)
+        with self.index.lock:
+            for k in hits:
+                if k in self.index:
+                    self.index.touch(k)
+                    self._touched.pop(k, None)
+                    self._touched[k] = None
+            if damaged:
+                with env.begin(write=True) as txn:
+                    self._stamp_touched(txn)
+                    for k in damaged:
+                        if k in self.index:
+                            self._delete(txn, k)
+                            self.index.remove(k)
+                            self._sizes.pop(k, None)
         return sizes
 
     # ----- housekeeping -------------------------------------------------------------------------
@@ -408,13 +426,17 @@ class DiskTier(Tier):
         return s
 
     def flush(self) -> None:
-        """Force LMDB's buffers to disk (``env.sync(True)``)."""
-        if self._env_obj is not None and self._pid == os.getpid():
-            self._env_obj.sync(True)
+        """Persist deferred LRU positions and force LMDB's buffers to disk (``env.sync(True)``)."""
+        with self.index.lock:
+            if self._env_obj is not None and self._pid == os.getpid():
+                if self._touched:
+                    with self._env_obj.begin(write=True) as txn:
+                        self._stamp_touched(txn)
+                self._env_obj.sync(True)
 
     def close(self) -> None:
         with self.index.lock:
             if self._env_obj is not None and self._pid == os.getpid():
-                self._env_obj.sync(True)
+                self.flush()
                 close_environment(self.config.path, self._env_obj)
             self._env_obj = None

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 
 from kvtier.cli import main
@@ -58,3 +59,14 @@ def test_cli_simulate_writes_the_json_summary(tmp_path):
 def test_cli_rejects_a_block_that_is_not_whole_pages(tmp_path):
     r = CliRunner().invoke(main, ["replay", "--trace", str(TRACE), "--tokens-per-block", "100", "--simulate"])
     assert r.exit_code != 0 and "multiple of 64" in r.output
+
+
+@pytest.mark.slow
+def test_full_trace_through_the_daemon_equals_the_simulation(tmp_path):
+    """All 12,031 requests at the default scale (minutes): 0 verification failures, exact equality."""
+    reqs = read_trace(TRACE)
+    scale = ReplayScale()
+    real = replay_through_daemon(reqs, scale, workdir=str(tmp_path))
+    sim = simulate(reqs, scale)
+    assert real.verify_failures == 0 and real.requests == 12031
+    assert real.hit_tokens == sim.hit_tokens and real.moves == sim.moves
