@@ -142,6 +142,10 @@ class PrefixCache:
         keys = self._check_keys(keys)
         with self._lock:
             self.counters["lookups"] += 1
+            return self._lookup(keys)
+
+    def _lookup(self, keys: list[bytes]) -> PrefixLookup:
+        with self._lock:
             where = self.where_is(keys)
             per_tier = {}
             for name in [DEVICE, *self.stack.names]:
@@ -219,7 +223,7 @@ class PrefixCache:
         if isinstance(total, bool) or not isinstance(total, int) or total < 0:
             raise ValueError(f"total_tokens must be a non-negative integer, got {total_tokens!r}")
         with self._lock:
-            found = self.lookup(keys).tiers
+            found = self._lookup(keys).tiers
             found = found[: total // self.page_size]
             lower = [(i, key) for i, (key, t) in enumerate(zip(keys, found)) if t != DEVICE]
             device_hits = [k for k, t in zip(keys, found) if t == DEVICE]
