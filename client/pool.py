@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from kvtier.client.base import BaseClient
+from kvtier.client.errors import FailedPreconditionError
 from kvtier.v1 import pool_pb2, pool_pb2_grpc
 
 Slots = Any  # (n,) int torch.Tensor, numpy array or sequence of ints
@@ -32,9 +33,11 @@ def slot_list(slots: Slots) -> list[int]:
     return [int(s) for s in slots]
 
 
-def _as_bytes(t: torch.Tensor, what: str) -> memoryview:
+def _as_bytes(t: torch.Tensor | np.ndarray, what: str) -> memoryview:
+    if isinstance(t, np.ndarray):
+        t = torch.from_numpy(np.ascontiguousarray(t))
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
+        raise TypeError(f"{what} must be a torch.Tensor or numpy array, got {type(t).__name__}")
     return memoryview(t.detach().cpu().contiguous().view(torch.uint8).reshape(-1).numpy())
 
 
@@ -157,16 +160,16 @@ class PoolMixin(BaseClient):
         step = self.chunk_bytes
         for layer, comp, data in segments:
             for off in range(0, len(data), step):
-                yield pool_pb2.WriteKVRequest(chunk=pool_pb2.KVChunk(
-                    layer_id=layer, component=comp, offset=off, data=bytes(data[off:off + step])))
+                yield pool_pb2.WriteKVRequest(
+                    layer_id=layer, component=comp, offset=off, data=bytes(data[off:off + step]))
 
     def write_kv(
         self,
         pool_id: str,
         slots: Slots,
         *,
-        latent: Mapping[int, torch.Tensor] | None = None,
-        index: Mapping[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
+        latent: Mapping[int, torch.Tensor | np.ndarray] | None = None,
+        index: Mapping[int, tuple[torch.Tensor | np.ndarray, torch.Tensor | np.ndarray]] | None = None,
         timeout: float | None = None,
     ) -> int:
         """Write latent rows and/or indexer keys+scales of ``slots``; returns the bytes written.
@@ -174,7 +177,7 @@ class PoolMixin(BaseClient):
         Args:
             slots: ``(n,)`` allocated slots, no duplicates.
             latent: layer -> ``(n, kv_cache_dim)`` (or ``(n, 1, kv_cache_dim)``) rows of the pool's
-                dtype, or raw ``(n, latent_row_bytes)`` uint8.
+                dtype, or raw ``(n, latent_row_bytes)`` uint8 (torch tensors or numpy arrays).
             index: live layer -> ``(keys (n, index_head_dim) uint8/float8, scales (n,) float32)``.
 
         Nothing is written unless the whole stream arrives and checks out (all or nothing).
@@ -188,7 +191,9 @@ class PoolMixin(BaseClient):
         for x, (keys, scales) in index.items():
             segs.append((x, _INDEX_K, _as_bytes(keys, f"index[{x}] keys")))
             segs.append((x, _INDEX_SCALE, _as_bytes(scales, f"index[{x}] scales")))
-        header = pool_pb2.KVHeader(pool_id=pool_id, slots=slot_list(slots), latent_layers=list(latent), index_layers=list(index))
+        cached = self.__dict__.get("_layouts", {}).get(pool_id)
+        header = pool_pb2.KVHeader(pool_id=pool_id, slots=slot_list(slots), latent_layers=list(latent), index_layers=list(index),
+                                   layout_digest=cached.fingerprint_digest if cached is not None else "")
         resp = self.unary(self._pool.WriteKV, self._write_requests(header, segs), idempotent=False, timeout=timeout)
         return resp.bytes_written
 
@@ -202,7 +207,21 @@ class PoolMixin(BaseClient):
         timeout: float | None = None,
     ) -> KVData:
         """Read KV of ``slots``. ``latent_layers`` None: every layer; ``index_layers`` None: every live
-        layer; ``[]`` selects none. Returns :class:`KVData` (host tensors)."""
+        layer; ``[]`` selects none. Returns :class:`KVData` (host tensors).
+
+        The read names the pool layout this client has cached; if the pool was re-created with
+        another layout, the cache is refreshed and the read tried once more.
+        """
+        try:
+            return self._read_kv(pool_id, slots, latent_layers, index_layers, timeout)
+        except FailedPreconditionError:
+            old = self.__dict__.get("_layouts", {}).pop(pool_id, None)
+            if old is None or self.layout(pool_id).fingerprint_digest == old.fingerprint_digest:
+                raise
+            return self._read_kv(pool_id, slots, latent_layers, index_layers, timeout)
+
+    def _read_kv(self, pool_id: str, slots: Slots, latent_layers: list[int] | None, index_layers: list[int] | None,
+                 timeout: float | None) -> KVData:
         lay = self.layout(pool_id)
         if latent_layers is None:
             latent_layers = list(range(lay.num_layers))
@@ -210,7 +229,8 @@ class PoolMixin(BaseClient):
             index_layers = [i for i, c in enumerate(lay.skip_mask) if c == "F"]
         slot_ids = slot_list(slots)
         n = len(slot_ids)
-        header = pool_pb2.KVHeader(pool_id=pool_id, slots=slot_ids, latent_layers=latent_layers, index_layers=index_layers)
+        header = pool_pb2.KVHeader(pool_id=pool_id, slots=slot_ids, latent_layers=latent_layers, index_layers=index_layers,
+                                   layout_digest=lay.fingerprint_digest)
         req = pool_pb2.ReadKVRequest(header=header, chunk_bytes=self.chunk_bytes)
         scale_per_token = lay.index_head_dim // 128
         sizes = {_LATENT: lay.latent_row_bytes, _INDEX_K: lay.index_head_dim, _INDEX_SCALE: 4 * scale_per_token}
@@ -218,8 +238,7 @@ class PoolMixin(BaseClient):
         def consume(stream: Iterator[pool_pb2.ReadKVResponse]) -> KVData:
             bufs: dict[tuple[int, int], np.ndarray] = {}
             filled: dict[tuple[int, int], int] = {}
-            for msg in stream:
-                c = msg.chunk
+            for c in stream:
                 key = (c.layer_id, c.component)
                 if key not in bufs:
                     bufs[key] = np.empty(n * sizes[c.component], dtype=np.uint8)

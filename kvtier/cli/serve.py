@@ -30,6 +30,7 @@ def _bytes(_ctx: click.Context, param: click.Parameter, value: str | None) -> in
 @click.option("--pool-memory", "pool_memory_bytes", callback=_bytes, default=None, metavar="BYTES",
               help="Cap on all pools' bytes together; 0 = none [0].")
 @click.option("--workers", type=click.IntRange(min=1), default=None, help="gRPC worker threads [16].")
+@click.option("--torch-threads", type=click.IntRange(min=1), default=None, help="torch intra-op threads [1].")
 @click.option("--log-level", type=click.Choice(LOG_LEVELS, case_sensitive=False), default=None, help="[INFO]")
 @click.option("--max-message-bytes", callback=_bytes, default=None, metavar="BYTES",
               help="Largest gRPC message either way [4MiB]; clients must use the same.")
@@ -50,6 +51,7 @@ def serve(config_file: str | None, pools: tuple[str, ...], pool_layers: int | No
 
     Example: kvtier serve --pool glm-5.2:65536 --host-memory 8GiB
     """
+    from kvtier.server.service.errors import KVTierError
     from kvtier.server.service.server import AddressError, serve as run
 
     try:
@@ -65,6 +67,7 @@ def serve(config_file: str | None, pools: tuple[str, ...], pool_layers: int | No
     except (ValueError, OSError) as e:
         raise click.UsageError(str(e)) from None
     try:
-        sys.exit(run(cfg))
-    except AddressError as e:
+        code = run(cfg)
+    except (AddressError, KVTierError) as e:  # a bad address or a configured pool that cannot be created
         raise click.ClickException(str(e)) from None
+    sys.exit(code)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from kv_helpers import INDEX_PAGE_BYTES, LIVE_LAYERS, NUM_LAYERS, PAGE_SIZE, ROW_BYTES, random_kv, verify_kv
 
@@ -45,6 +46,14 @@ def test_partial_layers_and_permuted_slots(client, pool):
     assert torch.equal(kv.index_k[6], new_index[6][0]) and torch.equal(kv.index_scale[6], new_index[6][1])
     other = client.read_kv(pool, slots, latent_layers=[], index_layers=[0])
     assert other.latent == {} and torch.equal(other.index_k[0], base_index[0][0])
+
+
+def test_numpy_arrays_are_accepted(client, pool):
+    """write_kv takes numpy arrays as well as tensors; slots may be a numpy array or a list."""
+    slots = client.allocate_slots(pool, 5).numpy()
+    latent, index = random_kv(5, seed=9, layers=[1], live=[2])
+    client.write_kv(pool, slots, latent={1: latent[1].numpy()}, index={2: (index[2][0].numpy(), index[2][1].numpy())})
+    verify_kv(client.read_kv(pool, slots.tolist(), latent_layers=[1], index_layers=[2]), latent, index)
 
 
 def test_move_is_token_granular(client, pool):
@@ -115,3 +124,22 @@ def test_stats_count_bytes(client, pool):
     assert host.budget_bytes == 4 << 20
     assert s.counters["kv_writes"] >= 1
     client.drop("stats-key")
+
+
+def test_reads_follow_a_recreated_pool(daemon, client):
+    """A pool re-created under the same id with another layout: a write naming the old layout is refused
+    (FAILED_PRECONDITION, nothing written); a read refreshes the client's cached layout."""
+    from kvtier.client import FailedPreconditionError, KVTierClient
+
+    client.create_pool("glm-5.2", num_layers=8, size_tokens=256, pool_id="recreated")
+    with KVTierClient(daemon.address) as other:
+        slots = other.allocate_slots("recreated", 10)
+        other.read_kv("recreated", slots)  # caches the 8-layer layout
+        client.delete_pool("recreated", force=True)
+        client.create_pool("glm-5.2", num_layers=4, size_tokens=256, pool_id="recreated")
+        assert client.allocate_slots("recreated", 10).tolist() == slots.tolist()
+        with pytest.raises(FailedPreconditionError, match="re-created"):
+            other.write_kv("recreated", slots, latent={0: torch.ones(10, ROW_BYTES, dtype=torch.uint8)})
+        kv = other.read_kv("recreated", slots)
+        assert sorted(kv.latent) == [0, 1, 2, 3] and bool((kv.latent[0] == 0).all())
+    client.delete_pool("recreated", force=True)

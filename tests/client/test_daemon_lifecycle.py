@@ -26,9 +26,9 @@ def _slow_write(slots, stall_s):
     data = torch.arange(slots.numel() * 656, dtype=torch.int64).to(torch.uint8).numpy().tobytes()
     half = len(data) // 2
     yield pool_pb2.WriteKVRequest(header=pool_pb2.KVHeader(pool_id="default", slots=slots.tolist(), latent_layers=[2]))
-    yield pool_pb2.WriteKVRequest(chunk=pool_pb2.KVChunk(layer_id=2, component=pool_pb2.COMPONENT_LATENT, offset=0, data=data[:half]))
+    yield pool_pb2.WriteKVRequest(layer_id=2, component=pool_pb2.COMPONENT_LATENT, offset=0, data=data[:half])
     time.sleep(stall_s)
-    yield pool_pb2.WriteKVRequest(chunk=pool_pb2.KVChunk(layer_id=2, component=pool_pb2.COMPONENT_LATENT, offset=half, data=data[half:]))
+    yield pool_pb2.WriteKVRequest(layer_id=2, component=pool_pb2.COMPONENT_LATENT, offset=half, data=data[half:])
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
@@ -67,6 +67,13 @@ def test_non_loopback_tcp_without_tls_is_refused():
     """Listening on all interfaces without TLS fails with a clear message, before binding."""
     r = _serve(["--device", "cpu", "--listen", "0.0.0.0:0"])
     assert r.returncode != 0 and "refusing to listen on 0.0.0.0:0 without TLS" in r.stderr
+
+
+def test_bad_configured_pool_is_a_clean_error():
+    """A --pool the daemon cannot create stops it at start with the reason, no traceback."""
+    r = _serve(["--device", "cpu", "--listen", "127.0.0.1:0", "--pool", "glm-5.2:100"])
+    assert r.returncode == 1 and "size_tokens must be a multiple of page_size=64, got 100" in r.stderr
+    assert "Traceback" not in r.stderr
 
 
 def test_default_socket_is_private(tmp_path):
