@@ -198,9 +198,8 @@ class PrefixCache:
     def _page_record(self, page: int) -> RecordLike:
         if self.pool is None:
             return self.page_record_bytes
-        slots = slots_of_pages(torch.tensor([page], dtype=torch.int64), self.page_size)
         pin = bool(getattr(self.stack.tiers[0], "pin_memory", False)) if self.stack.tiers else False
-        return self.codec.encode_from_pool(self.pool, slots, pin_memory=pin)
+        return self.codec.encode_page(self.pool, page, pin_memory=pin)
 
     # ----- load / store / release ---------------------------------------------------------------
     def load(self, keys: Sequence[bytes], total_tokens: int | None = None) -> PrefixLoad:
@@ -294,12 +293,10 @@ class PrefixCache:
             if self.pool is not None:
                 assert isinstance(rec, torch.Tensor)
                 try:
-                    copy = self.codec.to_cpu_copy(rec)
+                    self.codec.load_page(self.pool, rec, page)
                 except RecordError as e:
                     tier.report_damaged(tkey, e)
                     return False
-                slots = slots_of_pages(torch.tensor([page], dtype=torch.int64), self.page_size)
-                self.pool.load_cpu_copy(copy, slots)
             nbytes = rec if isinstance(rec, int) else int(rec.numel())
         self.stack.count_move(tier_name, DEVICE, nbytes)
         return True

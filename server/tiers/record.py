@@ -227,6 +227,49 @@ class RecordCodec:
         digest = _checksum(arr, self.header_nbytes, arr.size)
         arr[_CHECKSUM_AT:_FIXED.size] = np.frombuffer(struct.pack("<Q", digest), dtype=np.uint8)
 
+    def encode_page(self, pool: DSATokenToKVPool, page: int, *, pin_memory: bool = False) -> torch.Tensor:
+        """A sealed record of one whole pool page (the prefix cache's unit): the same bytes as
+        :meth:`encode_from_pool` of the page's slots, copied as whole rows (one copy per layer).
+
+        Raises:
+            ValueError: ``page`` outside the pool.
+        """
+        ps = self.page_size
+        if not 0 <= page < pool.num_slots // ps or page >= pool.num_pages:
+            raise ValueError(f"page {page} is outside the pool")
+        rec = torch.empty(self.nbytes(ps, 1), dtype=torch.uint8, pin_memory=pin_memory)
+        latent, index, src = self.payload(rec, ps, 1)
+        for layer, buf in enumerate(pool.kv_buffer):
+            latent[layer].copy_(buf[page * ps:(page + 1) * ps].view(torch.uint8).reshape(ps, self.row_bytes))
+        for pos, layer in enumerate(self.live_layers):
+            index[pos, 0].copy_(pool.index_k_with_scale_buffer[layer][page])
+        torch.arange(page * ps, (page + 1) * ps, dtype=torch.int64, out=src)
+        pool._sync()
+        self.seal(rec, ps, 1)
+        return rec
+
+    def load_page(self, pool: DSATokenToKVPool, rec: torch.Tensor, page: int) -> None:
+        """Write a one-page record (checked: :meth:`check`) onto pool page ``page``, whole rows.
+
+        Raises:
+            RecordError: the record fails its checks or is not one whole page in slot order.
+            ValueError: ``page`` outside the pool.
+        """
+        ps = self.page_size
+        info = self.check(rec)
+        _, _, src = self.payload(rec, info.n_tokens, info.n_pages)
+        if info.n_tokens != ps or info.n_pages != 1 or not bool(((src % ps) == torch.arange(ps)).all()):
+            raise RecordError("not a one-page record in slot order")
+        if not 0 <= page < pool.num_pages or page >= pool.num_slots // ps:
+            raise ValueError(f"page {page} is outside the pool")
+        latent, index, _ = self.payload(rec, ps, 1)
+        dev = pool.device
+        for layer, buf in enumerate(pool.kv_buffer):
+            buf[page * ps:(page + 1) * ps].view(torch.uint8).reshape(ps, self.row_bytes).copy_(latent[layer].to(dev, non_blocking=True))
+        for pos, layer in enumerate(self.live_layers):
+            pool.index_k_with_scale_buffer[layer][page].copy_(index[pos, 0].to(dev, non_blocking=True))
+        pool._sync()
+
     def encode_copy(self, copy: dict[str, Any], *, pin_memory: bool = False) -> torch.Tensor:
         """A sealed record of a ``get_cpu_copy`` result (one copy of its bytes).
 

@@ -115,13 +115,13 @@ def test_failure_between_latent_and_indexer_parts_is_invisible(pool, allocator, 
     cache = PrefixCache(stack, allocator, codec, pool=pool)
     keys = keys_for(16)
     written = store_pages(cache, pool, keys, seed=3)
-    real = type(pool)._latent_copy
+    class FailingIndexer(list):
+        """The pool's indexer buffers, failing when the record copy reaches them (after the latent part)."""
 
-    def latent_then_fail(self, slots, out=None):
-        real(self, slots, out)
-        raise RuntimeError("injected: failed after the latent part, before the indexer part")
+        def __getitem__(self, i):
+            raise RuntimeError("injected: failed after the latent part, before the indexer part")
 
-    monkeypatch.setattr(type(pool), "_latent_copy", latent_then_fail)
+    monkeypatch.setattr(pool, "index_k_with_scale_buffer", FailingIndexer(pool.index_k_with_scale_buffer))
     with pytest.raises(RuntimeError, match="injected"):
         cache.load(keys_for(1, seed=7))
     monkeypatch.undo()

@@ -79,3 +79,16 @@ def test_another_model_or_role_cannot_read_the_record(model, pool, codec):
         RecordCodec(deepseek).check(rec)
     with pytest.raises(RecordError, match="layer mask"):
         RecordCodec(model, (True,) * 4).check(rec)  # a draft pool keeps an indexer on every layer
+
+
+def test_page_fast_path_equals_the_general_encoding_and_loads_byte_exact(model, pool, codec):
+    written = fill_page(pool, 5, seed=11)
+    fast = codec.encode_page(pool, 5)
+    general = codec.encode_from_pool(pool, slots_of_pages(torch.tensor([5]), PAGE))
+    assert torch.equal(fast, general)
+    other = create_pool(model, 16 * PAGE, device="cpu")
+    codec.load_page(other, fast, 12)
+    verify_same_page(written, read_page(other, 12))
+    scattered = codec.encode_from_pool(pool, torch.tensor([64 * 5 + 3, 64 * 5 + 1]))
+    with pytest.raises(RecordError, match="one-page"):
+        codec.load_page(other, scattered, 12)
