@@ -332,9 +332,10 @@ class DiskTier(Tier):
                     if key in recs:
                         txn.put(key, memoryview(recs[key].numpy()), db=records)
                     self._stamp(txn, key)
-        except (lmdb.MapFullError, TierFullError) as e:
-            self._load_index(scrub=False)  # back to exactly what LMDB holds
-            self._count(full_errors=1)
+        except BaseException as e:
+            self._load_index(scrub=False)  # the put transaction aborted: back to exactly what LMDB holds
+            if isinstance(e, (lmdb.MapFullError, TierFullError)):
+                self._count(full_errors=1)
             if isinstance(e, lmdb.MapFullError):
                 raise TierFullError(f"LMDB map full ({self.config.capacity_bytes} bytes): the write was "
                                     f"rolled back") from e

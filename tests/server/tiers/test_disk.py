@@ -140,6 +140,34 @@ def test_map_full_write_is_rolled_back_and_invisible(tmp_path, records, codec):
     again.close()
 
 
+def test_a_write_failing_half_way_through_a_batch_is_invisible(tmp_path, records, codec, monkeypatch):
+    """The batch's transaction fails after its second record (an injected fault): none of the batch
+    is visible, memory agrees with LMDB, and the tier keeps working."""
+    size = codec.page_nbytes()
+    keys = list(records)
+    disk = disk_at(tmp_path)
+    disk.write([(keys[0], records[keys[0]])])
+    stamps = {"n": 0}
+    real_stamp = DiskTier._stamp
+
+    def failing_stamp(self, txn, key):  # runs inside the put transaction, after each record's put
+        stamps["n"] += 1
+        if stamps["n"] == 3:
+            raise OSError("injected: disk failed half way through the batch")
+        return real_stamp(self, txn, key)
+
+    monkeypatch.setattr(DiskTier, "_stamp", failing_stamp)
+    with pytest.raises(OSError, match="injected"):
+        disk.write([(k, records[k]) for k in keys[1:5]])
+    monkeypatch.undo()
+    assert disk.contains(keys[:5]) == [True, False, False, False, False]
+    assert disk.index.keys() == [keys[0]] and disk.lmdb_info()["entries"] == 1
+    disk.write([(keys[1], records[keys[1]])])
+    got = read(disk, keys[1], size)
+    assert got is not None and torch.equal(got, records[keys[1]])
+    disk.close()
+
+
 def test_only_one_environment_per_file_per_process(tmp_path, records):
     disk = disk_at(tmp_path)
     disk.open()
