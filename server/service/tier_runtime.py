@@ -73,10 +73,12 @@ def tier_errors() -> Iterator[None]:
         raise NotFound(str(e)) from None
 
 
-def build_stack(host_bytes: int, settings: TierSettings) -> TierStack:
-    """The host tier (``host_bytes``) over the LMDB disk tier when ``settings.disk_path`` is set."""
+def build_stack(host_bytes: int, settings: TierSettings, device: str = "cpu") -> TierStack:
+    """The host tier (``host_bytes``; page-locked when ``device`` is CUDA unless the settings say)
+    over the LMDB disk tier when ``settings.disk_path`` is set."""
+    pin = settings.host_pin_memory if settings.host_pin_memory is not None else device.startswith("cuda")
     configs: list[Any] = [HostTierConfig(capacity_bytes=host_bytes, write_back=not settings.write_through,
-                                         pin_memory=settings.host_pin_memory)]
+                                         pin_memory=pin)]
     if settings.disk_path:
         configs.append(DiskTierConfig(path=settings.disk_path, capacity_bytes=settings.disk_bytes,
                                       max_readers=settings.disk_max_readers, sync=settings.disk_sync,
@@ -99,7 +101,7 @@ class TierRuntime:
     def __init__(self, state: DaemonState, *, replace_copy_store: bool = True) -> None:
         self.settings = TierSettings.coerce(getattr(state.config, "tiers", None))
         self.pools = state.pools
-        self.stack = build_stack(state.config.host_memory_bytes, self.settings)
+        self.stack = build_stack(state.config.host_memory_bytes, self.settings, state.device)
         self.copy_store = TieredCopyStore(self.stack)
         if replace_copy_store:
             state.copy_store = self.copy_store

@@ -24,7 +24,7 @@ class TierSettings:
         disk_sync: fsync every disk commit (durable across power loss; slower).
         disk_reserve_fraction: part of the map kept free for LMDB's own pages (see DiskTierConfig).
         write_through: host tier writes every record to disk on entry (else write-back on eviction).
-        host_pin_memory: page-locked host records: True, False, or None = when CUDA is available.
+        host_pin_memory: page-locked host records: True, False, or None = when the daemon device is CUDA.
     """
 
     disk_path: str = ""
