@@ -153,8 +153,13 @@ def replay(trace_path: str, model: str, n_requests: int | None, server: str | No
             if i % 25 == 0 or i + 1 == len(requests):
                 bar.update(task, completed=i + 1, hit=f"{partial.hit_rate:.1%}")
 
-        res = simulate_fn(requests, scale, tick) if simulate else replay_through_daemon(
-            requests, scale, server=server, on_request=tick)
+        try:
+            res = simulate_fn(requests, scale, tick) if simulate else replay_through_daemon(
+                requests, scale, server=server, on_request=tick)
+        except Exception as e:  # a daemon error (e.g. a request larger than the pool) or a failed start
+            if type(e).__module__.startswith(("kvtier.client", "kvtier.server.tiers")) or isinstance(e, RuntimeError):
+                raise click.ClickException(f"{type(e).__name__}: {e}") from None
+            raise
     bound = belady_bound(requests, scale) if belady else None
     res.belady_hit_tokens = bound
     _print_report(res, bound)

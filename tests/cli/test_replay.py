@@ -70,3 +70,21 @@ def test_full_trace_through_the_daemon_equals_the_simulation(tmp_path):
     sim = simulate(reqs, scale)
     assert real.verify_failures == 0 and real.requests == 12031
     assert real.hit_tokens == sim.hit_tokens and real.moves == sim.moves
+
+
+def test_cli_replays_through_a_given_server(kvtier_daemon, tmp_path):
+    out = tmp_path / "r.json"
+    r = CliRunner().invoke(main, ["replay", "--trace", str(TRACE), "--requests", "20", "--server", kvtier_daemon.address,
+                                  "--device-tokens", str(256 * 64), "--no-belady", "--json", str(out)])
+    assert r.exit_code == 0, r.output
+    d = json.loads(out.read_text())
+    assert d["requests"] == 20 and d["verify_failures"] == 0 and d["simulate"] is False
+    assert d["hit_tokens"]["device"] > 0  # hash id 0 (the shared first block) is reused at once
+    assert [p.pool_id for p in kvtier_daemon.client.list_pools()] == ["tiny"]  # its replay pool is gone
+
+
+def test_a_request_larger_than_the_pool_is_a_clean_error():
+    r = CliRunner().invoke(main, ["replay", "--trace", str(TRACE), "--requests", "8", "--simulate",
+                                  "--device-tokens", str(16 * 64), "--no-belady"])
+    # request 6 has 46 blocks; its first (hash id 0) is already on the device: 45 fresh pages > 16
+    assert r.exit_code == 1 and "needs 45 free pages" in r.output and "Traceback" not in r.output
