@@ -135,3 +135,63 @@ def test_offloaded_copies_spill_to_disk_and_restore_from_it(tiny):
         assert torch.equal(kv.latent[i], lat[i])
     assert c.drop("req-a") and c.drop("req-b")
     assert c.tier_stats().tiers["disk"]["entries"] == 0
+
+
+def _page_content(key: bytes) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What every writer stores for ``key``: latent rows, indexer keys, scales, all from the key."""
+    g = torch.Generator().manual_seed(int.from_bytes(key[:6], "little"))
+    return (torch.randint(0, 256, (PAGE, 656), dtype=torch.uint8, generator=g),
+            torch.randint(0, 256, (PAGE, 128), dtype=torch.uint8, generator=g), torch.rand(PAGE, generator=g))
+
+
+def test_concurrent_clients_on_one_pool_leave_consistent_pages_and_no_pins(kvtier_daemon_factory):
+    """Four clients replay overlapping requests at once (prefix operations on a pool are serialised):
+    every page that ends up cached holds exactly its key's bytes, and nothing stays pinned."""
+    import threading
+
+    from kvtier.client import KVTierClient
+
+    d = kvtier_daemon_factory(device_pages=16, host_pages=6, disk_pages=12)
+    keys = d.page_keys(12)
+    errors: list[str] = []
+
+    def worker(w: int) -> None:
+        with KVTierClient(d.address, timeout=60) as c:
+            for r in range(8):
+                ks = keys[: 2 + (w + r) % 11]  # 2..12 pages; worker 3 round 7 asks for all 12
+                lease = c.load_prefix(d.pool_id, ks)
+                try:
+                    n = lease.loaded_pages
+                    kv = c.read_kv(d.pool_id, lease.slots[: n * PAGE]) if n else None
+                    for j in range(n):
+                        lat, ik, sc = _page_content(ks[j])
+                        sl = slice(j * PAGE, (j + 1) * PAGE)
+                        if not (torch.equal(kv.latent[0][sl], lat) and torch.equal(kv.index_k[2][sl], ik)):
+                            errors.append(f"worker {w} round {r}: page {j} differs")
+                    fresh = lease.slots[n * PAGE:]
+                    if fresh.numel():
+                        parts = [_page_content(k) for k in ks[n:]]
+                        lat = torch.cat([p[0] for p in parts])
+                        idx = (torch.cat([p[1] for p in parts]), torch.cat([p[2] for p in parts]))
+                        c.write_kv(d.pool_id, fresh, latent={i: lat for i in range(4)}, index={i: idx for i in (0, 1, 2)})
+                        c.store_prefix(lease, ks[n:], fresh)
+                finally:
+                    c.release_prefix(lease)
+
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    verify_nothing_pinned(d)
+    lease = d.client.load_prefix(d.pool_id, keys)
+    assert lease.loaded_pages == 12
+    kv = d.client.read_kv(d.pool_id, lease.slots)
+    for j, k in enumerate(keys):
+        lat, ik, sc = _page_content(k)
+        sl = slice(j * PAGE, (j + 1) * PAGE)
+        assert torch.equal(kv.latent[3][sl], lat) and torch.equal(kv.index_k[1][sl], ik)
+        assert torch.equal(kv.index_scale[0][sl].view(torch.int32), sc.view(torch.int32))
+    d.client.release_prefix(lease)
+    verify_nothing_pinned(d)
