@@ -68,6 +68,6 @@ def serve(config_file: str | None, pools: tuple[str, ...], pool_layers: int | No
         raise click.UsageError(str(e)) from None
     try:
         code = run(cfg)
-    except (AddressError, KVTierError) as e:  # a bad address or a configured pool that cannot be created
+    except (AddressError, KVTierError, ValueError) as e:  # bad address, device, or a configured pool that cannot be created
         raise click.ClickException(str(e)) from None
     sys.exit(code)
