@@ -145,8 +145,10 @@ class Tier(ABC):
             The keys written (present ones skipped).
 
         Raises:
-            TierFullError: a record does not fit; records of the batch before it are stored, it
-                and those after it are not, and nothing of it is visible.
+            TierFullError: a record does not fit (larger than the budget, the rest pinned, or LMDB's
+                map full). Nothing of it is visible; records of the batch stored before it stay
+                (the disk tier commits a batch in transactions of up to ``max_txn_bytes`` and rolls
+                back the whole failing transaction).
         """
 
     @abstractmethod
