@@ -118,7 +118,8 @@ class TierRuntime:
             if held is None or held[0] is not entry:  # new pool, or one re-created under the same id
                 namespace = b"p:" + bytes.fromhex(entry.model.fingerprint_digest())
                 cache = PrefixCache(self.stack, EntryAllocator(entry), RecordCodec(entry.model),  # type: ignore[arg-type]
-                                    pool=entry.pool, namespace=namespace)
+                                    pool=entry.pool, namespace=namespace,
+                                    lease_ttl_seconds=self.settings.lease_ttl_seconds or None)
                 self._caches[entry.pool_id] = (entry, cache)
                 return cache
             return held[1]

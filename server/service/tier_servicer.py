@@ -27,6 +27,8 @@ class TierServicer(tier_pb2_grpc.TierServiceServicer):
     def LoadPrefix(self, request: tier_pb2.LoadPrefixRequest, context: grpc.ServicerContext) -> tier_pb2.LoadPrefixResponse:
         total = request.total_tokens if request.HasField("total_tokens") else None
         ld = self.tiers.load(request.pool_id, request.page_keys, total)
+        if not context.is_active():  # the caller is gone (cancelled, deadline): it can never release
+            self.tiers.release(request.pool_id, ld.lease)
         return tier_pb2.LoadPrefixResponse(lease_id=ld.lease, slots=ld.slots.tolist(), page_tiers=ld.tiers,
                                            loaded_pages=ld.loaded_pages)
 

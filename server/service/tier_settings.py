@@ -25,6 +25,8 @@ class TierSettings:
         disk_reserve_fraction: part of the map kept free for LMDB's own pages (see DiskTierConfig).
         write_through: host tier writes every record to disk on entry (else write-back on eviction).
         host_pin_memory: page-locked host records: True, False, or None = when the daemon device is CUDA.
+        lease_ttl_seconds: a prefix lease (LoadPrefix) not released this long is released by the
+            daemon, so a client that vanished mid-request cannot pin pages forever (0: never).
     """
 
     disk_path: str = ""
@@ -34,12 +36,15 @@ class TierSettings:
     disk_reserve_fraction: float = 0.25
     write_through: bool = False
     host_pin_memory: bool | None = None
+    lease_ttl_seconds: float = 600.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.disk_bytes, int) or self.disk_bytes <= 0:
             raise ValueError(f"tiers.disk_bytes must be a positive byte count, got {self.disk_bytes!r}")
         if not isinstance(self.disk_max_readers, int) or self.disk_max_readers <= 0:
             raise ValueError(f"tiers.disk_max_readers must be a positive integer, got {self.disk_max_readers!r}")
+        if not isinstance(self.lease_ttl_seconds, (int, float)) or self.lease_ttl_seconds < 0:
+            raise ValueError(f"tiers.lease_ttl_seconds must be >= 0, got {self.lease_ttl_seconds!r}")
         if not 0.0 < float(self.disk_reserve_fraction) < 1.0:
             raise ValueError(f"tiers.disk_reserve_fraction must lie in (0, 1), got {self.disk_reserve_fraction!r}")
 

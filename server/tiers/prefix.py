@@ -26,6 +26,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -83,6 +84,7 @@ class PrefixLoad:
 class _Lease:
     pinned: list[bytes] = field(default_factory=list)
     fresh: list[int] = field(default_factory=list)
+    started: float = field(default_factory=time.monotonic)
 
 
 class PrefixCache:
@@ -95,10 +97,14 @@ class PrefixCache:
         pool: the device pool; None runs the cache as a size-only simulation.
         namespace: prefix for tier keys (e.g. the model fingerprint digest), so pools of different
             models never share records.
+        lease_ttl_seconds: a lease not released this long after its load is released by the cache
+            (at the next load or lookup), so a client that vanished mid-request cannot pin pages
+            forever. None: never.
     """
 
     def __init__(self, stack: TierStack, allocator: PagedTokenAllocator, codec: RecordCodec, *,
-                 pool: DSATokenToKVPool | None = None, namespace: bytes = b"") -> None:
+                 pool: DSATokenToKVPool | None = None, namespace: bytes = b"",
+                 lease_ttl_seconds: float | None = 600.0) -> None:
         if allocator.page_size != codec.page_size:
             raise ValueError("allocator and codec disagree on page_size")
         self.stack = stack
@@ -113,10 +119,11 @@ class PrefixCache:
         self._device = TierIndex(capacity=1 << 62)
         self._pages: dict[bytes, int] = {}
         self._leases: dict[int, _Lease] = {}
+        self.lease_ttl_seconds = lease_ttl_seconds
         self._ids = itertools.count(1)
         self.counters: dict[str, int] = {"lookups": 0, "loads": 0, "stores": 0, "releases": 0,
                                          "hit_pages_device": 0, "hit_pages_host": 0, "hit_pages_disk": 0,
-                                         "fresh_pages": 0, "failed_loads": 0}
+                                         "fresh_pages": 0, "failed_loads": 0, "expired_leases": 0}
 
     # ----- keys ---------------------------------------------------------------------------------
     def _tier_key(self, key: bytes) -> bytes:
@@ -142,7 +149,22 @@ class PrefixCache:
         keys = self._check_keys(keys)
         with self._lock:
             self.counters["lookups"] += 1
+            self.expire_leases()
             return self._lookup(keys)
+
+    def expire_leases(self) -> int:
+        """Release leases older than ``lease_ttl_seconds`` (logged, counted); returns how many."""
+        if self.lease_ttl_seconds is None:
+            return 0
+        with self._lock:
+            now = time.monotonic()
+            old = [i for i, lease in self._leases.items() if now - lease.started >= self.lease_ttl_seconds]
+            for i in old:
+                log.warning("prefix cache: lease %d was not released within %.0f s; releasing it", i,
+                            self.lease_ttl_seconds)
+                self.release(i)
+            self.counters["expired_leases"] += len(old)
+            return len(old)
 
     def _lookup(self, keys: list[bytes]) -> PrefixLookup:
         with self._lock:
@@ -222,6 +244,7 @@ class PrefixCache:
         if isinstance(total, bool) or not isinstance(total, int) or total < 0:
             raise ValueError(f"total_tokens must be a non-negative integer, got {total_tokens!r}")
         with self._lock:
+            self.expire_leases()
             found = self._lookup(keys).tiers
             found = found[: total // self.page_size]
             lower = [(i, key) for i, (key, t) in enumerate(zip(keys, found)) if t != DEVICE]

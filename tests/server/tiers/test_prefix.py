@@ -161,3 +161,16 @@ def test_store_validates_before_adopting(pool, allocator, codec, stack):
     cache.release(ld.lease)
     assert allocator.free_pages == 16
     verify_nothing_pinned(cache)
+
+
+def test_a_lease_never_released_expires_and_unpins(pool, allocator, codec, stack):
+    """A client that vanished after a load: its lease is released at the next call after the TTL."""
+    cache = PrefixCache(stack, allocator, codec, pool=pool, lease_ttl_seconds=0.0)
+    keys = keys_for(4)
+    store_pages(cache, pool, keys, seed=2)
+    cache.load(keys)  # never released
+    assert cache.pinned_pages == 4
+    cache.lookup(keys)  # the TTL (0 s) has passed: released here
+    assert cache.counters["expired_leases"] == 1
+    verify_nothing_pinned(cache)
+    assert allocator.free_pages == 16 - 4
