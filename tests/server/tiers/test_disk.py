@@ -220,3 +220,41 @@ def test_an_environment_never_crosses_fork(tmp_path, records, codec):
     assert got is not None and torch.equal(got, records[keys[0]])
     assert disk.contains(keys[:2]) == [True, False]
     disk.close()
+
+
+def test_disk_reads_racing_eviction_return_the_whole_record_or_a_miss(tmp_path, records, codec):
+    import threading
+
+    size = codec.page_nbytes()
+    keys = list(records)
+    disk = disk_at(tmp_path, capacity=4 * MiB, reserve_fraction=0.5)  # 10 of the 12 records fit
+    stop = threading.Event()
+    bad: list[str] = []
+    reads = [0, 0]
+
+    def reader(i: int) -> None:
+        out = torch.empty(size, dtype=torch.uint8)
+        while not stop.is_set():
+            for k in keys:
+                n = disk.read_into([k], [out])[0]
+                reads[i] += 1
+                if n and not torch.equal(out[:n], records[k]):
+                    bad.append(k.decode())
+
+    threads = [threading.Thread(target=reader, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    rounds = 0
+    while rounds < 5 or min(reads) < 200:
+        for k in keys:
+            disk.remove([k]) if rounds % 2 else disk.write([(k, records[k])])
+        rounds += 1
+        assert rounds < 100_000
+    stop.set()
+    for t in threads:
+        t.join()
+    assert bad == []
+    s = disk.stats()
+    assert s.damaged == 0 and s.hits > 0 and s.misses > 0 and s.evictions > 0
+    assert disk.index.used <= disk.index.capacity
+    disk.close()
