@@ -175,5 +175,16 @@ class TierRuntime:
             return c.stats()
 
     def close(self) -> None:
-        """Close the tiers (flushes and closes the LMDB environment)."""
-        self.stack.close()
+        """At shutdown (no calls in flight): move unpinned device-tier pages and the host tier's
+        records down to the disk tier (so a restart finds them there), then close the tiers (flush
+        and close the LMDB environment). Without a disk tier nothing is moved."""
+        try:
+            if len(self.stack.tiers) > 1:
+                with self._lock:
+                    caches = [c for _, c in self._caches.values()]
+                for cache in caches:
+                    cache.drop_all()
+                moved = self.stack.spill_down()
+                log.info("tiers: %d records moved down to the disk tier at shutdown", moved)
+        finally:
+            self.stack.close()

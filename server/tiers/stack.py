@@ -137,6 +137,22 @@ class TierStack:
             moves = {k: dict(v) for k, v in self.moves.items()}
         return {"tiers": {t.name: t.stats().to_dict() for t in self.tiers}, "moves": moves}
 
+    def spill_down(self) -> int:
+        """Write every record of each write-back tier to the tier below it (oldest first), e.g. before
+        shutdown, so a restart finds in the last tier what the faster tiers held. Returns records moved."""
+        moved = 0
+        for level, tier in enumerate(self.tiers[:-1]):
+            if not _write_back(tier):
+                continue  # write-through: everything is below already
+            below = self.tiers[level + 1]
+            for key in tier.index.keys():
+                if below.contains([key])[0]:
+                    continue
+                with tier.borrow([key]) as (rec,):
+                    if rec is not None and self.put(key, rec, source=tier.name, level=level + 1):
+                        moved += 1
+        return moved
+
     def close(self) -> None:
         """Close every tier."""
         for t in self.tiers:

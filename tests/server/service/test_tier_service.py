@@ -97,21 +97,23 @@ def test_errors_have_their_status_codes_and_change_nothing(tiny):
 
 
 def test_disk_records_survive_a_daemon_restart(tmp_path):
-    d = start_tiny_daemon(tmp_path, device_pages=4, host_pages=1, disk_pages=8)
+    """At SIGTERM the daemon moves device pages and host records down to the disk tier; the next
+    daemon on the same directory finds all of them there, byte-exact."""
+    d = start_tiny_daemon(tmp_path, device_pages=4, host_pages=1, disk_pages=10)
     keys = d.page_keys(9)
     written = {}
     for i in range(0, 8, 4):
         written.update(write_pages(d, keys[i:i + 4], seed=i))
     # device: 4..7; host: 3; disk: 0..2
-    assert d.client.where_is(d.pool_id, keys[:4]) == [["disk"]] * 3 + [["host"]]
+    assert d.client.where_is(d.pool_id, keys[:8]) == [["disk"]] * 3 + [["host"]] + [["device"]] * 4
     assert stop_tiny_daemon(d) == 0
 
-    again = start_tiny_daemon(tmp_path, device_pages=4, host_pages=1, disk_pages=8)
+    again = start_tiny_daemon(tmp_path, device_pages=8, host_pages=1, disk_pages=10)
     try:
-        assert again.client.where_is(again.pool_id, keys[:4]) == [["disk"]] * 3 + [[]]
-        lease = again.client.load_prefix(again.pool_id, keys[:3])
-        assert lease.tiers == ["disk"] * 3
-        verify_loaded(again, lease, keys[:3], written)
+        assert again.client.where_is(again.pool_id, keys[:9]) == [["disk"]] * 8 + [[]]
+        lease = again.client.load_prefix(again.pool_id, keys[:8])
+        assert lease.tiers == ["disk"] * 8
+        verify_loaded(again, lease, keys[:8], written)
         again.client.release_prefix(lease)
     finally:
         stop_tiny_daemon(again)
