@@ -102,8 +102,8 @@ class TierRuntime:
         self.settings = TierSettings.coerce(getattr(state.config, "tiers", None))
         self.pools = state.pools
         self.stack = build_stack(state.config.host_memory_bytes, self.settings, state.device)
-        self.copy_store = TieredCopyStore(self.stack)
-        if replace_copy_store:
+        self.copy_store = TieredCopyStore(self.stack) if self.stack.tiers else None
+        if replace_copy_store and self.copy_store is not None:  # no tier at all: the plain store refuses
             state.copy_store = self.copy_store
         self._caches: dict[str, tuple[PoolEntry, PrefixCache]] = {}
         self._lock = threading.Lock()

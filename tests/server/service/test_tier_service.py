@@ -197,3 +197,13 @@ def test_concurrent_clients_on_one_pool_leave_consistent_pages_and_no_pins(kvtie
         assert torch.equal(kv.index_scale[0][sl].view(torch.int32), sc.view(torch.int32))
     d.client.release_prefix(lease)
     verify_nothing_pinned(d)
+
+
+def test_a_daemon_without_tier_budgets_keeps_the_plain_offload_store():
+    from kvtier.server.service.config import DaemonConfig
+    from kvtier.server.service.offload_store import OffloadStore
+    from kvtier.server.service.state import DaemonState
+
+    state = DaemonState(DaemonConfig(host_memory_bytes=0, device="cpu"))
+    assert isinstance(state.copy_store, OffloadStore) and state.tiers.stack.tiers == []
+    state.close()
