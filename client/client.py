@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from kvtier.client.base import BaseClient
 from kvtier.client.pool import PoolMixin
+from kvtier.client.tiers import TierMixin
 
 
-class KVTierClient(PoolMixin, BaseClient):
+class KVTierClient(PoolMixin, TierMixin, BaseClient):
     """Client of a kvtier daemon; see :class:`~kvtier.client.base.BaseClient` for the arguments.
 
     Example::

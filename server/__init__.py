@@ -5,5 +5,6 @@ Module map (what may import what):
   pool/                      model_config only (never grpc)
   pool_configurator          model_config, pool (for the exact accounting)
   tiers/                     pool, model_config (never grpc)
+  replay/                    tiers, pool, model_config (never grpc): trace, fill, scale, Belady, driver
   service/ daemon            everything above plus the generated stubs in kvtier.v1
 """

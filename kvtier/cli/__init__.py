@@ -7,8 +7,10 @@ import click
 from kvtier import __version__
 from kvtier.cli.plan import plan
 from kvtier.cli.pools import pools
+from kvtier.cli.replay import replay
 from kvtier.cli.serve import serve
 from kvtier.cli.status import status
+from kvtier.cli.tier_options import add_tier_options
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -22,6 +24,7 @@ def main() -> None:
 
 
 main.add_command(plan)
-main.add_command(serve)
+main.add_command(add_tier_options(serve))
 main.add_command(status)
 main.add_command(pools)
+main.add_command(replay)

@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvtier.server.service.tier_settings import TierSettings
+
 MiB = 1 << 20
 GiB = 1 << 30
 DEFAULT_MAX_MESSAGE_BYTES = 4 * MiB
@@ -131,6 +133,7 @@ class DaemonConfig:
     """If set, the bound address is written to this file once the daemon serves (for port 0)."""
     pools: tuple[PoolSpec, ...] = field(default=())
     """Pools created at start."""
+    tiers: TierSettings = field(default_factory=TierSettings)  # [tiers] table / --disk-* flags (kvtier.server.service.tier_settings)
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:

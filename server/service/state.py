@@ -19,6 +19,7 @@ from kvtier.server.pool import resolve_device
 from kvtier.server.service.config import DaemonConfig
 from kvtier.server.service.offload_store import CopyStore, OffloadStore
 from kvtier.server.service.pools import PoolRegistry, PoolRequest
+from kvtier.server.service.tier_runtime import TierRuntime
 
 log = logging.getLogger("kvtier.service")
 
@@ -70,6 +71,7 @@ class DaemonState:
         self.version = __version__
         self._started = time.monotonic()
         self._shutdown_hooks: list[Callable[[], None]] = []
+        self.tiers = TierRuntime(self, replace_copy_store=copy_store is None)  # host/disk tiers, prefix caches
 
     @property
     def uptime_seconds(self) -> float:

@@ -1,0 +1,174 @@
+"""``kvtier replay``: replay the Mooncake conversation trace through a kvtier daemon.
+
+For each request in arrival order: look up its prefix pages, load the hits from whatever tier holds
+them, verify every loaded byte, write the misses (KV filled from hash id, layer and position), store
+them and release the request. Starts an embedded daemon (tiers in a temp dir) unless ``--server``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import click
+
+from kvtier.server.replay.driver import TIERS, InProcessBackend, ReplayResult, belady_bound, replay as run_replay
+from kvtier.server.replay.scale import ReplayScale
+from kvtier.server.replay.trace import read_trace
+from kvtier.server.service.config import parse_bytes
+
+DEFAULT_TRACE = "../shared/data/conversation_trace.jsonl"
+
+
+def _bytes(_ctx: click.Context, param: click.Parameter, value: Any) -> int:
+    try:
+        return parse_bytes(value, (param.opts or [str(param.name)])[0])
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+
+
+def daemon_args(scale: ReplayScale, disk_path: str) -> list[str]:
+    """``kvtier serve`` arguments that give a daemon the tier budgets of ``scale``."""
+    return ["--device", "cpu", "--log-level", "WARNING", "--host-memory", str(scale.host_bytes),
+            "--disk-path", disk_path, "--disk-size", str(scale.disk_bytes),
+            "--write-back" if scale.write_back else "--write-through"]
+
+
+def replay_through_daemon(requests: list[Any], scale: ReplayScale, *, server: str | None = None,
+                          on_request: Any = None, workdir: str | None = None) -> ReplayResult:
+    """Replay ``requests`` through ``server`` (or an embedded daemon with ``scale``'s budgets)."""
+    from kvtier.cli.replay_backend import ClientBackend
+    from kvtier.client import KVTierClient
+    from kvtier.client.spawn import DaemonProcess
+
+    tmp = Path(tempfile.mkdtemp(prefix="kvtier-replay-", dir=workdir))
+    try:
+        daemon = None
+        if server is None:
+            daemon = DaemonProcess(extra_args=daemon_args(scale, str(tmp / "disk")))
+            daemon.start()
+        try:
+            with KVTierClient(server or daemon.address, timeout=120.0) as c:  # type: ignore[union-attr]
+                backend = ClientBackend(c, scale.model, scale.num_layers, scale.device_tokens)
+                try:
+                    return run_replay(requests, backend, scale, on_request=on_request)
+                finally:
+                    backend.close()
+        finally:
+            if daemon is not None:
+                daemon.stop()
+                daemon.cleanup()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def simulate(requests: list[Any], scale: ReplayScale, *, on_request: Any = None) -> ReplayResult:
+    """The same policy as a pure cache simulation (size-only tiers, no bytes, no daemon)."""
+    backend = InProcessBackend(scale, "-", simulate=True)
+    return run_replay(requests, backend, scale, on_request=on_request)
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:,.1f} {unit}" if unit != "B" else f"{int(n):,} B"
+        n /= 1024
+    return str(n)
+
+
+def _print_report(res: ReplayResult, belady: int | None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    c = Console()
+    s = res.scale
+    c.print(f"[bold]scale[/bold]: {s['model']} first {s['num_layers']} layers (skip mask {s['skip_mask']}), "
+            f"{s['tokens_per_block']} tokens per trace block ({s['pages_per_block']} page(s) of {s['page_size']}), "
+            f"page record {s['page_record_bytes']:,} B; device {s['device_tokens']:,} tokens, host "
+            f"{_fmt_bytes(s['host_bytes'])}, disk {_fmt_bytes(s['disk_bytes'])} "
+            f"({'write-back' if s['write_back'] else 'write-through'}); capacity in pages {s['capacity_pages']}")
+    t = Table(title=f"kvtier replay{' --simulate' if res.simulate else ''}")
+    t.add_column("", style="bold")
+    t.add_column("value", justify="right")
+    t.add_row("requests", f"{res.requests:,}")
+    t.add_row("tokens", f"{res.tokens:,}")
+    for tier in TIERS:
+        t.add_row(f"hit rate {tier}", f"{res.hit_tokens.get(tier, 0) / res.tokens:.2%}" if res.tokens else "-")
+    t.add_row("hit rate total", f"{res.hit_rate:.2%}")
+    if belady is not None and res.tokens:
+        t.add_row("Belady upper bound", f"{belady / res.tokens:.2%}")
+    t.add_row("miss tokens", f"{res.miss_tokens:,}")
+    if not res.simulate:
+        t.add_row("verification failures", f"{res.verify_failures:,}" + (" [green]ok[/green]" if not res.verify_failures else ""))
+    for move, m in sorted(res.moves.items()):
+        t.add_row(f"moved {move}", f"{m['count']:,} records, {_fmt_bytes(m['bytes'])}")
+    t.add_row("seconds", f"{res.seconds:.1f}")
+    t.add_row("throughput", f"{res.requests / res.seconds:,.1f} requests/s, {res.tokens / res.seconds:,.0f} tokens/s"
+              if res.seconds else "-")
+    c.print(t)
+
+
+@click.command()
+@click.option("--trace", "trace_path", type=click.Path(exists=True, dir_okay=False), default=DEFAULT_TRACE, show_default=True,
+              help="Mooncake trace (JSON lines with hash_ids).")
+@click.option("--model", default="glm-5.2", show_default=True, help="Model preset.")
+@click.option("--requests", "n_requests", type=click.IntRange(min=1), default=None, help="Only the first N requests.")
+@click.option("--server", default=None, metavar="ADDR", help="Use this daemon instead of an embedded one.")
+@click.option("--simulate", is_flag=True, help="Pure cache simulation of the same policy (no bytes, no daemon).")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Write the result as one JSON object.")
+@click.option("--layers", "num_layers", type=click.IntRange(min=1), default=4, show_default=True,
+              help="Scale: the model's first N layers.")
+@click.option("--tokens-per-block", type=click.IntRange(min=64), default=64, show_default=True,
+              help="Scale: tokens one 512-token trace block stands for (a multiple of 64).")
+@click.option("--device-tokens", type=click.IntRange(min=64), default=65536, show_default=True, help="Device pool tokens.")
+@click.option("--host-size", "host_bytes", callback=_bytes, default="1GiB", show_default=True, help="Host tier budget.")
+@click.option("--disk-size", "disk_bytes", callback=_bytes, default="4GiB", show_default=True, help="Disk tier budget (LMDB map size).")
+@click.option("--write-through/--write-back", default=False, show_default=True, help="Host tier write policy.")
+@click.option("--belady/--no-belady", default=True, show_default=True, help="Compute Belady's upper bound.")
+def replay(trace_path: str, model: str, n_requests: int | None, server: str | None, simulate: bool, json_path: str | None,
+           num_layers: int, tokens_per_block: int, device_tokens: int, host_bytes: int, disk_bytes: int,
+           write_through: bool, belady: bool) -> None:
+    """Replay the Mooncake trace: prefix lookups, loads from every tier, verified bytes, hit rates.
+
+    Example: kvtier replay --trace ../shared/data/conversation_trace.jsonl --requests 2000
+    """
+    scale = ReplayScale(model=model, num_layers=num_layers, tokens_per_block=tokens_per_block,
+                        device_tokens=device_tokens, host_bytes=host_bytes, disk_bytes=disk_bytes,
+                        write_back=not write_through)
+    try:
+        scale.validate()
+        requests = read_trace(trace_path, n_requests)
+    except (ValueError, OSError) as e:
+        raise click.UsageError(str(e)) from None
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    with Progress(TextColumn("[bold]replay"), BarColumn(), MofNCompleteColumn(), TextColumn("hit {task.fields[hit]}"),
+                  TimeRemainingColumn(), transient=True) as bar:
+        task = bar.add_task("replay", total=len(requests), hit="-")
+
+        def tick(i: int, partial: ReplayResult) -> None:
+            if i % 25 == 0 or i + 1 == len(requests):
+                bar.update(task, completed=i + 1, hit=f"{partial.hit_rate:.1%}")
+
+        try:
+            res = simulate_fn(requests, scale, tick) if simulate else replay_through_daemon(
+                requests, scale, server=server, on_request=tick)
+        except Exception as e:  # a daemon error (e.g. a request larger than the pool) or a failed start
+            if type(e).__module__.startswith(("kvtier.client", "kvtier.server.tiers")) or isinstance(e, RuntimeError):
+                raise click.ClickException(f"{type(e).__name__}: {e}") from None
+            raise
+    bound = belady_bound(requests, scale) if belady else None
+    res.belady_hit_tokens = bound
+    _print_report(res, bound)
+    if json_path:
+        Path(json_path).write_text(json.dumps(res.to_dict(), indent=1) + "\n")
+    if res.verify_failures:
+        raise SystemExit(1)
+
+
+def simulate_fn(requests: list[Any], scale: ReplayScale, tick: Any) -> ReplayResult:
+    """``--simulate``: see :func:`simulate`."""
+    return simulate(requests, scale, on_request=tick)

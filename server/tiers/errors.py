@@ -1,0 +1,28 @@
+"""Typed errors of the tier layer; the daemon maps each to one gRPC status code in one place."""
+
+from __future__ import annotations
+
+
+class TierError(Exception):
+    """Base class of tier errors."""
+
+
+class TierFullError(TierError):
+    """A write could not be placed: the record is larger than the tier, every candidate victim is
+    pinned, or LMDB ran out of map space. Nothing of the failed write is visible afterwards."""
+
+
+class RecordError(TierError, ValueError):
+    """A record failed its checks: bad magic/version, lengths, checksum, or a model fingerprint
+    that differs from the reader's. Readers turn it into a miss plus a counter and a log line."""
+
+
+class LeaseError(TierError, KeyError):
+    """An unknown or already released prefix-cache lease."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable
+        return str(self.args[0]) if self.args else "unknown lease"
+
+
+class EnvironmentInUseError(TierError):
+    """A second LMDB Environment for a file this process already has open."""

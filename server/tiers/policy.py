@@ -1,0 +1,209 @@
+"""Eviction as a small strategy, and the byte-budget index every tier keeps.
+
+:class:`CachePolicy` is ``touch / insert / remove / evict``; ``evict`` either frees enough bytes and
+removes exactly its victims, or returns None and changes nothing. A second policy is a new small
+class, not a flag. :class:`TierIndex` adds a byte budget and pins (reference counts) on top; the real
+tiers and the cache simulator share it, so a simulation evicts exactly what a real run evicts.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterable, Iterator
+from contextlib import contextmanager
+
+from kvtier.server.tiers.errors import TierFullError
+
+Key = Hashable
+
+
+class CachePolicy(ABC):
+    """Which entry to evict next. Entries carry their charged size in bytes."""
+
+    @abstractmethod
+    def touch(self, key: Key) -> None:
+        """Record a use of ``key`` (present)."""
+
+    @abstractmethod
+    def insert(self, key: Key, nbytes: int) -> None:
+        """Add ``key`` (absent) charged ``nbytes``."""
+
+    @abstractmethod
+    def remove(self, key: Key) -> None:
+        """Forget ``key`` (present)."""
+
+    @abstractmethod
+    def victims(self, nbytes: int, can_evict: Callable[[Key], bool]) -> list[Key] | None:
+        """Entries whose eviction frees at least ``nbytes``, skipping those ``can_evict`` refuses;
+        None if that is impossible. Changes nothing."""
+
+    @abstractmethod
+    def order(self) -> list[Key]:
+        """Keys, next victim first."""
+
+    def evict(self, nbytes: int, can_evict: Callable[[Key], bool] = lambda k: True) -> list[Key] | None:
+        """Remove and return the :meth:`victims` for ``nbytes``; None (nothing changed) if impossible."""
+        chosen = self.victims(nbytes, can_evict)
+        if chosen is not None:
+            for key in chosen:
+                self.remove(key)
+        return chosen
+
+
+class LRUPolicy(CachePolicy):
+    """Least recently used first."""
+
+    def __init__(self) -> None:
+        self._entries: OrderedDict[Key, int] = OrderedDict()
+
+    def touch(self, key: Key) -> None:
+        self._entries.move_to_end(key)
+
+    def insert(self, key: Key, nbytes: int) -> None:
+        if key in self._entries:
+            raise KeyError(f"{key!r} is already in the policy")
+        self._entries[key] = nbytes
+
+    def remove(self, key: Key) -> None:
+        del self._entries[key]
+
+    def victims(self, nbytes: int, can_evict: Callable[[Key], bool]) -> list[Key] | None:
+        if nbytes <= 0:
+            return []
+        chosen, freed = [], 0
+        for key, size in self._entries.items():
+            if can_evict(key):
+                chosen.append(key)
+                freed += size
+                if freed >= nbytes:
+                    return chosen
+        return None
+
+    def order(self) -> list[Key]:
+        return list(self._entries)
+
+
+class TierIndex:
+    """What a tier holds, its byte budget, its policy and its pins.
+
+    Args:
+        capacity: budget in charged bytes.
+        policy: eviction policy (default :class:`LRUPolicy`).
+
+    Pins are reference counts: a pinned key is never chosen as a victim. Take them with
+    :meth:`pinned` (a context manager), so they return to zero on every path, exceptions included.
+    All methods are thread-safe (one lock per index; callers may hold :attr:`lock` across calls).
+    """
+
+    def __init__(self, capacity: int, policy: CachePolicy | None = None) -> None:
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
+            raise ValueError(f"capacity must be a non-negative integer of bytes, got {capacity!r}")
+        self.capacity = capacity
+        self.policy = policy or LRUPolicy()
+        self.lock = threading.RLock()
+        self._charge: dict[Key, int] = {}
+        self._pins: dict[Key, int] = {}
+        self.used = 0
+
+    def __contains__(self, key: Key) -> bool:
+        return key in self._charge
+
+    def __len__(self) -> int:
+        return len(self._charge)
+
+    def charge_of(self, key: Key) -> int | None:
+        """Charged bytes of ``key``, None if absent."""
+        return self._charge.get(key)
+
+    def keys(self) -> list[Key]:
+        """Keys, next victim first."""
+        with self.lock:
+            return self.policy.order()
+
+    def pin_count(self, key: Key) -> int:
+        """Current pins on ``key``."""
+        return self._pins.get(key, 0)
+
+    @property
+    def total_pins(self) -> int:
+        """Sum of all pins (0 whenever no read or load is in flight)."""
+        return sum(self._pins.values())
+
+    def plan_insert(self, key: Key, charge: int, exclude: Iterable[Key] = ()) -> list[Key]:
+        """Victims to evict so ``key`` (absent) charged ``charge`` fits; changes nothing.
+
+        Raises:
+            TierFullError: larger than the whole budget, or too much of the tier is pinned.
+        """
+        with self.lock:
+            if charge > self.capacity:
+                raise TierFullError(f"a record of {charge} bytes exceeds the tier's budget of {self.capacity} bytes")
+            held = set(exclude)
+            need = self.used + charge - self.capacity
+            chosen = self.policy.victims(need, lambda k: self._pins.get(k, 0) == 0 and k not in held)
+            if chosen is None:
+                raise TierFullError(f"no room for {charge} bytes: {self.used} of {self.capacity} bytes used "
+                                    f"and the rest is pinned")
+            return chosen
+
+    def commit_insert(self, key: Key, charge: int, victims: Iterable[Key] = ()) -> None:
+        """Remove ``victims`` and add ``key`` (after the storage write succeeded)."""
+        with self.lock:
+            for v in victims:
+                self.remove(v)
+            self.policy.insert(key, charge)
+            self._charge[key] = charge
+            self.used += charge
+
+    def clear(self) -> None:
+        """Forget every entry (pins stay with their holders and are dropped by them)."""
+        with self.lock:
+            for key in self.policy.order():
+                self.policy.remove(key)
+            self._charge.clear()
+            self.used = 0
+
+    def touch(self, key: Key) -> None:
+        """Record a use of ``key`` if present."""
+        with self.lock:
+            if key in self._charge:
+                self.policy.touch(key)
+
+    def remove(self, key: Key) -> bool:
+        """Forget ``key``; False if it was absent."""
+        with self.lock:
+            charge = self._charge.pop(key, None)
+            if charge is None:
+                return False
+            self.policy.remove(key)
+            self.used -= charge
+            return True
+
+    def pin(self, keys: Iterable[Key]) -> list[Key]:
+        """Pin the present keys among ``keys``; returns those pinned (pass them to :meth:`unpin`)."""
+        with self.lock:
+            got = [k for k in keys if k in self._charge]
+            for k in got:
+                self._pins[k] = self._pins.get(k, 0) + 1
+            return got
+
+    def unpin(self, keys: Iterable[Key]) -> None:
+        """Drop one pin from each key."""
+        with self.lock:
+            for k in keys:
+                left = self._pins[k] - 1
+                if left:
+                    self._pins[k] = left
+                else:
+                    del self._pins[k]
+
+    @contextmanager
+    def pinned(self, keys: Iterable[Key]) -> Iterator[list[Key]]:
+        """Pin the present keys for the ``with`` block; unpinned on every exit path."""
+        got = self.pin(keys)
+        try:
+            yield got
+        finally:
+            self.unpin(got)

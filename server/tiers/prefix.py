@@ -1,0 +1,421 @@
+"""Prefix cache: a device-tier index over pool pages on top of the host/disk stack.
+
+Pages are keyed by chained page hashes (:mod:`kvtier.page_keys`). The cache owns the pool pages it
+indexes (the device tier); when the pool needs room it evicts unpinned device pages, LRU first, down
+the stack (device -> host -> disk -> gone), counting every move.
+
+Protocol of one request (what ``kvtier replay`` does):
+
+1. :meth:`lookup` -- per tier, the longest prefix present there, and the longest prefix present in
+   *some* tier with the fastest tier of each page. Pins nothing.
+2. :meth:`load` -- under a new lease: pins device hits, brings the rest of that prefix up from the
+   host/disk tiers into newly allocated pages, and allocates fresh pages for the remaining tokens.
+3. the caller writes its new KV into the fresh slots, then :meth:`store` hands those pages to the cache.
+4. :meth:`release` -- unpins the lease's pages and frees fresh pages it did not store.
+
+Decisions (what lives where, which victim) are apart from byte moves: with ``pool=None`` the same
+code runs as a size-only simulation (records are sizes), which is how ``--simulate`` gets exactly the
+hit counts of a real run.
+
+Thread safety: every public method takes the cache's lock (calls on one cache are serialised); the
+tiers below have their own locks.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvtier.server.pool import DSATokenToKVPool, PagedTokenAllocator, slots_of_pages
+from kvtier.server.tiers.base import RecordLike
+from kvtier.server.tiers.errors import LeaseError, RecordError, TierFullError
+from kvtier.server.tiers.policy import TierIndex
+from kvtier.server.tiers.record import RecordCodec
+from kvtier.server.tiers.stack import TierStack
+
+log = logging.getLogger(__name__)
+
+DEVICE = "device"
+
+
+@dataclass
+class PrefixLookup:
+    """Answer of :meth:`PrefixCache.lookup` for ``n`` page keys.
+
+    Attributes:
+        per_tier: ``{tier name: pages}``, the longest prefix wholly present in that tier.
+        tiers: the longest prefix present in *some* tier: for each of its pages the fastest tier
+            holding it (``len(tiers)`` pages would be loaded).
+    """
+
+    per_tier: dict[str, int]
+    tiers: list[str]
+
+
+@dataclass
+class PrefixLoad:
+    """Answer of :meth:`PrefixCache.load`.
+
+    Attributes:
+        lease: the lease to :meth:`store` under and :meth:`release`.
+        slots: ``(total_tokens,)`` int64 slots: the first ``loaded_pages * page_size`` hold the
+            loaded prefix, the rest are fresh pages for the caller to fill.
+        tiers: tier each loaded page came from (``device``, ``host``, ``disk``).
+    """
+
+    lease: int
+    slots: torch.Tensor
+    tiers: list[str]
+
+    @property
+    def loaded_pages(self) -> int:
+        """Pages of the prefix that were loaded."""
+        return len(self.tiers)
+
+
+@dataclass
+class _Lease:
+    pinned: list[bytes] = field(default_factory=list)
+    fresh: list[int] = field(default_factory=list)
+    started: float = field(default_factory=time.monotonic)
+
+
+class PrefixCache:
+    """Device-tier page index plus the lower tiers, for one pool.
+
+    Args:
+        stack: the host/disk tiers (may be empty).
+        allocator: the pool's page allocator (the cache allocates and frees pages through it).
+        codec: record codec of the pool's model and layer mask (record sizes come from it).
+        pool: the device pool; None runs the cache as a size-only simulation.
+        namespace: prefix for tier keys (e.g. the model fingerprint digest), so pools of different
+            models never share records.
+        lease_ttl_seconds: a lease not released this long after its load is released by the cache
+            (at the next load or lookup), so a client that vanished mid-request cannot pin pages
+            forever. None: never.
+    """
+
+    def __init__(self, stack: TierStack, allocator: PagedTokenAllocator, codec: RecordCodec, *,
+                 pool: DSATokenToKVPool | None = None, namespace: bytes = b"",
+                 lease_ttl_seconds: float | None = 600.0) -> None:
+        if allocator.page_size != codec.page_size:
+            raise ValueError("allocator and codec disagree on page_size")
+        self.stack = stack
+        self.allocator = allocator
+        self.codec = codec
+        self.pool = pool
+        self.simulate = pool is None
+        self.namespace = namespace
+        self.page_size = codec.page_size
+        self.page_record_bytes = codec.page_nbytes()
+        self._lock = threading.RLock()
+        self._device = TierIndex(capacity=1 << 62)
+        self._pages: dict[bytes, int] = {}
+        self._leases: dict[int, _Lease] = {}
+        self.lease_ttl_seconds = lease_ttl_seconds
+        self._ids = itertools.count(1)
+        self.counters: dict[str, int] = {"lookups": 0, "loads": 0, "stores": 0, "releases": 0,
+                                         "hit_pages_device": 0, "hit_pages_host": 0, "hit_pages_disk": 0,
+                                         "fresh_pages": 0, "failed_loads": 0, "expired_leases": 0}
+
+    # ----- keys ---------------------------------------------------------------------------------
+    def _tier_key(self, key: bytes) -> bytes:
+        return self.namespace + key
+
+    @staticmethod
+    def _check_keys(keys: Sequence[bytes]) -> list[bytes]:
+        keys = list(keys)
+        if any(not isinstance(k, bytes) or not 1 <= len(k) <= 64 for k in keys):
+            raise ValueError("page keys must be byte strings of 1..64 bytes")
+        return keys
+
+    # ----- presence -----------------------------------------------------------------------------
+    def where_is(self, keys: Sequence[bytes]) -> list[list[str]]:
+        """For each key, the tiers holding its page (``device`` first). Pins nothing."""
+        keys = self._check_keys(keys)
+        with self._lock:
+            lower = self.stack.where([self._tier_key(k) for k in keys])
+            return [([DEVICE] if k in self._device else []) + held for k, held in zip(keys, lower)]
+
+    def lookup(self, keys: Sequence[bytes]) -> PrefixLookup:
+        """Longest prefixes of ``keys`` present, per tier and across tiers. Pins nothing."""
+        keys = self._check_keys(keys)
+        with self._lock:
+            self.counters["lookups"] += 1
+            self.expire_leases()
+            return self._lookup(keys)
+
+    def expire_leases(self) -> int:
+        """Release leases older than ``lease_ttl_seconds`` (logged, counted); returns how many."""
+        if self.lease_ttl_seconds is None:
+            return 0
+        with self._lock:
+            now = time.monotonic()
+            old = [i for i, lease in self._leases.items() if now - lease.started >= self.lease_ttl_seconds]
+            for i in old:
+                log.warning("prefix cache: lease %d was not released within %.0f s; releasing it", i,
+                            self.lease_ttl_seconds)
+                self.release(i)
+            self.counters["expired_leases"] += len(old)
+            return len(old)
+
+    def _lookup(self, keys: list[bytes]) -> PrefixLookup:
+        with self._lock:
+            where = self.where_is(keys)
+            per_tier = {}
+            for name in [DEVICE, *self.stack.names]:
+                per_tier[name] = next((i for i, w in enumerate(where) if name not in w), len(where))
+            tiers = []
+            for w in where:
+                if not w:
+                    break
+                tiers.append(w[0])
+            return PrefixLookup(per_tier, tiers)
+
+    # ----- room on the device -------------------------------------------------------------------
+    def ensure_free_pages(self, n: int) -> None:
+        """Evict unpinned device pages (LRU first, down the stack) until ``n`` pages are free.
+
+        Raises:
+            TierFullError: not enough unpinned pages; nothing was evicted.
+        """
+        with self._lock:
+            short = n - self.allocator.free_pages
+            if short <= 0:
+                return
+            victims = self._device.policy.victims(short, lambda k: self._device.pin_count(k) == 0)
+            if victims is None:
+                raise TierFullError(f"the pool needs {n} free pages but only {self.allocator.free_pages} are free and "
+                                    f"{len(self._pages) - self._pinned_pages()} cached pages are unpinned")
+            for key in victims:
+                self._evict_device(key)
+
+    def _pinned_pages(self) -> int:
+        return sum(1 for k in self._pages if self._device.pin_count(k))
+
+    def _evict_device(self, key: bytes) -> None:
+        page = self._pages[key]
+        tkey = self._tier_key(key)
+        if self.stack.tiers:
+            top = self.stack.tiers[0]
+            if top.contains([tkey])[0]:
+                top.index.touch(tkey)  # same content is already there: no bytes move
+                self.stack.count_move(DEVICE, f"{top.name}(present)", 0)
+            else:
+                rec = self._page_record(page)  # may fail: then nothing below changed
+                self.stack.put(tkey, rec, source=DEVICE)
+        else:
+            self.stack.count_move(DEVICE, "gone", self.page_record_bytes)
+        del self._pages[key]
+        self._device.remove(key)
+        self.allocator.free_pages_by_id([page])
+
+    def _page_record(self, page: int) -> RecordLike:
+        if self.pool is None:
+            return self.page_record_bytes
+        pin = bool(getattr(self.stack.tiers[0], "pin_memory", False)) if self.stack.tiers else False
+        return self.codec.encode_page(self.pool, page, pin_memory=pin)
+
+    # ----- load / store / release ---------------------------------------------------------------
+    def load(self, keys: Sequence[bytes], total_tokens: int | None = None) -> PrefixLoad:
+        """Load the longest present prefix of ``keys`` into device slots and allocate the rest.
+
+        Args:
+            keys: the request's page keys.
+            total_tokens: slots to hand out in all (default ``len(keys) * page_size``); at least the
+                loaded prefix.
+
+        Returns:
+            :class:`PrefixLoad`; the device pages of the loaded prefix are pinned under its lease.
+
+        Raises:
+            ValueError: bad keys or ``total_tokens``.
+            TierFullError: the pool cannot make room (too much is pinned); nothing changed.
+        """
+        keys = self._check_keys(keys)
+        total = len(keys) * self.page_size if total_tokens is None else total_tokens
+        if isinstance(total, bool) or not isinstance(total, int) or total < 0:
+            raise ValueError(f"total_tokens must be a non-negative integer, got {total_tokens!r}")
+        with self._lock:
+            self.expire_leases()
+            found = self._lookup(keys).tiers
+            found = found[: total // self.page_size]
+            lower = [(i, key) for i, (key, t) in enumerate(zip(keys, found)) if t != DEVICE]
+            device_hits = [k for k, t in zip(keys, found) if t == DEVICE]
+            lease_id = next(self._ids)
+            lease = _Lease()
+            lease.pinned = self._device.pin(device_hits)
+            held = {t.name: t.index.pin([self._tier_key(k) for _, k in lower]) for t in self.stack.tiers}
+            try:
+                for k in lease.pinned:
+                    self._device.touch(k)
+                need = len(lower) + self.allocator.pages_for(total - len(found) * self.page_size)
+                try:
+                    self.ensure_free_pages(need)
+                except TierFullError:
+                    self._device.unpin(lease.pinned)
+                    raise
+                new_pages = self.allocator.alloc_pages(need)
+                assert new_pages is not None
+                new_pages = new_pages.tolist()
+                self._leases[lease_id] = lease
+                lease.fresh.extend(new_pages[len(lower):])
+                page_of = {i: self._pages[k] for i, (k, t) in enumerate(zip(keys, found)) if t == DEVICE}
+                loaded = len(found)
+                for (i, key), page in zip(lower, new_pages):
+                    if i < loaded and self._load_page(key, found[i], page):
+                        page_of[i] = page
+                        self._pages[key] = page
+                        self._device.commit_insert(key, 1)
+                        lease.pinned.extend(self._device.pin([key]))
+                        continue
+                    if i < loaded:  # a damaged or vanished record: the prefix ends here
+                        self.counters["failed_loads"] += 1
+                        loaded = i
+                    lease.fresh.insert(0, page)
+            except BaseException:
+                if lease_id in self._leases:
+                    self.release(lease_id)
+                raise
+            finally:
+                for t in self.stack.tiers:
+                    t.index.unpin(held[t.name])
+            tiers = found[:loaded]
+            fresh_needed = self.allocator.pages_for(total - loaded * self.page_size)
+            short = fresh_needed - len(lease.fresh)
+            if short > 0:  # only after a failed load, when device hits lay past the failure
+                try:
+                    self.ensure_free_pages(short)
+                except TierFullError:
+                    self.release(lease_id)
+                    raise
+                lease.fresh.extend(self.allocator.alloc_pages(short).tolist())
+            fresh_pages = lease.fresh[:fresh_needed]
+            prefix_pages = [page_of[i] for i in range(loaded)]
+            slots = slots_of_pages(torch.tensor(prefix_pages + fresh_pages, dtype=torch.int64), self.page_size)[:total]
+            self.counters["loads"] += 1
+            for t in tiers:
+                self.counters[f"hit_pages_{t}"] += 1
+            self.counters["fresh_pages"] += len(fresh_pages)
+            return PrefixLoad(lease_id, slots, tiers)
+
+    def _load_page(self, key: bytes, tier_name: str, page: int) -> bool:
+        tier = self.stack.tier(tier_name)
+        assert tier is not None
+        tkey = self._tier_key(key)
+        with tier.borrow([tkey]) as (rec,):
+            if rec is None:
+                return False
+            if self.pool is not None:
+                assert isinstance(rec, torch.Tensor)
+                try:
+                    self.codec.load_page(self.pool, rec, page)
+                except RecordError as e:
+                    tier.report_damaged(tkey, e)
+                    return False
+            nbytes = rec if isinstance(rec, int) else int(rec.numel())
+        self.stack.count_move(tier_name, DEVICE, nbytes)
+        return True
+
+    def store(self, lease_id: int, keys: Sequence[bytes], slots: Any) -> int:
+        """Hand the lease's fresh pages holding ``keys`` to the cache (no copy; they become device-tier
+        pages, pinned until :meth:`release`).
+
+        Args:
+            lease_id: from :meth:`load`.
+            keys: ``k`` page keys.
+            slots: ``(k * page_size,)`` slots, page by page, each page a fresh page of this lease.
+
+        Returns:
+            Pages adopted (a key already cached keeps its page; the lease's page stays fresh).
+
+        Raises:
+            LeaseError: unknown lease.
+            ValueError: wrong slot count, pages not whole or not this lease's fresh pages; nothing stored.
+        """
+        keys = self._check_keys(keys)
+        with self._lock:
+            lease = self._leases.get(lease_id)
+            if lease is None:
+                raise LeaseError(f"lease {lease_id} is unknown or released")
+            s = torch.as_tensor(slots, dtype=torch.int64).reshape(-1).cpu()
+            if s.numel() != len(keys) * self.page_size:
+                raise ValueError(f"{len(keys)} keys need {len(keys) * self.page_size} slots, got {s.numel()}")
+            pages = (s.view(-1, self.page_size) // self.page_size) if keys else s.view(0, self.page_size)
+            offs = s.view(-1, self.page_size) % self.page_size if keys else pages
+            if keys and (bool((pages != pages[:, :1]).any()) or bool((offs != torch.arange(self.page_size)).any())):
+                raise ValueError("each key's slots must be one whole page, in order")
+            page_ids = pages[:, 0].tolist() if keys else []
+            fresh = set(lease.fresh)
+            if any(p not in fresh for p in page_ids) or len(set(page_ids)) != len(page_ids):
+                raise ValueError("slots must be distinct fresh pages of this lease")
+            adopted = 0
+            for key, page in zip(keys, page_ids):
+                if key in self._device:
+                    continue
+                lease.fresh.remove(page)
+                self._pages[key] = page
+                self._device.commit_insert(key, 1)
+                self._device.pin([key])
+                lease.pinned.append(key)
+                adopted += 1
+            self.counters["stores"] += 1
+            return adopted
+
+    def release(self, lease_id: int) -> None:
+        """Unpin the lease's pages and free its fresh pages.
+
+        Raises:
+            LeaseError: unknown or already released lease.
+        """
+        with self._lock:
+            lease = self._leases.pop(lease_id, None)
+            if lease is None:
+                raise LeaseError(f"lease {lease_id} is unknown or released")
+            self._device.unpin(lease.pinned)
+            if lease.fresh:
+                self.allocator.free_pages_by_id(lease.fresh)
+            self.counters["releases"] += 1
+
+    def drop_all(self) -> None:
+        """Evict every unpinned device page down the stack (e.g. before shutdown)."""
+        with self._lock:
+            for key in [k for k in self._device.keys() if self._device.pin_count(k) == 0]:
+                self._evict_device(key)
+
+    # ----- stats --------------------------------------------------------------------------------
+    @property
+    def device_pages(self) -> int:
+        """Pages the device tier holds."""
+        return len(self._pages)
+
+    @property
+    def pinned_pages(self) -> int:
+        """Device pages pinned by open leases."""
+        with self._lock:
+            return self._pinned_pages()
+
+    @property
+    def open_leases(self) -> int:
+        """Leases not yet released."""
+        return len(self._leases)
+
+    def device_order(self) -> list[bytes]:
+        """Device-tier keys, next victim first."""
+        return self._device.keys()
+
+    def stats(self) -> dict[str, Any]:
+        """Counters, device usage and the stack's stats and moves."""
+        with self._lock:
+            out = self.stack.stats()
+            out["device"] = {"pages": len(self._pages), "pinned_pages": self._pinned_pages(),
+                             "free_pages": self.allocator.free_pages, "open_leases": len(self._leases)}
+            out["counters"] = dict(self.counters)
+            return out

@@ -1,0 +1,159 @@
+"""The tier stack below the device: host -> disk -> gone, with a counter for every move.
+
+Built from a list of typed configs by a loop (:func:`build_tier` looks the class up by config type).
+An eviction from tier ``i`` writes the record to tier ``i + 1`` when tier ``i`` is write-back; when it
+is write-through the record went down when it entered, and eviction just drops it. The last tier's
+victims are gone.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from kvtier.server.tiers.base import RecordLike, Tier, TierConfig, record_nbytes
+from kvtier.server.tiers.disk import DiskTier, DiskTierConfig
+from kvtier.server.tiers.errors import TierFullError
+from kvtier.server.tiers.host import HostTier, HostTierConfig
+from kvtier.server.tiers.sim import SimTier, SimTierConfig
+
+log = logging.getLogger(__name__)
+
+TIER_CLASSES: dict[type[TierConfig], type[Tier]] = {
+    HostTierConfig: HostTier,
+    DiskTierConfig: DiskTier,
+    SimTierConfig: SimTier,
+}
+
+
+def build_tier(config: TierConfig) -> Tier:
+    """The tier a config describes. Raises ValueError for an unknown config type or a bad field."""
+    cls = TIER_CLASSES.get(type(config))
+    if cls is None:
+        raise ValueError(f"no tier for config type {type(config).__name__}")
+    return cls(config)  # type: ignore[call-arg]
+
+
+def _write_back(tier: Tier) -> bool:
+    return bool(getattr(tier.config, "write_back", True))  # type: ignore[attr-defined]
+
+
+class TierStack:
+    """Tiers from fastest to slowest, with the cascade and move counters.
+
+    Args:
+        tiers: e.g. ``[HostTier, DiskTier]``; names must differ.
+
+    Attributes:
+        moves: ``{"src->dst": {"count": records, "bytes": record bytes}}`` for every move, e.g.
+            ``device->host``, ``host->disk``, ``disk->gone``, ``host->device``.
+    """
+
+    def __init__(self, tiers: Sequence[Tier]) -> None:
+        names = [t.name for t in tiers]
+        if len(set(names)) != len(names):
+            raise ValueError(f"tier names must differ, got {names}")
+        self.tiers = list(tiers)
+        self.moves: dict[str, dict[str, int]] = {}
+        self._moves_lock = threading.Lock()
+
+    @classmethod
+    def from_configs(cls, configs: Sequence[TierConfig], *, simulate: bool = False) -> TierStack:
+        """Build each tier with a positive budget, in order (``simulate``: their size-only twins)."""
+        tiers = []
+        for cfg in configs:
+            if cfg.capacity_bytes <= 0:
+                continue
+            tiers.append(build_tier(SimTierConfig.like(cfg) if simulate else cfg))
+        return cls(tiers)
+
+    @property
+    def names(self) -> list[str]:
+        """Tier names, fastest first."""
+        return [t.name for t in self.tiers]
+
+    def tier(self, name: str) -> Tier | None:
+        """The tier called ``name``, or None."""
+        return next((t for t in self.tiers if t.name == name), None)
+
+    def count_move(self, src: str, dst: str, nbytes: int) -> None:
+        """Add one move of ``nbytes`` from ``src`` to ``dst``."""
+        with self._moves_lock:
+            m = self.moves.setdefault(f"{src}->{dst}", {"count": 0, "bytes": 0})
+            m["count"] += 1
+            m["bytes"] += nbytes
+
+    # ----- writes and the cascade ---------------------------------------------------------------
+    def put(self, key: bytes, rec: RecordLike, *, source: str, level: int = 0) -> bool:
+        """Store ``rec`` under ``key`` in tier ``level`` (and below it when that tier is
+        write-through), cascading evictions down. Returns False if it fit nowhere (counted as
+        ``source->gone``)."""
+        if level >= len(self.tiers):
+            self.count_move(source, "gone", record_nbytes(rec))
+            return False
+        tier = self.tiers[level]
+        below = level + 1 < len(self.tiers)
+
+        def on_evict(victim: bytes, vrec: RecordLike | None) -> None:
+            n = record_nbytes(vrec) if vrec is not None else 0
+            if _write_back(tier) and below and vrec is not None:
+                self.put(victim, vrec, source=tier.name, level=level + 1)
+            else:
+                self.count_move(tier.name, "gone", n)
+
+        try:
+            written = tier.write([(key, rec)], on_evict=on_evict)
+        except TierFullError as e:
+            log.info("%s tier: no room for %s (%s); passing it down", tier.name, key.hex(), e)
+            return self.put(key, rec, source=source, level=level + 1)
+        if written:
+            self.count_move(source, tier.name, record_nbytes(rec))
+        if not _write_back(tier) and below:
+            self.put(key, rec, source=tier.name, level=level + 1)
+        return True
+
+    def remove(self, keys: Sequence[bytes]) -> int:
+        """Drop ``keys`` from every tier; returns records dropped."""
+        return sum(t.remove(keys) for t in self.tiers)
+
+    # ----- presence -----------------------------------------------------------------------------
+    def where(self, keys: Sequence[bytes]) -> list[list[str]]:
+        """For each key, the names of the tiers that hold it, fastest first."""
+        held = [t.contains(keys) for t in self.tiers]
+        return [[t.name for t, h in zip(self.tiers, col) if h] for col in zip(*held)] if self.tiers else [[] for _ in keys]
+
+    def first_holder(self, key: bytes) -> int | None:
+        """Index of the fastest tier holding ``key``, or None."""
+        for i, t in enumerate(self.tiers):
+            if t.contains([key])[0]:
+                return i
+        return None
+
+    def stats(self) -> dict[str, Any]:
+        """``{"tiers": {name: TierStats dict}, "moves": {...}}``."""
+        with self._moves_lock:
+            moves = {k: dict(v) for k, v in self.moves.items()}
+        return {"tiers": {t.name: t.stats().to_dict() for t in self.tiers}, "moves": moves}
+
+    def spill_down(self) -> int:
+        """Write every record of each write-back tier to the tier below it (oldest first), e.g. before
+        shutdown, so a restart finds in the last tier what the faster tiers held. Returns records moved."""
+        moved = 0
+        for level, tier in enumerate(self.tiers[:-1]):
+            if not _write_back(tier):
+                continue  # write-through: everything is below already
+            below = self.tiers[level + 1]
+            for key in tier.index.keys():
+                if below.contains([key])[0]:
+                    continue
+                with tier.borrow([key]) as (rec,):
+                    if rec is not None and self.put(key, rec, source=tier.name, level=level + 1):
+                        moved += 1
+        return moved
+
+    def close(self) -> None:
+        """Close every tier."""
+        for t in self.tiers:
+            t.close()

@@ -1,0 +1,39 @@
+"""The pytest plugin: registered as an entry point, and its ephemeral daemon fixture in use."""
+
+from __future__ import annotations
+
+from importlib.metadata import entry_points
+
+
+def test_plugin_is_registered_as_a_pytest11_entry_point():
+    eps = [e for e in entry_points(group="pytest11") if e.name == "kvtier"]
+    assert [e.value for e in eps] == ["kvtier.pytest_plugin"]
+
+
+def test_fixture_daemon_shows_an_lru_eviction_order(kvtier_daemon):
+    """Pool of 8 pages, host 4 pages, disk 8: twelve pages stored one request at a time end up
+    newest 8 on the device, the 4 before them in the host tier; reusing one brings it back."""
+    d = kvtier_daemon
+    keys = d.page_keys(12)
+    for i in range(0, 12, 2):
+        assert d.put_pages(keys[i:i + 2]) == []  # all misses
+    where = d.client.where_is(d.pool_id, keys)
+    assert where[4:] == [["device"]] * 8
+    assert where[:4] == [["host"]] * 4
+    assert d.put_pages(keys[:2]) == ["host", "host"]  # loads both back, evicting the two oldest device pages
+    assert d.client.where_is(d.pool_id, keys[4:6]) == [["host"]] * 2
+    stats = d.client.tier_stats(d.pool_id)
+    assert stats.moves["host->device"]["count"] == 2 and stats.device["pinned_pages"] == 0
+    assert stats.tiers["host"]["pinned"] == 0 and stats.device["open_leases"] == 0
+
+
+def test_factory_starts_daemons_with_other_budgets(kvtier_daemon_factory):
+    d = kvtier_daemon_factory(device_pages=4, host_pages=1, disk_pages=2)
+    keys = d.page_keys(8)
+    for k in keys:
+        d.put_pages([k])
+    where = d.client.where_is(d.pool_id, keys)
+    # device 4 pages, host 1, disk 2: the oldest is gone
+    assert where == [[], ["disk"], ["disk"], ["host"]] + [["device"]] * 4
+    moves = d.client.tier_stats().moves
+    assert moves["host->disk"]["count"] == 3 and moves["disk->gone"]["count"] == 1

@@ -1,0 +1,260 @@
+"""LMDB disk tier on a real environment in a temp dir: budget, LRU order that survives a restart,
+startup scrub, damaged records, map-full writes that leave nothing behind, one env per process, fork."""
+
+from __future__ import annotations
+
+import multiprocessing
+import lmdb
+import pytest
+import torch
+
+from kvtier.server.tiers import DiskTier, DiskTierConfig, EnvironmentInUseError, TierFullError, disk_charge
+from tierkit import record_of
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def records(pool, codec):
+    return {b"rec-%02d" % i: record_of(codec, pool, 1 + i % 8, seed=i) for i in range(12)}
+
+
+def disk_at(path, capacity=8 * MiB, **kw) -> DiskTier:
+    return DiskTier(DiskTierConfig(path=str(path), capacity_bytes=capacity, **kw))
+
+
+def read(disk: DiskTier, key: bytes, size: int) -> torch.Tensor | None:
+    out = torch.empty(size, dtype=torch.uint8)
+    n = disk.read_into([key], [out])[0]
+    return out[:n] if n else None
+
+
+def test_charge_is_whole_lmdb_pages_plus_index_entries(codec):
+    size = codec.page_nbytes()  # 194,048 + 16-byte page header -> 48 pages of 4096
+    assert disk_charge(size) == -(-(size + 16) // 4096) * 4096 + 256
+
+
+def test_budget_is_kept_by_lru_eviction(tmp_path, records, codec):
+    size = codec.page_nbytes()
+    disk = disk_at(tmp_path, capacity=4 * MiB, reserve_fraction=0.5)  # records: 2 MiB = 10 of ~190 KiB
+    per = disk_charge(size)
+    fits = int(4 * MiB * 0.5) // per
+    keys = list(records)
+    gone = []
+    for k in keys:
+        disk.write([(k, records[k])], on_evict=lambda v, _r: gone.append(v))
+        assert disk.index.used <= disk.index.capacity
+    assert len(disk.index) == fits == 10
+    assert gone == keys[: len(keys) - fits]
+    assert disk.contains(keys) == [False] * (len(keys) - fits) + [True] * fits
+    info = disk.lmdb_info()
+    assert info["entries"] == fits and info["file_bytes_used"] <= info["map_size"]
+    disk.close()
+
+
+def test_restart_keeps_records_and_lru_order(tmp_path, records, codec):
+    size = codec.page_nbytes()
+    keys = list(records)[:5]
+    disk = disk_at(tmp_path)
+    disk.write([(k, records[k]) for k in keys])
+    assert read(disk, keys[1], size) is not None     # touch: order 0 2 3 4 1
+    disk.write([(keys[0], records[keys[0]])])         # present: touched, not rewritten: 2 3 4 1 0
+    order = disk.index.keys()
+    assert order == [keys[2], keys[3], keys[4], keys[1], keys[0]]
+    disk.close()
+
+    again = disk_at(tmp_path)
+    again.open()
+    assert again.index.keys() == order
+    for k in keys:
+        got = read(again, k, size)
+        assert got is not None and torch.equal(got, records[k])
+    again.close()
+
+
+def test_startup_scrub_drops_a_damaged_record(tmp_path, records, codec):
+    keys = list(records)[:3]
+    disk = disk_at(tmp_path)
+    disk.write([(k, records[k]) for k in keys])
+    disk.close()
+    env = lmdb.open(str(tmp_path), max_dbs=3)  # flip one payload byte behind kvtier's back
+    db = env.open_db(b"records")
+    with env.begin(write=True, db=db) as txn:
+        bad = bytearray(txn.get(keys[1]))
+        bad[codec.header_nbytes + 12345] ^= 0x40
+        txn.put(keys[1], bytes(bad))
+    env.close()
+
+    again = disk_at(tmp_path)
+    assert again.contains(keys) == [True, False, True]
+    assert again.stats().damaged == 1 and again.stats().extra["scrubbed"] == 1
+    assert again.lmdb_info()["entries"] == 2
+    again.close()
+
+
+def test_damaged_record_read_is_a_miss_plus_counter(tmp_path, records, codec, caplog):
+    size = codec.page_nbytes()
+    k = next(iter(records))
+    disk = disk_at(tmp_path)
+    disk.write([(k, records[k])])
+    disk.close()
+    env = lmdb.open(str(tmp_path), max_dbs=3)
+    db = env.open_db(b"records")
+    with env.begin(write=True, db=db) as txn:
+        bad = bytearray(txn.get(k))
+        bad[-3] ^= 1
+        txn.put(k, bytes(bad))
+    env.close()
+
+    again = disk_at(tmp_path, scrub_on_open=False)
+    assert again.contains([k]) == [True]
+    with caplog.at_level("WARNING"):
+        assert read(again, k, size) is None
+    assert "damaged" in caplog.text
+    assert again.stats().damaged == 1 and again.contains([k]) == [False]
+    again.close()
+
+
+def test_map_full_write_is_rolled_back_and_invisible(tmp_path, records, codec):
+    """kvtier's budget is made wrong on purpose (ten times the map), so LMDB itself raises
+    MapFullError half way through a batch: the whole transaction is invisible, the earlier record
+    survives, and memory agrees with LMDB afterwards."""
+    size = codec.page_nbytes()
+    keys = list(records)
+    disk = disk_at(tmp_path, capacity=1 * MiB)
+    disk.write([(keys[0], records[keys[0]])])
+    disk.index.capacity = 10 * MiB
+    before = (disk.index.keys(), disk.index.used)
+    with pytest.raises(TierFullError, match="map full"):
+        disk.write([(k, records[k]) for k in keys[1:8]])
+    assert (disk.index.keys(), disk.index.used) == before
+    assert disk.contains(keys[:8]) == [True] + [False] * 7
+    assert disk.lmdb_info()["entries"] == 1
+    got = read(disk, keys[0], size)
+    assert got is not None and torch.equal(got, records[keys[0]])
+    assert disk.stats().full_errors == 1
+    disk.close()
+    again = disk_at(tmp_path, capacity=1 * MiB)
+    again.open()
+    assert again.index.keys() == [keys[0]]
+    again.close()
+
+
+def test_a_write_failing_half_way_through_a_batch_is_invisible(tmp_path, records, codec, monkeypatch):
+    """The batch's transaction fails after its second record (an injected fault): none of the batch
+    is visible, memory agrees with LMDB, and the tier keeps working."""
+    size = codec.page_nbytes()
+    keys = list(records)
+    disk = disk_at(tmp_path)
+    disk.write([(keys[0], records[keys[0]])])
+    stamps = {"n": 0}
+    real_stamp = DiskTier._stamp
+
+    def failing_stamp(self, txn, key):  # runs inside the put transaction, after each record's put
+        stamps["n"] += 1
+        if stamps["n"] == 3:
+            raise OSError("injected: disk failed half way through the batch")
+        return real_stamp(self, txn, key)
+
+    monkeypatch.setattr(DiskTier, "_stamp", failing_stamp)
+    with pytest.raises(OSError, match="injected"):
+        disk.write([(k, records[k]) for k in keys[1:5]])
+    monkeypatch.undo()
+    assert disk.contains(keys[:5]) == [True, False, False, False, False]
+    assert disk.index.keys() == [keys[0]] and disk.lmdb_info()["entries"] == 1
+    disk.write([(keys[1], records[keys[1]])])
+    got = read(disk, keys[1], size)
+    assert got is not None and torch.equal(got, records[keys[1]])
+    disk.close()
+
+
+def test_only_one_environment_per_file_per_process(tmp_path, records):
+    disk = disk_at(tmp_path)
+    disk.open()
+    other = disk_at(tmp_path)
+    with pytest.raises(EnvironmentInUseError):
+        other.open()
+    disk.close()
+    other.open()
+    other.close()
+
+
+def _child_writes(disk: DiskTier, key: bytes, rec: torch.Tensor, q) -> None:
+    try:
+        disk.write([(key, rec)])
+        q.put(("ok", ""))
+    except EnvironmentInUseError as e:
+        q.put(("in use", str(e)))
+    except Exception as e:  # reported to the parent
+        q.put(("error", repr(e)))
+
+
+def _in_child(disk: DiskTier, key: bytes, rec: torch.Tensor) -> tuple[str, str]:
+    ctx = multiprocessing.get_context("fork")
+    q = ctx.Queue()
+    p = ctx.Process(target=_child_writes, args=(disk, key, rec, q))
+    p.start()
+    status = q.get(timeout=60)
+    p.join(60)
+    assert p.exitcode == 0
+    return status
+
+
+def test_a_tier_built_before_fork_opens_its_environment_in_the_child(tmp_path, records):
+    keys = list(records)
+    disk = disk_at(tmp_path)  # built, not yet opened: the child opens its own environment
+    assert _in_child(disk, keys[0], records[keys[0]]) == ("ok", "")
+    disk.open()
+    assert disk.contains(keys[:1]) == [True]
+    disk.close()
+
+
+def test_an_environment_never_crosses_fork(tmp_path, records, codec):
+    size = codec.page_nbytes()
+    keys = list(records)
+    disk = disk_at(tmp_path)
+    disk.write([(keys[0], records[keys[0]])])
+    status, msg = _in_child(disk, keys[1], records[keys[1]])
+    assert status == "in use" and "fork" in msg
+    got = read(disk, keys[0], size)  # the parent's environment is untouched and still works
+    assert got is not None and torch.equal(got, records[keys[0]])
+    assert disk.contains(keys[:2]) == [True, False]
+    disk.close()
+
+
+def test_disk_reads_racing_eviction_return_the_whole_record_or_a_miss(tmp_path, records, codec):
+    import threading
+
+    size = codec.page_nbytes()
+    keys = list(records)
+    disk = disk_at(tmp_path, capacity=4 * MiB, reserve_fraction=0.5)  # 10 of the 12 records fit
+    stop = threading.Event()
+    bad: list[str] = []
+    reads = [0, 0]
+
+    def reader(i: int) -> None:
+        out = torch.empty(size, dtype=torch.uint8)
+        while not stop.is_set():
+            for k in keys:
+                n = disk.read_into([k], [out])[0]
+                reads[i] += 1
+                if n and not torch.equal(out[:n], records[k]):
+                    bad.append(k.decode())
+
+    threads = [threading.Thread(target=reader, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    rounds = 0
+    while rounds < 5 or min(reads) < 200:
+        for k in keys:
+            disk.remove([k]) if rounds % 2 else disk.write([(k, records[k])])
+        rounds += 1
+        assert rounds < 100_000
+    stop.set()
+    for t in threads:
+        t.join()
+    assert bad == []
+    s = disk.stats()
+    assert s.damaged == 0 and s.hits > 0 and s.misses > 0 and s.evictions > 0
+    assert disk.index.used <= disk.index.capacity
+    disk.close()
