@@ -6,6 +6,9 @@ import click
 
 from kvtier import __version__
 from kvtier.cli.plan import plan
+from kvtier.cli.pools import pools
+from kvtier.cli.serve import serve
+from kvtier.cli.status import status
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -19,3 +22,6 @@ def main() -> None:
 
 
 main.add_command(plan)
+main.add_command(serve)
+main.add_command(status)
+main.add_command(pools)

@@ -1,0 +1,20 @@
+"""What inference workers embed to talk to a kvtier daemon (never imports ``kvtier.server``).
+
+Modules: ``base`` (channel, deadlines, retries), ``errors`` (one exception per status code),
+``pool`` (PoolService methods), ``client`` (KVTierClient = all mixins), ``spawn`` (start a daemon
+as a subprocess, for tests and embedded use).
+"""
+
+from kvtier.client.client import KVTierClient
+from kvtier.client.errors import (
+    AlreadyExistsError, DeadlineExceededError, FailedPreconditionError, InvalidArgumentError, KVTierError,
+    NotFoundError, ResourceExhaustedError, UnavailableError,
+)
+from kvtier.client.pool import KVData, OffloadResult
+from kvtier.client.spawn import DaemonProcess, spawn_daemon
+
+__all__ = [
+    "AlreadyExistsError", "DaemonProcess", "DeadlineExceededError", "FailedPreconditionError", "InvalidArgumentError",
+    "KVData", "KVTierClient", "KVTierError", "NotFoundError", "OffloadResult", "ResourceExhaustedError",
+    "UnavailableError", "spawn_daemon",
+]

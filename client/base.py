@@ -1,0 +1,148 @@
+"""The client's base: one channel, lazily created stubs per service, deadlines and safe retries.
+
+Feature mixins (``client/pool.py``, and e.g. ``client/tiers.py``, ``client/transfer.py``) build on
+:class:`BaseClient` only through :meth:`BaseClient.stub`, :meth:`BaseClient.unary` and
+:meth:`BaseClient.server_stream`; :class:`kvtier.client.KVTierClient` lists the mixins.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvtier.addresses import resolve_address
+from kvtier.client.errors import DeadlineExceededError, KVTierError, from_rpc_error
+
+DEFAULT_MAX_MESSAGE_BYTES = 4 << 20
+DEFAULT_CHUNK_BYTES = 1 << 20
+CHUNK_OVERHEAD_BYTES = 1024  # room a KV chunk message needs beside its data
+T = TypeVar("T")
+
+
+class BaseClient:
+    """A connection to a kvtier daemon.
+
+    Args:
+        address: ``unix:///path`` or ``HOST:PORT``; None: the daemon's default unix socket.
+        timeout: deadline in seconds of every call (a call may pass its own); retries share it.
+        max_message_bytes: largest gRPC message either way; use the daemon's value (default 4 MiB).
+        chunk_bytes: data bytes per streamed KV chunk (at most ``max_message_bytes - 1024``).
+        retries: extra attempts for idempotent calls that fail with UNAVAILABLE.
+        tls_root_cert: PEM file of the daemon's certificate authority: connect with TLS.
+        tls_server_name: name to check the daemon's certificate against (default: the host).
+
+    Raises:
+        ValueError: bad address or sizes.
+    """
+
+    def __init__(
+        self,
+        address: str | None = None,
+        *,
+        timeout: float = 30.0,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        retries: int = 3,
+        tls_root_cert: str | Path | None = None,
+        tls_server_name: str | None = None,
+    ) -> None:
+        if timeout <= 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+        if not 0 < chunk_bytes <= max_message_bytes - CHUNK_OVERHEAD_BYTES:
+            raise ValueError(f"chunk_bytes must be in (0, max_message_bytes - {CHUNK_OVERHEAD_BYTES}], got {chunk_bytes}")
+        self.address = resolve_address(address)
+        self.timeout = timeout
+        self.max_message_bytes = max_message_bytes
+        self.chunk_bytes = chunk_bytes
+        self.retries = retries
+        options: list[tuple[str, Any]] = [("grpc.max_send_message_length", max_message_bytes),
+                                          ("grpc.max_receive_message_length", max_message_bytes)]
+        if tls_root_cert is not None:
+            creds = grpc.ssl_channel_credentials(root_certificates=Path(tls_root_cert).read_bytes())
+            if tls_server_name:
+                options.append(("grpc.ssl_target_name_override", tls_server_name))
+            self._channel = grpc.secure_channel(self.address, creds, options=options)
+        else:
+            self._channel = grpc.insecure_channel(self.address, options=options)
+        self._stubs: dict[type, Any] = {}
+
+    # ----- plumbing for mixins ------------------------------------------------------------------
+    def stub(self, stub_cls: type[T]) -> T:
+        """The stub of a generated service class on this client's channel (created once)."""
+        stub = self._stubs.get(stub_cls)
+        if stub is None:
+            stub = self._stubs[stub_cls] = stub_cls(self._channel)
+        return stub
+
+    def _attempts(self, idempotent: bool, timeout: float | None) -> Iterator[float]:
+        """Yield the time left for each attempt; stop after the retries or the deadline."""
+        deadline = time.monotonic() + (timeout if timeout is not None else self.timeout)
+        for attempt in range(1 + (self.retries if idempotent else 0)):
+            if attempt:
+                time.sleep(min(0.05 * 2 ** (attempt - 1), max(deadline - time.monotonic(), 0)))
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise DeadlineExceededError("deadline passed while retrying an unavailable daemon")
+            yield left
+
+    def _run(self, fn: Callable[[float], T], idempotent: bool, timeout: float | None) -> T:
+        last: KVTierError | None = None
+        for left in self._attempts(idempotent, timeout):
+            try:
+                return fn(left)
+            except grpc.RpcError as e:
+                last = from_rpc_error(e)
+                if not (idempotent and last.code == grpc.StatusCode.UNAVAILABLE):
+                    raise last from None
+        assert last is not None
+        raise last
+
+    def unary(self, rpc: Callable[..., T], request: Any, *, idempotent: bool, timeout: float | None = None) -> T:
+        """Call a unary (or client-streaming, with ``request`` an iterable made fresh per attempt:
+        pass only ``idempotent=False`` then) RPC with a deadline; UNAVAILABLE is retried only when
+        ``idempotent``. Raises a :class:`~kvtier.client.errors.KVTierError` subclass on failure."""
+        return self._run(lambda left: rpc(request, timeout=left), idempotent, timeout)
+
+    def server_stream(self, rpc: Callable[..., Iterator[Any]], request: Any, consume: Callable[[Iterator[Any]], T], *,
+                      idempotent: bool, timeout: float | None = None) -> T:
+        """Call a server-streaming RPC and hand its messages to ``consume`` (which must start from
+        scratch on each attempt); the whole stream shares one deadline."""
+        return self._run(lambda left: consume(rpc(request, timeout=left)), idempotent, timeout)
+
+    # ----- health and lifetime ------------------------------------------------------------------
+    def health(self, service: str = "", *, timeout: float | None = None) -> str:
+        """The health status of ``service`` ("" = the daemon): ``SERVING``, ``NOT_SERVING``, ..."""
+        stub = self.stub(health_pb2_grpc.HealthStub)
+        resp = self.unary(stub.Check, health_pb2.HealthCheckRequest(service=service), idempotent=True, timeout=timeout)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        """Block until the daemon reports SERVING. Raises DeadlineExceededError after ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        stub = self.stub(health_pb2_grpc.HealthStub)
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise DeadlineExceededError(f"daemon at {self.address} not serving after {timeout}s")
+            try:
+                resp = stub.Check(health_pb2.HealthCheckRequest(), timeout=min(left, 2.0), wait_for_ready=True)
+                if resp.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        """Close the channel (calls in flight are cancelled)."""
+        self._channel.close()
+
+    def __enter__(self) -> BaseClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,27 @@
+"""``KVTierClient``: everything a worker calls on a kvtier daemon, one class.
+
+It is :class:`~kvtier.client.base.BaseClient` (channel, deadlines, retries) plus one mixin per
+service. To add a service's methods, write a mixin in its own module (a subclass of ``BaseClient``
+that reaches the daemon through ``self.stub(XStub)`` and ``self.unary``/``self.server_stream``) and
+add it to the bases below, e.g. ``class KVTierClient(PoolMixin, TierMixin, BaseClient)``.
+"""
+
+from __future__ import annotations
+
+from kvtier.client.base import BaseClient
+from kvtier.client.pool import PoolMixin
+
+
+class KVTierClient(PoolMixin, BaseClient):
+    """Client of a kvtier daemon; see :class:`~kvtier.client.base.BaseClient` for the arguments.
+
+    Example::
+
+        with KVTierClient("unix:///tmp/kvtier-1000/kvtier.sock", timeout=10) as c:
+            slots = c.allocate_slots("default", 100)
+            c.write_kv("default", slots, latent={0: rows}, index={0: (keys, scales)})
+            kv = c.read_kv("default", slots)
+    """
+
+    def __enter__(self) -> KVTierClient:
+        return self

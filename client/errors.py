@@ -1,0 +1,69 @@
+"""Errors the client raises: one class per gRPC status code the daemon uses, all :class:`KVTierError`."""
+
+from __future__ import annotations
+
+import grpc
+
+
+class KVTierError(Exception):
+    """A call failed. ``code`` is the gRPC status code, ``details`` the daemon's message."""
+
+    code: grpc.StatusCode = grpc.StatusCode.UNKNOWN
+
+    def __init__(self, details: str, code: grpc.StatusCode | None = None) -> None:
+        super().__init__(details)
+        self.details = details
+        if code is not None:
+            self.code = code
+
+    def __str__(self) -> str:
+        return f"{self.code.name}: {self.details}"
+
+
+class InvalidArgumentError(KVTierError):
+    """Bad slots, shapes, dtypes, lengths or values; nothing was changed."""
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class NotFoundError(KVTierError):
+    """Unknown pool or key."""
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class AlreadyExistsError(KVTierError):
+    """Pool id or offload key already taken."""
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
+class ResourceExhaustedError(KVTierError):
+    """No free pages, host budget, memory, or a message above the size limit."""
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class FailedPreconditionError(KVTierError):
+    """Layout mismatch (skip mask, page size, dtype...) or a state that forbids the call."""
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class UnavailableError(KVTierError):
+    """The daemon could not be reached (after the retries allowed for the call)."""
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class DeadlineExceededError(KVTierError):
+    """The call's deadline passed; for a write, nothing was written."""
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+_BY_CODE: dict[grpc.StatusCode, type[KVTierError]] = {
+    cls.code: cls for cls in (InvalidArgumentError, NotFoundError, AlreadyExistsError, ResourceExhaustedError,
+                              FailedPreconditionError, UnavailableError, DeadlineExceededError)
+}
+
+
+def from_rpc_error(err: grpc.RpcError) -> KVTierError:
+    """The :class:`KVTierError` subclass for a failed call's status code (``KVTierError`` for others)."""
+    code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
+    details = (err.details() if hasattr(err, "details") else None) or str(err)
+    cls = _BY_CODE.get(code, KVTierError)
+    return cls(details, code)

@@ -1,0 +1,279 @@
+"""Client methods of ``kvtier.v1.PoolService``: pools, slots, KV data, offload/restore, infos, stats.
+
+KV payloads travel as streams of chunks of at most ``chunk_bytes`` data bytes, so no message passes
+the size limit however large the payload.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvtier.client.base import BaseClient
+from kvtier.v1 import pool_pb2, pool_pb2_grpc
+
+Slots = Any  # (n,) int torch.Tensor, numpy array or sequence of ints
+
+_LATENT, _INDEX_K, _INDEX_SCALE = pool_pb2.COMPONENT_LATENT, pool_pb2.COMPONENT_INDEX_K, pool_pb2.COMPONENT_INDEX_SCALE
+
+
+def slot_list(slots: Slots) -> list[int]:
+    """``slots`` as a list of ints for a request (no range checks here: the daemon checks them)."""
+    if isinstance(slots, torch.Tensor):
+        return slots.reshape(-1).tolist()
+    if isinstance(slots, np.ndarray):
+        return slots.reshape(-1).tolist()
+    return [int(s) for s in slots]
+
+
+def _as_bytes(t: torch.Tensor, what: str) -> memoryview:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
+    return memoryview(t.detach().cpu().contiguous().view(torch.uint8).reshape(-1).numpy())
+
+
+@dataclass
+class KVData:
+    """KV of ``n`` slots as host tensors, keyed by layer id.
+
+    Attributes:
+        latent: ``(n, kv_cache_dim)`` rows: uint8 (656-byte fp8 DSA rows) or bfloat16 (576 values).
+        index_k: ``(n, index_head_dim)`` uint8 FP8 indexer keys (live layers only).
+        index_scale: ``(n,)`` float32 indexer scales (``(n, k)`` when ``index_head_dim = 128 k``).
+    """
+
+    latent: dict[int, torch.Tensor] = field(default_factory=dict)
+    index_k: dict[int, torch.Tensor] = field(default_factory=dict)
+    index_scale: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class OffloadResult:
+    """``nbytes`` host bytes stored for ``num_tokens`` tokens; ``freed_pages`` pages freed."""
+
+    key: str
+    nbytes: int
+    num_tokens: int
+    freed_pages: int
+
+
+class PoolMixin(BaseClient):
+    """PoolService methods. Every call has a deadline (the client's ``timeout`` unless given);
+    reads, describes, lists, stats and drops retry on UNAVAILABLE, changes never do."""
+
+    _layouts: dict[str, pool_pb2.PoolLayout]
+
+    @property
+    def _pool(self) -> pool_pb2_grpc.PoolServiceStub:
+        return self.stub(pool_pb2_grpc.PoolServiceStub)
+
+    def layout(self, pool_id: str) -> pool_pb2.PoolLayout:
+        """Layout of ``pool_id`` (fetched once, then cached)."""
+        cache = self.__dict__.setdefault("_layouts", {})
+        if pool_id not in cache:
+            cache[pool_id] = self.describe_pool(pool_id).layout
+        return cache[pool_id]
+
+    # ----- pools --------------------------------------------------------------------------------
+    def create_pool(
+        self,
+        model: str | Path | Mapping[str, Any] = "glm-5.2",
+        *,
+        size_tokens: int = 0,
+        memory_budget_bytes: int = 0,
+        pool_id: str = "",
+        role: str = "target",
+        device: str = "",
+        num_layers: int = 0,
+        kv_cache_dtype: str = "fp8",
+        page_size: int = 64,
+        timeout: float | None = None,
+    ) -> pool_pb2.PoolInfo:
+        """Create a pool of ``size_tokens`` tokens or planned from ``memory_budget_bytes``.
+
+        Args:
+            model: a preset name, a path to an HF config.json, or its parsed dict.
+            num_layers: only the first N layers (0: all).
+
+        Raises:
+            InvalidArgumentError, AlreadyExistsError, ResourceExhaustedError.
+        """
+        spec = pool_pb2.ModelSpec(num_layers=num_layers, kv_cache_dtype=kv_cache_dtype, page_size=page_size)
+        if isinstance(model, Mapping):
+            spec.hf_config_json = json.dumps(dict(model))
+        elif Path(model).is_file():
+            spec.hf_config_json = Path(model).read_text()
+            spec.name = Path(model).stem
+        else:
+            spec.preset = str(model)
+        req = pool_pb2.CreatePoolRequest(pool_id=pool_id, model=spec, role=role, device=device)
+        if size_tokens:
+            req.size_tokens = size_tokens
+        if memory_budget_bytes:
+            req.memory_budget_bytes = memory_budget_bytes
+        info = self.unary(self._pool.CreatePool, req, idempotent=False, timeout=timeout)
+        self.__dict__.setdefault("_layouts", {})[info.pool_id] = info.layout
+        return info
+
+    def describe_pool(self, pool_id: str, *, timeout: float | None = None) -> pool_pb2.PoolInfo:
+        """Layout, sizes, per-layer bytes, skip mask and plan of a pool. Raises NotFoundError."""
+        return self.unary(self._pool.DescribePool, pool_pb2.DescribePoolRequest(pool_id=pool_id), idempotent=True, timeout=timeout)
+
+    def list_pools(self, *, timeout: float | None = None) -> list[pool_pb2.PoolInfo]:
+        """Every pool of the daemon."""
+        return list(self.unary(self._pool.ListPools, pool_pb2.ListPoolsRequest(), idempotent=True, timeout=timeout).pools)
+
+    def delete_pool(self, pool_id: str, *, force: bool = False, timeout: float | None = None) -> int:
+        """Delete a pool; returns the bytes freed. Raises NotFoundError, FailedPreconditionError (slots in use)."""
+        resp = self.unary(self._pool.DeletePool, pool_pb2.DeletePoolRequest(pool_id=pool_id, force=force),
+                          idempotent=False, timeout=timeout)
+        self.__dict__.get("_layouts", {}).pop(pool_id, None)
+        return resp.freed_bytes
+
+    # ----- slots --------------------------------------------------------------------------------
+    def allocate_slots(self, pool_id: str, num_tokens: int, *, timeout: float | None = None) -> torch.Tensor:
+        """Allocate whole pages for ``num_tokens``; returns ``(num_tokens,)`` int64 slots.
+        Raises ResourceExhaustedError when too few pages are free."""
+        resp = self.unary(self._pool.AllocateSlots, pool_pb2.AllocateSlotsRequest(pool_id=pool_id, num_tokens=num_tokens),
+                          idempotent=False, timeout=timeout)
+        pages = torch.tensor(list(resp.pages), dtype=torch.int64)
+        slots = (pages.view(-1, 1) * resp.page_size + torch.arange(resp.page_size, dtype=torch.int64)).view(-1)
+        return slots[: resp.num_tokens]
+
+    def free_slots(self, pool_id: str, slots: Slots, *, timeout: float | None = None) -> int:
+        """Free every page the slots touch; returns the pages freed. Raises InvalidArgumentError."""
+        return self.unary(self._pool.FreeSlots, pool_pb2.FreeSlotsRequest(pool_id=pool_id, slots=slot_list(slots)),
+                          idempotent=False, timeout=timeout).freed_pages
+
+    # ----- KV data ------------------------------------------------------------------------------
+    def _write_requests(self, header: pool_pb2.KVHeader, segments: list[tuple[int, int, memoryview]]) -> Iterator[pool_pb2.WriteKVRequest]:
+        yield pool_pb2.WriteKVRequest(header=header)
+        step = self.chunk_bytes
+        for layer, comp, data in segments:
+            for off in range(0, len(data), step):
+                yield pool_pb2.WriteKVRequest(chunk=pool_pb2.KVChunk(
+                    layer_id=layer, component=comp, offset=off, data=bytes(data[off:off + step])))
+
+    def write_kv(
+        self,
+        pool_id: str,
+        slots: Slots,
+        *,
+        latent: Mapping[int, torch.Tensor] | None = None,
+        index: Mapping[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
+        timeout: float | None = None,
+    ) -> int:
+        """Write latent rows and/or indexer keys+scales of ``slots``; returns the bytes written.
+
+        Args:
+            slots: ``(n,)`` allocated slots, no duplicates.
+            latent: layer -> ``(n, kv_cache_dim)`` (or ``(n, 1, kv_cache_dim)``) rows of the pool's
+                dtype, or raw ``(n, latent_row_bytes)`` uint8.
+            index: live layer -> ``(keys (n, index_head_dim) uint8/float8, scales (n,) float32)``.
+
+        Nothing is written unless the whole stream arrives and checks out (all or nothing).
+
+        Raises:
+            InvalidArgumentError (bad slots, lengths), FailedPreconditionError (indexer data for a
+            skip-topk layer), NotFoundError, DeadlineExceededError (then nothing was written).
+        """
+        latent, index = dict(latent or {}), dict(index or {})
+        segs: list[tuple[int, int, memoryview]] = [(x, _LATENT, _as_bytes(t, f"latent[{x}]")) for x, t in latent.items()]
+        for x, (keys, scales) in index.items():
+            segs.append((x, _INDEX_K, _as_bytes(keys, f"index[{x}] keys")))
+            segs.append((x, _INDEX_SCALE, _as_bytes(scales, f"index[{x}] scales")))
+        header = pool_pb2.KVHeader(pool_id=pool_id, slots=slot_list(slots), latent_layers=list(latent), index_layers=list(index))
+        resp = self.unary(self._pool.WriteKV, self._write_requests(header, segs), idempotent=False, timeout=timeout)
+        return resp.bytes_written
+
+    def read_kv(
+        self,
+        pool_id: str,
+        slots: Slots,
+        *,
+        latent_layers: list[int] | None = None,
+        index_layers: list[int] | None = None,
+        timeout: float | None = None,
+    ) -> KVData:
+        """Read KV of ``slots``. ``latent_layers`` None: every layer; ``index_layers`` None: every live
+        layer; ``[]`` selects none. Returns :class:`KVData` (host tensors)."""
+        lay = self.layout(pool_id)
+        if latent_layers is None:
+            latent_layers = list(range(lay.num_layers))
+        if index_layers is None:
+            index_layers = [i for i, c in enumerate(lay.skip_mask) if c == "F"]
+        slot_ids = slot_list(slots)
+        n = len(slot_ids)
+        header = pool_pb2.KVHeader(pool_id=pool_id, slots=slot_ids, latent_layers=latent_layers, index_layers=index_layers)
+        req = pool_pb2.ReadKVRequest(header=header, chunk_bytes=self.chunk_bytes)
+        scale_per_token = lay.index_head_dim // 128
+        sizes = {_LATENT: lay.latent_row_bytes, _INDEX_K: lay.index_head_dim, _INDEX_SCALE: 4 * scale_per_token}
+
+        def consume(stream: Iterator[pool_pb2.ReadKVResponse]) -> KVData:
+            bufs: dict[tuple[int, int], np.ndarray] = {}
+            filled: dict[tuple[int, int], int] = {}
+            for msg in stream:
+                c = msg.chunk
+                key = (c.layer_id, c.component)
+                if key not in bufs:
+                    bufs[key] = np.empty(n * sizes[c.component], dtype=np.uint8)
+                    filled[key] = 0
+                if c.offset != filled[key]:
+                    raise RuntimeError(f"daemon sent layer {c.layer_id} component {c.component} out of order")
+                bufs[key][c.offset:c.offset + len(c.data)] = np.frombuffer(c.data, dtype=np.uint8)
+                filled[key] += len(c.data)
+            out = KVData()
+            store_dtype = torch.bfloat16 if lay.kv_cache_dtype == "bf16" else torch.uint8
+            for (layer, comp), buf in bufs.items():
+                if filled[(layer, comp)] != buf.size:
+                    raise RuntimeError(f"daemon sent {filled[(layer, comp)]} of {buf.size} bytes of layer {layer}")
+                t = torch.from_numpy(buf)
+                if comp == _LATENT:
+                    out.latent[layer] = t.view(store_dtype).view(n, lay.kv_cache_dim)
+                elif comp == _INDEX_K:
+                    out.index_k[layer] = t.view(n, lay.index_head_dim)
+                else:
+                    s = t.view(torch.float32)
+                    out.index_scale[layer] = s if scale_per_token == 1 else s.view(n, scale_per_token)
+            return out
+
+        return self.server_stream(self._pool.ReadKV, req, consume, idempotent=True, timeout=timeout)
+
+    def move_kv(self, pool_id: str, tgt_slots: Slots, src_slots: Slots, *, timeout: float | None = None) -> int:
+        """Copy KV (every layer, latent and indexer) of ``src_slots`` onto ``tgt_slots``; returns the count."""
+        req = pool_pb2.MoveKVRequest(pool_id=pool_id, tgt_slots=slot_list(tgt_slots), src_slots=slot_list(src_slots))
+        return self.unary(self._pool.MoveKV, req, idempotent=False, timeout=timeout).num_slots
+
+    # ----- offload / restore --------------------------------------------------------------------
+    def offload(self, pool_id: str, key: str, slots: Slots, *, free_slots: bool = False, timeout: float | None = None) -> OffloadResult:
+        """Copy ``slots`` (latent + live indexer) to the host tier under ``key``; optionally free their pages.
+        Raises AlreadyExistsError (key taken), ResourceExhaustedError (host tier full), InvalidArgumentError."""
+        req = pool_pb2.OffloadRequest(pool_id=pool_id, key=key, slots=slot_list(slots), free_slots=free_slots)
+        r = self.unary(self._pool.Offload, req, idempotent=False, timeout=timeout)
+        return OffloadResult(r.key, r.nbytes, r.num_tokens, r.freed_pages)
+
+    def restore(self, pool_id: str, key: str, slots: Slots | None = None, *, drop: bool = False,
+                timeout: float | None = None) -> torch.Tensor:
+        """Load the copy under ``key`` into ``slots`` (None: newly allocated); returns the ``(n,)`` slots.
+        Raises NotFoundError, FailedPreconditionError (layout differs), ResourceExhaustedError."""
+        req = pool_pb2.RestoreRequest(pool_id=pool_id, key=key, slots=slot_list(slots) if slots is not None else [], drop=drop)
+        return torch.tensor(list(self.unary(self._pool.Restore, req, idempotent=False, timeout=timeout).slots), dtype=torch.int64)
+
+    def drop(self, key: str, *, timeout: float | None = None) -> bool:
+        """Drop the copy under ``key``; True if there was one."""
+        return self.unary(self._pool.Drop, pool_pb2.DropRequest(key=key), idempotent=True, timeout=timeout).dropped
+
+    # ----- metadata -----------------------------------------------------------------------------
+    def buffer_infos(self, pool_id: str, *, timeout: float | None = None) -> pool_pb2.BufferInfosResponse:
+        """State (indexer) and contiguous (latent) buffer infos, one entry a layer, with layout and skip mask."""
+        return self.unary(self._pool.GetBufferInfos, pool_pb2.BufferInfosRequest(pool_id=pool_id), idempotent=True, timeout=timeout)
+
+    def stats(self, *, timeout: float | None = None) -> pool_pb2.StatsResponse:
+        """Pools, tier usage, counters, version and uptime."""
+        return self.unary(self._pool.GetStats, pool_pb2.StatsRequest(), idempotent=True, timeout=timeout)

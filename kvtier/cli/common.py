@@ -1,0 +1,47 @@
+"""Helpers shared by the commands that talk to a daemon (``status``, ``pools``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import click
+from google.protobuf.message import Message
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def server_options(fn: F) -> F:
+    """``--server ADDR`` and ``--timeout SECONDS`` for a command that calls a daemon."""
+    fn = click.option("--timeout", type=click.FloatRange(min=0.1), default=10.0, show_default=True,
+                      help="Deadline of each call, seconds.")(fn)
+    return click.option("--server", "server", default=None, metavar="ADDR", envvar="KVTIER_SERVER",
+                        help="Daemon address (unix:///path or HOST:PORT; env KVTIER_SERVER). Default: the default unix socket.")(fn)
+
+
+def message_to_dict(msg: Message) -> dict[str, Any]:
+    """Every field of ``msg`` (defaults included) as plain JSON-ready values; 64-bit ints stay ints."""
+    out: dict[str, Any] = {}
+    for f in msg.DESCRIPTOR.fields:
+        value = getattr(msg, f.name)
+        if f.message_type is not None and f.message_type.GetOptions().map_entry:
+            out[f.name] = {k: (message_to_dict(v) if isinstance(v, Message) else v) for k, v in value.items()}
+        elif f.is_repeated:
+            out[f.name] = [message_to_dict(v) if isinstance(v, Message) else v for v in value]
+        elif f.message_type is not None:
+            out[f.name] = message_to_dict(value) if msg.HasField(f.name) else None
+        elif f.enum_type is not None:
+            out[f.name] = f.enum_type.values_by_number[value].name
+        else:
+            out[f.name] = value
+    return out
+
+
+def call_daemon(fn: Callable[[], Any]) -> Any:
+    """Run ``fn``; turn a client error into a clean CLI error (exit 1, the daemon's message)."""
+    from kvtier.client.errors import KVTierError
+
+    try:
+        return fn()
+    except KVTierError as e:
+        raise click.ClickException(str(e)) from None

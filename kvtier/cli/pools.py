@@ -1,0 +1,35 @@
+"""``kvtier pools``: the daemon's pools, their sizes, use and skip-aware layout."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from kvtier.cli.common import call_daemon, message_to_dict, server_options
+
+
+@click.command()
+@server_options
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON list of pools instead of a table.")
+def pools(server: str | None, timeout: float, as_json: bool) -> None:
+    """List the pools of a running daemon."""
+    from kvtier.client import KVTierClient
+
+    with KVTierClient(server, timeout=timeout) as c:
+        infos = call_daemon(c.list_pools)
+    if as_json:
+        click.echo(json.dumps([message_to_dict(p) for p in infos]))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"kvtier pools at {c.address}")
+    for col in ("pool", "model", "role", "device", "dtype", "layers/live", "tokens", "used", "free", "bytes"):
+        t.add_column(col, justify="right" if col in ("tokens", "used", "free", "bytes") else "left")
+    for p in infos:
+        ps = p.layout.page_size
+        t.add_row(p.pool_id, p.layout.model_name, p.role, p.device, p.layout.kv_cache_dtype,
+                  f"{p.layout.num_layers} ({len(p.live_layers)})", f"{p.size_tokens:,}", f"{p.used_pages * ps:,}",
+                  f"{p.free_pages * ps:,}", f"{p.kv_size_bytes:,}")
+    Console().print(t)

@@ -1,0 +1,70 @@
+"""``kvtier serve``: run the daemon (flags override the TOML file's keys)."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from kvtier.server.service.config import LOG_LEVELS, DaemonConfig, PoolSpec, parse_bytes
+
+
+def _bytes(_ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
+    if value is None:
+        return None
+    try:
+        return parse_bytes(value, (param.opts or [str(param.name)])[0])
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+
+
+@click.command()
+@click.option("--listen", default=None, metavar="ADDR",
+              help="unix:///path or HOST:PORT (port 0: any free port). Default: a unix socket in a private "
+                   "directory ($XDG_RUNTIME_DIR/kvtier or /tmp/kvtier-UID). TCP only on loopback unless TLS is set.")
+@click.option("--config", "config_file", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="TOML file with DaemonConfig keys (flags given here override it).")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default=None, help="Pool device [auto].")
+@click.option("--host-memory", "host_memory_bytes", callback=_bytes, default=None, metavar="BYTES",
+              help="Host tier budget for offloaded copies, e.g. 8GiB [4GiB].")
+@click.option("--pool-memory", "pool_memory_bytes", callback=_bytes, default=None, metavar="BYTES",
+              help="Cap on all pools' bytes together; 0 = none [0].")
+@click.option("--workers", type=click.IntRange(min=1), default=None, help="gRPC worker threads [16].")
+@click.option("--log-level", type=click.Choice(LOG_LEVELS, case_sensitive=False), default=None, help="[INFO]")
+@click.option("--max-message-bytes", callback=_bytes, default=None, metavar="BYTES",
+              help="Largest gRPC message either way [4MiB]; clients must use the same.")
+@click.option("--chunk-bytes", callback=_bytes, default=None, metavar="BYTES",
+              help="Data bytes per streamed KV chunk the daemon sends [1MiB].")
+@click.option("--grace", "grace_seconds", type=click.FloatRange(min=0), default=None,
+              help="Seconds in-flight calls may run on after SIGTERM/SIGINT [10].")
+@click.option("--tls-cert", type=click.Path(exists=True, dir_okay=False), default=None, help="PEM certificate (TLS).")
+@click.option("--tls-key", type=click.Path(exists=True, dir_okay=False), default=None, help="PEM private key (TLS).")
+@click.option("--ready-file", type=click.Path(dir_okay=False), default=None,
+              help="Write the bound address here once serving.")
+@click.option("--pool", "pools", multiple=True, metavar="[ID=]MODEL:TOKENS|BYTES",
+              help="Create a pool at start, e.g. glm-5.2:65536 or main=glm-5.2:2GiB (repeatable; replaces the file's pools).")
+@click.option("--pool-layers", type=click.IntRange(min=1), default=None,
+              help="Only the first N layers for --pool pools (small test pools).")
+def serve(config_file: str | None, pools: tuple[str, ...], pool_layers: int | None, **flags: object) -> None:
+    """Run the kvtier daemon until SIGTERM/SIGINT (then finish in-flight calls and exit 0).
+
+    Example: kvtier serve --pool glm-5.2:65536 --host-memory 8GiB
+    """
+    from kvtier.server.service.server import AddressError, serve as run
+
+    try:
+        cfg = DaemonConfig.from_toml(config_file) if config_file else DaemonConfig()
+        if flags.get("log_level"):
+            flags["log_level"] = str(flags["log_level"]).upper()
+        specs = None
+        if pools:
+            specs = tuple(PoolSpec.parse(p) for p in pools)
+            if pool_layers:
+                specs = tuple(PoolSpec(**{**s.__dict__, "num_layers": pool_layers}) for s in specs)
+        cfg = cfg.replace(pools=specs, **flags)
+    except (ValueError, OSError) as e:
+        raise click.UsageError(str(e)) from None
+    try:
+        sys.exit(run(cfg))
+    except AddressError as e:
+        raise click.ClickException(str(e)) from None

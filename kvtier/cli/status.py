@@ -1,0 +1,43 @@
+"""``kvtier status``: is the daemon serving, what it holds, its counters."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from kvtier.cli.common import call_daemon, message_to_dict, server_options
+
+
+@click.command()
+@server_options
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
+def status(server: str | None, timeout: float, as_json: bool) -> None:
+    """Health, version, uptime, tier usage and counters of a running daemon."""
+    from kvtier.client import KVTierClient
+
+    with KVTierClient(server, timeout=timeout) as c:
+        health = call_daemon(c.health)
+        stats = call_daemon(c.stats)
+    if as_json:
+        click.echo(json.dumps({"address": c.address, "health": health, **message_to_dict(stats)}))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console()
+    con.print(f"[bold]kvtier {stats.version}[/] at {c.address}: {health}, up {stats.uptime_seconds:.0f}s, "
+              f"device {stats.device}, {len(stats.pools)} pools, max message {stats.max_message_bytes:,} bytes")
+    t = Table(title="tiers")
+    for col in ("tier", "used bytes", "budget bytes", "entries"):
+        t.add_column(col, justify="left" if col == "tier" else "right")
+    for tier in stats.tiers:
+        t.add_row(tier.tier, f"{tier.used_bytes:,}", f"{tier.budget_bytes:,}" if tier.budget_bytes else "-", f"{tier.entries:,}")
+    con.print(t)
+    if stats.counters:
+        ct = Table(title="counters")
+        ct.add_column("counter")
+        ct.add_column("value", justify="right")
+        for k in sorted(stats.counters):
+            ct.add_row(k, f"{stats.counters[k]:,}")
+        con.print(ct)

@@ -1,0 +1,200 @@
+"""The daemon's typed configuration: :class:`DaemonConfig`, from a TOML file and/or CLI flags.
+
+Every key is a field below with a default and a docstring; a TOML file uses exactly these names
+(byte sizes may be written ``"4GiB"``), pools go in ``[[pools]]`` tables with the fields of
+:class:`PoolSpec`. Unknown keys are an error, never ignored.
+
+Example ``kvtier.toml``::
+
+    listen = "unix:///run/kvtier/kvtier.sock"
+    device = "cpu"
+    host_memory_bytes = "8GiB"
+    workers = 16
+
+    [[pools]]
+    pool_id = "default"
+    model = "glm-5.2"
+    tokens = 65536
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+MiB = 1 << 20
+GiB = 1 << 30
+DEFAULT_MAX_MESSAGE_BYTES = 4 * MiB
+CHUNK_OVERHEAD_BYTES = 1024  # room a KV chunk message needs beside its data (field tags, lengths)
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+DEVICES = ("auto", "cpu", "cuda")
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 10**6, "mb": 10**6, "mib": MiB,
+          "g": 10**9, "gb": 10**9, "gib": GiB, "t": 10**12, "tb": 10**12, "tib": 1 << 40}
+
+
+def parse_bytes(value: Any, what: str = "size") -> int:
+    """``4194304``, ``"4MiB"``, ``"1.5GB"`` -> bytes (int). Raises ValueError naming ``what``."""
+    if isinstance(value, bool):
+        raise ValueError(f"{what} must be a byte count, got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"{what} must be >= 0, got {value}")
+        return value
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", str(value))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"{what} must be a byte count like 4194304, '512MiB' or '8GiB', got {value!r}")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    """A pool the daemon creates at start (``--pool`` or a ``[[pools]]`` table)."""
+
+    model: str
+    """Preset name (``glm-5.2``, ``deepseek-v3.2``) or path to an HF ``config.json``."""
+    pool_id: str = "default"
+    """Name clients use for the pool."""
+    tokens: int = 0
+    """Token capacity (a multiple of the page size); 0 means: plan from ``memory_bytes``."""
+    memory_bytes: int = 0
+    """Byte budget planned with the exact accounting (``kvtier plan``) when ``tokens`` is 0."""
+    role: str = "target"
+    """``target`` (skip-aware), ``draft`` or ``hisparse`` (indexer on every layer)."""
+    num_layers: int = 0
+    """Use only the first N layers (scaled-down pools); 0 = all of the model's layers."""
+    kv_cache_dtype: str = "fp8"
+    """``fp8`` (656-byte DSA rows) or ``bf16``."""
+    page_size: int = 64
+    """Tokens per page."""
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ValueError("a pool needs a model")
+        if (self.tokens == 0) == (self.memory_bytes == 0):
+            raise ValueError(f"pool {self.pool_id!r}: give exactly one of tokens and memory_bytes")
+
+    @classmethod
+    def parse(cls, text: str) -> PoolSpec:
+        """``[ID=]MODEL:TOKENS`` or ``[ID=]MODEL:BYTES`` with a unit (``glm-5.2:65536``,
+        ``main=glm-5.2:2GiB``). Raises ValueError on another form."""
+        pool_id, _, rest = text.rpartition("=")
+        model, sep, cap = rest.rpartition(":")
+        if not sep or not model or not cap:
+            raise ValueError(f"--pool must look like [ID=]MODEL:TOKENS or [ID=]MODEL:BYTES (e.g. glm-5.2:65536), got {text!r}")
+        kwargs: dict[str, Any] = {"model": model, "pool_id": pool_id or "default"}
+        if cap.isdigit():
+            kwargs["tokens"] = int(cap)
+        else:
+            kwargs["memory_bytes"] = parse_bytes(cap, "--pool capacity")
+        return cls(**kwargs)
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    """Everything ``kvtier serve`` can be told. Byte sizes are in bytes."""
+
+    listen: str = ""
+    """``unix:///path`` or ``HOST:PORT`` (port 0 picks a free one). Empty: a unix socket
+    ``kvtier.sock`` in a private directory (mode 0700; the socket 0600), see :func:`kvtier.addresses.default_socket_path`.
+    TCP is accepted only on a loopback host unless ``tls_cert``/``tls_key`` are set."""
+    device: str = "auto"
+    """Where pools live unless a request says otherwise: ``auto`` (CUDA if present), ``cpu``, ``cuda``."""
+    host_memory_bytes: int = 4 * GiB
+    """Byte budget of the host tier that holds offloaded copies."""
+    pool_memory_bytes: int = 0
+    """Cap on the bytes of all pools together; 0 = no cap beyond what the device can allocate."""
+    workers: int = 16
+    """gRPC worker threads (each in-flight call, streams included, holds one)."""
+    log_level: str = "INFO"
+    """``DEBUG``, ``INFO``, ``WARNING`` or ``ERROR``."""
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    """Largest gRPC message either way (``grpc.max_send/receive_message_length``); set the
+    client's ``max_message_bytes`` to the same value."""
+    chunk_bytes: int = 1 * MiB
+    """Data bytes per KV chunk the daemon streams back (ReadKV) when the request does not say;
+    at most ``max_message_bytes - 1024``."""
+    grace_seconds: float = 10.0
+    """On SIGTERM/SIGINT: how long in-flight calls may run on before they are cancelled."""
+    tls_cert: str = ""
+    """PEM certificate file; with ``tls_key`` the daemon serves TLS and may listen beyond loopback."""
+    tls_key: str = ""
+    """PEM private key file for ``tls_cert``."""
+    ready_file: str = ""
+    """If set, the bound address is written to this file once the daemon serves (for port 0)."""
+    pools: tuple[PoolSpec, ...] = field(default=())
+    """Pools created at start."""
+
+    def __post_init__(self) -> None:
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
+        if self.log_level.upper() not in LOG_LEVELS:
+            raise ValueError(f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
+        if self.workers < 1:
+            raise ValueError(f"workers must be >= 1, got {self.workers}")
+        if self.max_message_bytes < 64 * 1024:
+            raise ValueError(f"max_message_bytes must be at least 65536, got {self.max_message_bytes}")
+        if not 0 < self.chunk_bytes <= self.max_message_bytes - CHUNK_OVERHEAD_BYTES:
+            raise ValueError(
+                f"chunk_bytes must be in (0, max_message_bytes - {CHUNK_OVERHEAD_BYTES}] = "
+                f"(0, {self.max_message_bytes - CHUNK_OVERHEAD_BYTES}], got {self.chunk_bytes}")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("tls_cert and tls_key go together")
+        if self.grace_seconds < 0:
+            raise ValueError(f"grace_seconds must be >= 0, got {self.grace_seconds}")
+        ids = [p.pool_id for p in self.pools]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"pool ids repeat: {ids}")
+
+    @property
+    def max_chunk_bytes(self) -> int:
+        """Largest data bytes a KV chunk may carry under ``max_message_bytes``."""
+        return self.max_message_bytes - CHUNK_OVERHEAD_BYTES
+
+    def grpc_options(self) -> list[tuple[str, int]]:
+        """Channel/server options for the message limits."""
+        return [("grpc.max_send_message_length", self.max_message_bytes),
+                ("grpc.max_receive_message_length", self.max_message_bytes)]
+
+    def replace(self, **changes: Any) -> DaemonConfig:
+        """A copy with ``changes`` (None values are ignored, so CLI flags not given keep the file's)."""
+        return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None})
+
+    @classmethod
+    def from_mapping(cls, data: dict[str, Any]) -> DaemonConfig:
+        """Build from a parsed TOML document. Raises ValueError on unknown keys or bad values."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown config keys {unknown}; known: {sorted(known)}")
+        kwargs = dict(data)
+        for key in ("host_memory_bytes", "pool_memory_bytes", "max_message_bytes", "chunk_bytes"):
+            if key in kwargs:
+                kwargs[key] = parse_bytes(kwargs[key], key)
+        if "pools" in kwargs:
+            pool_keys = {f.name for f in dataclasses.fields(PoolSpec)}
+            specs = []
+            for table in kwargs["pools"]:
+                bad = sorted(set(table) - pool_keys)
+                if bad:
+                    raise ValueError(f"unknown [[pools]] keys {bad}; known: {sorted(pool_keys)}")
+                table = dict(table)
+                if "memory_bytes" in table:
+                    table["memory_bytes"] = parse_bytes(table["memory_bytes"], "memory_bytes")
+                specs.append(PoolSpec(**table))
+            kwargs["pools"] = tuple(specs)
+        return cls(**kwargs)
+
+    @classmethod
+    def from_toml(cls, path: str | Path) -> DaemonConfig:
+        """Read a TOML file. Raises ValueError (bad keys/values, bad TOML) or OSError."""
+        with open(path, "rb") as f:
+            try:
+                data = tomllib.load(f)
+            except tomllib.TOMLDecodeError as e:
+                raise ValueError(f"{path}: {e}") from None
+        return cls.from_mapping(data)

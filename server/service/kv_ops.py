@@ -1,0 +1,284 @@
+"""KV operations on a daemon pool: write, read, move, offload, restore, drop, buffer infos.
+
+Every operation checks all of its input before it changes anything. A KV write is staged whole in
+host memory (:class:`KVWriteBuffer`) and only then, under the pool's exclusive lock and after checking
+again, written into the pool: a stream that breaks off, or a chunk that does not fit, leaves the pool
+untouched.
+
+KV streams are made of *segments*: one per (layer, component), holding that component's bytes for
+every slot in slot order. Components: ``latent`` (``latent_row_bytes`` a token), ``index_k``
+(``index_head_dim`` FP8 bytes a token) and ``index_scale`` (``index_head_dim // 128`` FP32 values a
+token); the indexer components exist on live layers only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvtier.server.pool.buffer_info import BufInfos
+from kvtier.server.service.errors import FailedPrecondition, InvalidArgument
+from kvtier.server.service.offload_store import CopyStore, HostCopy
+from kvtier.server.service.pools import PoolEntry, PoolRegistry
+
+LATENT, INDEX_K, INDEX_SCALE = "latent", "index_k", "index_scale"
+COMPONENTS = (LATENT, INDEX_K, INDEX_SCALE)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One (layer, component) part of a KV stream: ``nbytes`` = slots x bytes a token."""
+
+    layer_id: int
+    component: str
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class KVSelection:
+    """Which KV a stream carries: ``slots`` of pool ``pool_id``, latent rows of ``latent_layers``,
+    indexer keys and scales of ``index_layers``."""
+
+    pool_id: str
+    slots: Any
+    latent_layers: tuple[int, ...]
+    index_layers: tuple[int, ...]
+
+
+def token_bytes(entry: PoolEntry, component: str) -> int:
+    """Bytes a token of ``component`` takes in ``entry``'s pool."""
+    pool = entry.pool
+    return {LATENT: pool.row_bytes, INDEX_K: pool.index_head_dim, INDEX_SCALE: pool.index_scale_bytes}[component]
+
+
+def plan_segments(entry: PoolEntry, sel: KVSelection, n_slots: int) -> list[Segment]:
+    """The segments of ``sel`` in stream order (latent layers, then per index layer keys then scales).
+
+    Raises:
+        InvalidArgument: a layer out of range or repeated, or nothing selected.
+        FailedPrecondition: indexer data asked of a skip-topk layer (it owns no indexer buffer).
+    """
+    num_layers = entry.pool.layer_num
+    for what, layers in (("latent_layers", sel.latent_layers), ("index_layers", sel.index_layers)):
+        bad = [x for x in layers if not 0 <= x < num_layers]
+        if bad:
+            raise InvalidArgument(f"{what} has layer {bad[0]} outside [0, {num_layers})")
+        if len(set(layers)) != len(layers):
+            raise InvalidArgument(f"{what} repeats a layer")
+    skipped = [x for x in sel.index_layers if entry.pool.skip_topk_layers[x]]
+    if skipped:
+        raise FailedPrecondition(
+            f"layer {skipped[0]} skips top-k in pool {entry.pool_id!r} and owns no indexer buffer "
+            f"(live layers: {list(entry.pool.live_layers)})")
+    if not sel.latent_layers and not sel.index_layers:
+        raise InvalidArgument("select at least one latent or index layer")
+    segs = [Segment(x, LATENT, n_slots * token_bytes(entry, LATENT)) for x in sel.latent_layers]
+    for x in sel.index_layers:
+        segs.append(Segment(x, INDEX_K, n_slots * token_bytes(entry, INDEX_K)))
+        segs.append(Segment(x, INDEX_SCALE, n_slots * token_bytes(entry, INDEX_SCALE)))
+    return segs
+
+
+class KVWriteBuffer:
+    """Host staging for one WriteKV stream: chunks land here, the pool is written only at commit.
+
+    Args:
+        entry: the target pool (read only here).
+        sel: the stream's header; checked at once (layers, slots) so a bad header fails before any data.
+
+    Raises:
+        InvalidArgument / FailedPrecondition: see :func:`plan_segments` and :meth:`PoolEntry.slots`.
+    """
+
+    def __init__(self, entry: PoolEntry, sel: KVSelection) -> None:
+        self.selection = sel
+        self.slots = entry.slots(sel.slots, unique=True)
+        if self.slots.numel() == 0:
+            raise InvalidArgument("a KV write needs at least one slot")
+        self.segments = plan_segments(entry, sel, self.slots.numel())
+        self._bufs = {(s.layer_id, s.component): np.empty(s.nbytes, dtype=np.uint8) for s in self.segments}
+        self._filled = dict.fromkeys(self._bufs, 0)
+
+    @property
+    def nbytes(self) -> int:
+        """Data bytes the stream must carry."""
+        return sum(s.nbytes for s in self.segments)
+
+    def add(self, layer_id: int, component: str, offset: int, data: bytes) -> None:
+        """Stage ``data`` at ``offset`` of segment (``layer_id``, ``component``).
+
+        Raises:
+            InvalidArgument: a segment not in the header, an offset other than the bytes received so
+                far for it (gap, overlap or reordering), or more bytes than the segment holds.
+        """
+        key = (layer_id, component)
+        buf = self._bufs.get(key)
+        if buf is None:
+            raise InvalidArgument(f"chunk for layer {layer_id} {component}, which the header did not select")
+        filled = self._filled[key]
+        if offset != filled:
+            raise InvalidArgument(f"chunk for layer {layer_id} {component} at offset {offset}; expected {filled}")
+        end = offset + len(data)
+        if end > buf.size:
+            raise InvalidArgument(f"layer {layer_id} {component} gets {end} bytes; it holds {buf.size}")
+        buf[offset:end] = np.frombuffer(data, dtype=np.uint8)
+        self._filled[key] = end
+
+    def check_complete(self) -> None:
+        """Raise InvalidArgument naming the first segment that did not receive all its bytes."""
+        for seg in self.segments:
+            got = self._filled[(seg.layer_id, seg.component)]
+            if got != seg.nbytes:
+                raise InvalidArgument(f"layer {seg.layer_id} {seg.component} got {got} of {seg.nbytes} bytes")
+
+    def tensor(self, layer_id: int, component: str) -> torch.Tensor:
+        """The staged bytes of a segment as a ``(nbytes,)`` uint8 tensor (shares memory)."""
+        return torch.from_numpy(self._bufs[(layer_id, component)])
+
+
+def write_kv(registry: PoolRegistry, buf: KVWriteBuffer) -> int:
+    """Commit a complete :class:`KVWriteBuffer` into its pool; returns the bytes written.
+
+    The slots are checked again under the pool's exclusive lock (the allocation may have changed
+    while the stream arrived); all checks run before the first byte is written.
+
+    Raises:
+        InvalidArgument: incomplete stream, or slots no longer allocated. NotFound: pool deleted.
+    """
+    buf.check_complete()
+    sel = buf.selection
+    with registry.locked(sel.pool_id, exclusive=True) as entry:
+        slots = entry.slots(buf.slots, unique=True)
+        n = slots.numel()
+        pool = entry.pool
+        sw = pool.index_scale_bytes // 4
+        for layer in sel.latent_layers:
+            pool.set_kv_buffer(layer, slots, buf.tensor(layer, LATENT).view(n, pool.row_bytes))
+        for layer in sel.index_layers:
+            keys = buf.tensor(layer, INDEX_K).view(n, pool.index_head_dim)
+            scales = buf.tensor(layer, INDEX_SCALE).view(torch.float32).view(n, sw)
+            pool.set_index_k_scale_buffer(layer, slots, keys, scales)
+    return buf.nbytes
+
+
+def read_kv(registry: PoolRegistry, sel: KVSelection) -> list[tuple[Segment, np.ndarray]]:
+    """Gather the selected KV under the pool's shared lock (a consistent snapshot).
+
+    Returns:
+        ``[(segment, bytes (nbytes,) uint8 host array)]`` in stream order.
+
+    Raises:
+        NotFound, InvalidArgument, FailedPrecondition: see :func:`plan_segments`, :meth:`PoolEntry.slots`.
+    """
+    with registry.locked(sel.pool_id, exclusive=False) as entry:
+        slots = entry.slots(sel.slots)
+        if slots.numel() == 0:
+            raise InvalidArgument("a KV read needs at least one slot")
+        segs = plan_segments(entry, sel, slots.numel())
+        pool = entry.pool
+        out: list[tuple[Segment, np.ndarray]] = []
+        index_data: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for seg in segs:
+            if seg.component == LATENT:
+                t = pool.get_kv_buffer_rows(seg.layer_id, slots)
+            else:
+                if seg.layer_id not in index_data:
+                    index_data[seg.layer_id] = pool.get_index_k_scale(seg.layer_id, slots)
+                keys, scales = index_data[seg.layer_id]
+                t = keys if seg.component == INDEX_K else scales
+            out.append((seg, t.cpu().contiguous().view(torch.uint8).reshape(-1).numpy()))
+        return out
+
+
+def move_kv(registry: PoolRegistry, pool_id: str, tgt: Any, src: Any) -> int:
+    """Copy the KV of ``src`` slots onto ``tgt`` slots (every layer, latent and indexer); returns the count.
+
+    Raises:
+        InvalidArgument: bad, unallocated or duplicate target slots, or unequal lengths.
+    """
+    with registry.locked(pool_id, exclusive=True) as entry:
+        t = entry.slots(tgt, "tgt_slots", unique=True)
+        s = entry.slots(src, "src_slots")
+        if t.numel() != s.numel():
+            raise InvalidArgument(f"tgt_slots has {t.numel()} slots but src_slots has {s.numel()}")
+        entry.pool.move_kv_cache(t, s)
+        return t.numel()
+
+
+@dataclass(frozen=True)
+class OffloadResult:
+    """What :func:`offload` did: bytes stored, tokens copied, pages freed."""
+
+    nbytes: int
+    num_tokens: int
+    freed_pages: int
+
+
+def offload(registry: PoolRegistry, store: CopyStore, pool_id: str, key: str, slots: Any, *, free_slots: bool) -> OffloadResult:
+    """Copy ``slots`` (latent + live-layer indexer) into ``store`` under ``key``; optionally free them.
+
+    Raises:
+        InvalidArgument: bad, unallocated, duplicate or no slots; empty key.
+        AlreadyExists: ``key`` is taken. ResourceExhausted: the store's budget is too small.
+    """
+    with registry.locked(pool_id, exclusive=free_slots) as entry:
+        t = entry.slots(slots, unique=True)
+        if t.numel() == 0:
+            raise InvalidArgument("offload needs at least one slot")
+        nbytes = entry.pool.cpu_copy_nbytes(t)
+        store.check_room(key, nbytes)
+        copy = entry.pool.get_cpu_copy(t)
+        store.put(key, HostCopy(copy, nbytes, t.numel(), entry.model.fingerprint(),
+                                entry.model.fingerprint_digest(), entry.pool_id))
+        freed = entry.free(t) if free_slots else 0
+        return OffloadResult(nbytes, t.numel(), freed)
+
+
+def _layout_difference(a: dict[str, Any], b: dict[str, Any]) -> str:
+    keys = [k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+    return ", ".join(f"{k}: copy {a.get(k)!r} vs pool {b.get(k)!r}" for k in keys)
+
+
+def restore(registry: PoolRegistry, store: CopyStore, pool_id: str, key: str, slots: Sequence[int] | None,
+            *, drop: bool) -> tuple[torch.Tensor, int]:
+    """Load the copy under ``key`` into ``slots`` (or newly allocated slots when None/empty).
+
+    Returns:
+        ``(slots (n,) int64, nbytes)``.
+
+    Raises:
+        NotFound: no copy under ``key``. FailedPrecondition: the copy's layout differs from the pool's.
+        InvalidArgument: bad slots or a count other than the copy's. ResourceExhausted: no free pages.
+    """
+    hc = store.get(key)
+    with registry.locked(pool_id, exclusive=True) as entry:
+        if hc.layout_digest != entry.model.fingerprint_digest():
+            raise FailedPrecondition(
+                f"copy {key!r} has another layout than pool {pool_id!r}: "
+                f"{_layout_difference(dict(hc.layout), entry.model.fingerprint())}")
+        fresh = slots is None or len(slots) == 0
+        if fresh:
+            t = entry.alloc(hc.num_tokens)
+        else:
+            t = entry.slots(slots, unique=True)
+            if t.numel() != hc.num_tokens:
+                raise InvalidArgument(f"copy {key!r} holds {hc.num_tokens} tokens but {t.numel()} slots were given")
+        try:
+            entry.pool.load_cpu_copy(hc.copy, t)
+        except BaseException:
+            if fresh:
+                entry.free(t)
+            raise
+    if drop:
+        store.drop(key)
+    return t, hc.nbytes
+
+
+def buffer_infos(registry: PoolRegistry, pool_id: str) -> tuple[PoolEntry, BufInfos, BufInfos]:
+    """``(entry, state buffer infos (indexer), contiguous buffer infos (latent))``, one entry a layer."""
+    with registry.locked(pool_id, exclusive=False) as entry:
+        return entry, entry.pool.get_state_buf_infos(), entry.pool.get_contiguous_buf_infos()

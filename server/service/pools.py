@@ -1,0 +1,266 @@
+"""The daemon's pools: a registry of named pools, each with its slot allocator and lock.
+
+Locking (README "Concurrency"): the registry has one short lock for its dict. Each pool has a
+readers-writer lock (:class:`~kvtier.server.service.locks.RWLock`): reads of pool bytes (ReadKV,
+Offload without freeing, buffer infos, describe) hold it shared and run in parallel; anything that
+changes pool bytes or the allocator (WriteKV commit, MoveKV, Restore, AllocateSlots, FreeSlots,
+Offload with free, DeletePool) holds it exclusive, so per pool those run one at a time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvtier.server.model_config import DEFAULT_PAGE_SIZE, DSAModelConfig
+from kvtier.server.pool import DSATokenToKVPool, PagedTokenAllocator, create_pool, resolve_device
+from kvtier.server.pool.factory import POOL_ROLES, skip_mask_for_role
+from kvtier.server.pool.validation import as_slots
+from kvtier.server.pool_configurator import PoolPlan, exact_pool_bytes, plan_pool
+from kvtier.server.service.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from kvtier.server.service.locks import RWLock
+
+
+@dataclass(frozen=True)
+class PoolRequest:
+    """What a new pool should be (domain form of CreatePoolRequest / a configured pool).
+
+    Exactly one of ``preset`` and ``hf_config`` names the model; exactly one of ``size_tokens`` and
+    ``memory_budget_bytes`` its capacity.
+    """
+
+    pool_id: str = ""
+    preset: str = ""
+    hf_config: dict[str, Any] | None = None
+    model_name: str = ""
+    num_layers: int = 0
+    kv_cache_dtype: str = "fp8"
+    page_size: int = DEFAULT_PAGE_SIZE
+    role: str = "target"
+    device: str = ""
+    size_tokens: int = 0
+    memory_budget_bytes: int = 0
+
+
+def build_model(req: PoolRequest) -> DSAModelConfig:
+    """The model geometry ``req`` names. Raises InvalidArgument naming the bad field."""
+    try:
+        kwargs: dict[str, Any] = {"kv_cache_dtype": req.kv_cache_dtype or "fp8", "page_size": req.page_size or DEFAULT_PAGE_SIZE,
+                                  "num_layers": req.num_layers or None}
+        if bool(req.preset) == (req.hf_config is not None):
+            raise InvalidArgument("give exactly one of a model preset and an HF config")
+        if req.preset:
+            return DSAModelConfig.from_preset(req.preset, **kwargs)
+        return DSAModelConfig.from_hf_config(req.hf_config or {}, name=req.model_name or None, **kwargs)
+    except (ValueError, TypeError) as e:
+        raise InvalidArgument(f"model: {e}") from None
+
+
+def layout_model(model: DSAModelConfig, role: str) -> DSAModelConfig:
+    """``model`` with the skip mask a pool of ``role`` really uses (draft/hisparse: no skip)."""
+    return dataclasses.replace(model, skip_topk_layers=skip_mask_for_role(model, role))
+
+
+@dataclass(eq=False)
+class PoolEntry:
+    """One pool the daemon owns.
+
+    Attributes:
+        pool_id: its name.
+        model: geometry with the pool's own skip mask (its layout; ``model.fingerprint()``).
+        role: ``target``, ``draft`` or ``hisparse``.
+        pool: the device pool.
+        allocator: hands out its pages.
+        plan: the capacity plan when created from a memory budget.
+        lock: shared for reads, exclusive for changes (module docstring).
+        page_allocated: ``(num_pages + 1,)`` bool, True on pages handed out (page 0 never).
+    """
+
+    pool_id: str
+    model: DSAModelConfig
+    role: str
+    pool: DSATokenToKVPool
+    allocator: PagedTokenAllocator
+    plan: PoolPlan | None = None
+    lock: RWLock = field(default_factory=RWLock)
+    page_allocated: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.bool))
+    deleted: bool = False
+
+    def __post_init__(self) -> None:
+        self.page_allocated = torch.zeros(self.allocator.num_pages + 1, dtype=torch.bool)
+
+    @property
+    def page_size(self) -> int:
+        return self.pool.page_size
+
+    @property
+    def slot_limit(self) -> int:
+        """Exclusive upper bound of slots on allocatable pages."""
+        return (self.allocator.num_pages + 1) * self.page_size
+
+    def slots(self, loc: Any, what: str = "slots", *, unique: bool = False, allocated: bool = True) -> torch.Tensor:
+        """``loc`` as ``(n,)`` int64 CPU slots, checked: in range, on allocated pages, optionally unique.
+
+        Raises:
+            InvalidArgument: naming the first bad slot.
+        """
+        try:
+            t = as_slots(loc, limit=self.slot_limit, what=what)
+        except (ValueError, TypeError) as e:
+            raise InvalidArgument(str(e)) from None
+        if unique and t.numel() > 1 and torch.unique(t).numel() != t.numel():
+            raise InvalidArgument(f"{what} contains duplicate slots; each target slot may be written once per call")
+        if allocated and t.numel():
+            pages = t // self.page_size
+            bad = ~self.page_allocated[pages]
+            if bool(bad.any()):
+                first = int(t[bad][0])
+                raise InvalidArgument(f"{what} contains slot {first} on page {first // self.page_size}, which is not allocated")
+        return t
+
+    def alloc(self, n_tokens: int) -> torch.Tensor:
+        """Allocate whole pages for ``n_tokens``; caller holds the lock exclusive. Returns ``(n,)`` slots.
+
+        Raises:
+            ResourceExhausted: too few free pages.
+        """
+        slots = self.allocator.alloc(n_tokens)
+        if slots is None:
+            need = self.allocator.pages_for(n_tokens)
+            raise ResourceExhausted(
+                f"pool {self.pool_id!r}: {n_tokens} tokens need {need} pages, {self.allocator.free_pages} are free")
+        self.page_allocated[torch.unique(slots // self.page_size)] = True
+        return slots
+
+    def free(self, slots: torch.Tensor) -> int:
+        """Free every page ``slots`` (already checked by :meth:`slots`) touch; caller holds the lock exclusive."""
+        pages = sorted(set((slots // self.page_size).tolist()))
+        freed = self.allocator.free_pages_by_id(pages)
+        self.page_allocated[pages] = False
+        return freed
+
+
+class PoolRegistry:
+    """Named pools. Thread-safe; lookups take only a short dict lock.
+
+    Args:
+        default_device: device for requests that name none (``auto``, ``cpu``, ``cuda``).
+        pool_memory_bytes: cap on all pools' bytes together (0: none).
+    """
+
+    def __init__(self, default_device: str = "auto", pool_memory_bytes: int = 0) -> None:
+        self.default_device = default_device
+        self.pool_memory_bytes = pool_memory_bytes
+        self._pools: dict[str, PoolEntry] = {}
+        self._reserved: dict[str, int] = {}  # ids being created -> their bytes
+        self._lock = threading.Lock()
+
+    def create(self, req: PoolRequest) -> PoolEntry:
+        """Create and register a pool. Everything is checked before memory is allocated.
+
+        Raises:
+            InvalidArgument: bad model, role, device or capacity.
+            AlreadyExists: the pool id is taken.
+            ResourceExhausted: the memory budget holds no page, the pool cap would be exceeded, or
+                the device could not allocate the buffers.
+        """
+        model = build_model(req)
+        if req.role not in POOL_ROLES:
+            raise InvalidArgument(f"role must be one of {POOL_ROLES}, got {req.role!r}")
+        try:
+            device = resolve_device(req.device or self.default_device)
+        except ValueError as e:
+            raise InvalidArgument(str(e)) from None
+        if (req.size_tokens > 0) == (req.memory_budget_bytes > 0):
+            raise InvalidArgument("give exactly one of size_tokens and memory_budget_bytes (> 0)")
+        plan = None
+        size = req.size_tokens
+        if req.memory_budget_bytes:
+            plan = plan_pool(model, req.memory_budget_bytes, accounting="exact", role=req.role)
+            size = plan.skip_aware_tokens
+            if size <= 0:
+                raise ResourceExhausted(f"a memory budget of {req.memory_budget_bytes} bytes holds no page of {model.name}")
+        elif size % model.page_size:
+            raise InvalidArgument(f"size_tokens must be a multiple of page_size={model.page_size}, got {size}")
+        nbytes = exact_pool_bytes(model, size, role=req.role)
+        pool_id = req.pool_id or f"pool-{uuid.uuid4().hex[:8]}"
+        with self._lock:
+            if pool_id in self._pools or pool_id in self._reserved:
+                raise AlreadyExists(f"pool {pool_id!r} already exists")
+            used = sum(e.pool.get_kv_size_bytes() for e in self._pools.values()) + sum(self._reserved.values())
+            if self.pool_memory_bytes and used + nbytes > self.pool_memory_bytes:
+                raise ResourceExhausted(
+                    f"pool {pool_id!r} needs {nbytes} bytes; {self.pool_memory_bytes - used} of the "
+                    f"daemon's {self.pool_memory_bytes}-byte pool memory are free")
+            self._reserved[pool_id] = nbytes
+        try:
+            try:
+                pool = create_pool(model, size, role=req.role, device=device)
+            except (RuntimeError, MemoryError) as e:
+                raise ResourceExhausted(f"could not allocate {nbytes} bytes for pool {pool_id!r} on {device}: {e}") from None
+            entry = PoolEntry(pool_id, layout_model(model, req.role), req.role, pool,
+                              PagedTokenAllocator(size, model.page_size), plan)
+            with self._lock:
+                self._pools[pool_id] = entry
+            return entry
+        finally:
+            with self._lock:
+                self._reserved.pop(pool_id, None)
+
+    def get(self, pool_id: str) -> PoolEntry:
+        """The pool named ``pool_id``. Raises NotFound."""
+        with self._lock:
+            entry = self._pools.get(pool_id)
+        if entry is None:
+            raise NotFound(f"no pool {pool_id!r}")
+        return entry
+
+    @contextmanager
+    def locked(self, pool_id: str, *, exclusive: bool) -> Iterator[PoolEntry]:
+        """Hold pool ``pool_id``'s lock (shared or exclusive) and yield it. Raises NotFound,
+        also when the pool was deleted while waiting for the lock."""
+        entry = self.get(pool_id)
+        with entry.lock.exclusive() if exclusive else entry.lock.shared():
+            if entry.deleted:
+                raise NotFound(f"no pool {pool_id!r} (deleted)")
+            yield entry
+
+    def list(self) -> list[PoolEntry]:
+        """All pools, by id."""
+        with self._lock:
+            return [self._pools[k] for k in sorted(self._pools)]
+
+    def delete(self, pool_id: str, *, force: bool = False) -> int:
+        """Delete a pool; returns the bytes freed.
+
+        Raises:
+            NotFound: unknown pool.
+            FailedPrecondition: slots are still allocated and ``force`` is false.
+        """
+        with self.locked(pool_id, exclusive=True) as entry:
+            if entry.allocator.used_pages and not force:
+                raise FailedPrecondition(
+                    f"pool {pool_id!r} still has {entry.allocator.used_pages} pages allocated; free them or force")
+            entry.deleted = True
+            with self._lock:
+                self._pools.pop(pool_id, None)
+            return entry.pool.get_kv_size_bytes()
+
+
+def parse_hf_config(text: str) -> dict[str, Any]:
+    """Parse the text of an HF config.json. Raises InvalidArgument."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise InvalidArgument(f"hf_config_json is not JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise InvalidArgument("hf_config_json must be a JSON object")
+    return data

@@ -1,0 +1,47 @@
+"""The services a daemon serves. Adding a service is one line in :data:`SERVICES`.
+
+Each entry names the service (its full proto name, for the health and reflection services), the
+generated ``add_XServicer_to_server`` function, and a factory that builds the servicer from the
+daemon's :class:`~kvtier.server.service.state.DaemonState`::
+
+    ServiceEntry.of(tier_pb2, "TierService", tier_pb2_grpc.add_TierServiceServicer_to_server, TierServicer),
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import grpc
+
+from kvtier.server.service.pool_servicer import PoolServicer
+from kvtier.server.service.state import DaemonState
+from kvtier.v1 import pool_pb2, pool_pb2_grpc
+
+
+@dataclass(frozen=True)
+class ServiceEntry:
+    """One gRPC service of the daemon.
+
+    Attributes:
+        name: full service name, e.g. ``kvtier.v1.PoolService`` (health and reflection use it).
+        add_to_server: the generated ``add_<Name>Servicer_to_server(servicer, server)``.
+        factory: builds the servicer from the daemon state.
+    """
+
+    name: str
+    add_to_server: Callable[[Any, grpc.Server], None]
+    factory: Callable[[DaemonState], Any]
+
+    @classmethod
+    def of(cls, pb2: ModuleType, service: str, add_to_server: Callable[[Any, grpc.Server], None],
+           factory: Callable[[DaemonState], Any]) -> ServiceEntry:
+        """An entry whose name is looked up in the generated ``pb2`` module (so it cannot be misspelt)."""
+        return cls(pb2.DESCRIPTOR.services_by_name[service].full_name, add_to_server, factory)
+
+
+SERVICES: list[ServiceEntry] = [
+    ServiceEntry.of(pool_pb2, "PoolService", pool_pb2_grpc.add_PoolServiceServicer_to_server, PoolServicer),
+]

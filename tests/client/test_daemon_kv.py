@@ -1,0 +1,117 @@
+"""KV through a real daemon subprocess (unix socket and 127.0.0.1): write/read, move, offload/restore."""
+
+from __future__ import annotations
+
+import torch
+from kv_helpers import INDEX_PAGE_BYTES, LIVE_LAYERS, NUM_LAYERS, PAGE_SIZE, ROW_BYTES, random_kv, verify_kv
+
+
+def test_pool_layout_is_skip_aware(client, pool):
+    """DescribePool reports GLM-5.2's first 8 layers with indexer buffers on 0, 1, 2, 6 only."""
+    info = client.describe_pool(pool)
+    assert info.layout.skip_mask == "".join("F" if l in LIVE_LAYERS else "S" for l in range(NUM_LAYERS))
+    assert list(info.live_layers) == list(LIVE_LAYERS)
+    assert info.layout.latent_row_bytes == ROW_BYTES and info.layout.index_page_bytes == INDEX_PAGE_BYTES
+    assert info.size_tokens == 1024 and info.total_pages == 16 and info.free_pages == 16
+    # SGLang's shapes: latent (size + page) rows a layer; indexer (size + page + 1) // page pages a live layer.
+    latent = NUM_LAYERS * (1024 + 64) * ROW_BYTES
+    index = len(LIVE_LAYERS) * ((1024 + 64 + 1) // 64) * INDEX_PAGE_BYTES
+    assert info.kv_size_bytes == latent + index
+    assert [l.index_bytes for l in info.layers] == [index // len(LIVE_LAYERS) if l in LIVE_LAYERS else 0 for l in range(NUM_LAYERS)]
+
+
+def test_write_read_round_trip(client, pool):
+    """Random latent rows on every layer and indexer keys+scales on live layers come back byte-identical."""
+    slots = client.allocate_slots(pool, 150)
+    assert slots.tolist() == list(range(64, 64 + 150))  # page 0 is padding: pages 1.. in order
+    latent, index = random_kv(150, seed=1)
+    written = client.write_kv(pool, slots, latent=latent, index=index)
+    assert written == 150 * (NUM_LAYERS * ROW_BYTES + len(LIVE_LAYERS) * 132)
+    verify_kv(client.read_kv(pool, slots), latent, index)
+
+
+def test_partial_layers_and_permuted_slots(client, pool):
+    """A write of some layers on permuted slots changes only those; a read of a subset returns that subset."""
+    slots = client.allocate_slots(pool, 64)
+    base_latent, base_index = random_kv(64, seed=2)
+    client.write_kv(pool, slots, latent=base_latent, index=base_index)
+    perm = slots[torch.randperm(64, generator=torch.Generator().manual_seed(0))]
+    new_latent, new_index = random_kv(64, seed=3, layers=[5], live=[6])
+    client.write_kv(pool, perm, latent=new_latent, index=new_index)
+    kv = client.read_kv(pool, perm, latent_layers=[5, 0], index_layers=[6])
+    assert torch.equal(kv.latent[5], new_latent[5])
+    order = (perm - slots[0]).tolist()
+    assert torch.equal(kv.latent[0], base_latent[0][order])
+    assert torch.equal(kv.index_k[6], new_index[6][0]) and torch.equal(kv.index_scale[6], new_index[6][1])
+    other = client.read_kv(pool, slots, latent_layers=[], index_layers=[0])
+    assert other.latent == {} and torch.equal(other.index_k[0], base_index[0][0])
+
+
+def test_move_is_token_granular(client, pool):
+    """MoveKV copies 10 tokens onto another page; that page's other tokens keep their bytes."""
+    a = client.allocate_slots(pool, 64)
+    b = client.allocate_slots(pool, 64)
+    la, ia = random_kv(64, seed=4)
+    lb, ib = random_kv(64, seed=5)
+    client.write_kv(pool, a, latent=la, index=ia)
+    client.write_kv(pool, b, latent=lb, index=ib)
+    assert client.move_kv(pool, b[20:30], a[:10]) == 10
+    expect_l = {l: torch.cat([lb[l][:20], la[l][:10], lb[l][30:]]) for l in la}
+    expect_i = {l: (torch.cat([ib[l][0][:20], ia[l][0][:10], ib[l][0][30:]]),
+                    torch.cat([ib[l][1][:20], ia[l][1][:10], ib[l][1][30:]])) for l in ia}
+    verify_kv(client.read_kv(pool, b), expect_l, expect_i)
+    verify_kv(client.read_kv(pool, a), la, ia)
+
+
+def test_offload_free_restore_into_other_slots(client, pool):
+    """Offload frees the pages; restore into different slots brings back latent and live indexer bytes."""
+    slots = client.allocate_slots(pool, 100)  # pages 1, 2
+    latent, index = random_kv(100, seed=6)
+    client.write_kv(pool, slots, latent=latent, index=index)
+    r = client.offload(pool, "req-a", slots, free_slots=True)
+    # host bytes: latent rows of every layer + whole indexer page rows of live layers only
+    assert r.nbytes == NUM_LAYERS * 100 * ROW_BYTES + len(LIVE_LAYERS) * 2 * INDEX_PAGE_BYTES
+    assert (r.num_tokens, r.freed_pages) == (100, 2)
+    assert client.describe_pool(pool).free_pages == 16
+    filler = client.allocate_slots(pool, 128)  # takes pages 1, 2 so the restore lands elsewhere
+    other = client.allocate_slots(pool, 100)
+    assert set((other // PAGE_SIZE).tolist()) == {3, 4}
+    back = client.restore(pool, "req-a", other)
+    assert torch.equal(back, other)
+    verify_kv(client.read_kv(pool, other), latent, index)
+    fresh = client.restore(pool, "req-a", drop=True)  # into newly allocated slots, then dropped
+    assert set((fresh // PAGE_SIZE).tolist()) == {5, 6}
+    verify_kv(client.read_kv(pool, fresh), latent, index)
+    assert client.drop("req-a") is False
+    client.free_slots(pool, filler)
+
+
+def test_buffer_infos_have_layer_ids_and_skip_mask(client, pool):
+    """State buffer infos: live layers one 8448-byte item a page, skip layers (0, 0, 0); latent on every layer."""
+    infos = client.buffer_infos(pool)
+    assert list(infos.skip_topk_layers) == [l not in LIVE_LAYERS for l in range(NUM_LAYERS)]
+    num_pages = (1024 + 64 + 1) // 64
+    for e in infos.state:
+        if e.layer_id in LIVE_LAYERS:
+            assert (e.item_len, e.data_len) == (INDEX_PAGE_BYTES, num_pages * INDEX_PAGE_BYTES) and e.data_ptr
+        else:
+            assert (e.data_ptr, e.data_len, e.item_len) == (0, 0, 0)
+    assert [e.layer_id for e in infos.contiguous] == list(range(NUM_LAYERS))
+    assert all(e.item_len == ROW_BYTES * 64 and e.data_len == (1024 + 64) * ROW_BYTES for e in infos.contiguous)
+    assert infos.layout.fingerprint_digest == client.describe_pool(pool).layout.fingerprint_digest
+
+
+def test_stats_count_bytes(client, pool):
+    """Stats report the pool's used tokens and the host tier's bytes."""
+    slots = client.allocate_slots(pool, 10)
+    latent, index = random_kv(10, seed=7)
+    client.write_kv(pool, slots, latent=latent, index=index)
+    client.offload(pool, "stats-key", slots)
+    s = client.stats()
+    mine = [p for p in s.pools if p.pool_id == pool][0]
+    assert (mine.used_tokens, mine.free_tokens) == (64, 1024 - 64)
+    host = [t for t in s.tiers if t.tier == "host"][0]
+    assert host.used_bytes >= NUM_LAYERS * 10 * ROW_BYTES + len(LIVE_LAYERS) * INDEX_PAGE_BYTES
+    assert host.budget_bytes == 4 << 20
+    assert s.counters["kv_writes"] >= 1
+    client.drop("stats-key")
