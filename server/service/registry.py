@@ -18,7 +18,8 @@ import grpc
 
 from kvtier.server.service.pool_servicer import PoolServicer
 from kvtier.server.service.state import DaemonState
-from kvtier.v1 import pool_pb2, pool_pb2_grpc
+from kvtier.server.service.transfer_servicer import TransferServicer
+from kvtier.v1 import pool_pb2, pool_pb2_grpc, transfer_pb2, transfer_pb2_grpc
 
 
 @dataclass(frozen=True)
@@ -44,4 +45,5 @@ class ServiceEntry:
 
 SERVICES: list[ServiceEntry] = [
     ServiceEntry.of(pool_pb2, "PoolService", pool_pb2_grpc.add_PoolServiceServicer_to_server, PoolServicer),
+    ServiceEntry.of(transfer_pb2, "TransferService", transfer_pb2_grpc.add_TransferServiceServicer_to_server, TransferServicer),
 ]
