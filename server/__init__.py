@@ -5,5 +5,6 @@ Module map (what may import what):
   pool/                      model_config only (never grpc)
   pool_configurator          model_config, pool (for the exact accounting)
   tiers/                     pool, model_config (never grpc)
+  transfer/                  pool, model_config, the Mooncake engine (never grpc): PD layouts, plans, engine
   service/ daemon            everything above plus the generated stubs in kvtier.v1
 """

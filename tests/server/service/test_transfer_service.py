@@ -34,9 +34,11 @@ def daemons():
             started.append(_daemon(engine, env))
         yield dict(zip(("prefill", "decode", "failing", "plain"), started))
     finally:
+        codes = []
         for d in started:
-            d.stop()
+            codes.append(d.stop())
             d.cleanup()
+        assert codes == [0] * len(started), f"daemons with a transfer engine must exit 0 on SIGTERM, got {codes}"
 
 
 def random_kv(n: int, seed: int) -> tuple[dict, dict]:

@@ -5,13 +5,15 @@ The engine is a required part: when it is missing these tests fail (TransferEngi
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
 from kvtier.server.pool import create_pool
 from kvtier.server.transfer import (
-    LayoutMismatchError, MooncakeTransferEngine, MooncakeTransport, PoolLayout, TransferEngineConfig, TransferError,
-    plan_pull, pool_layout, pull_pages, registration_ranges,
+    LayoutMismatchError, MooncakeTransferEngine, MooncakeTransport, PoolLayout, TransferEngineConfig,
+    TransferEngineUnavailable, TransferError, plan_pull, pool_layout, pull_pages, registration_ranges,
 )
 from transfer_helpers import INDEX_PAGE_BYTES, LATENT_PAGE_BYTES, LIVE_LAYERS, SKIP_LAYERS, filled_pool
 
@@ -61,6 +63,20 @@ def verify_untouched(dst_pool, before, pages):
             for p in range(1, dst_pool.num_pages):
                 if p not in pages:
                     assert torch.equal(page_bytes(dst_pool, comp, layer, p), page_bytes(before, comp, layer, p))
+
+
+def test_the_engine_is_installed():
+    """CI installs mooncake-transfer-engine-non-cuda; without it this (and every transfer test) fails."""
+    import mooncake.engine
+
+    assert hasattr(mooncake.engine.TransferEngine, "batch_transfer_sync_read")
+
+
+def test_missing_engine_raises_a_clear_error(monkeypatch):
+    """What a daemon started with --transfer-engine mooncake says on a machine without the package."""
+    monkeypatch.setitem(sys.modules, "mooncake.engine", None)  # makes `from mooncake.engine import ...` fail
+    with pytest.raises(TransferEngineUnavailable, match="pip install 'kvtier\\[mooncake\\]'.*libibverbs1 librdmacm1 libnuma1"):
+        MooncakeTransferEngine()
 
 
 def test_registration_ranges_are_the_arenas(model):
