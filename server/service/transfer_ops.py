@@ -81,6 +81,8 @@ def _write_bytes(dst: torch.Tensor, data: bytes) -> None:
 
 def _check_allocated(entry: PoolEntry, pages: np.ndarray, what: str) -> None:
     limit = entry.page_allocated.numel()
+    if pages.size and int(pages.min()) < 0:
+        raise InvalidArgument(f"{what} contains negative page {int(pages.min())}")
     if pages.size and int(pages.max()) >= limit:
         raise InvalidArgument(f"{what} contains page {int(pages.max())} outside pool {entry.pool_id!r} (pages 1..{limit - 1})")
     bad = pages[~entry.page_allocated[torch.from_numpy(pages)].numpy()]
@@ -216,13 +218,16 @@ class TransferState:
                 raise FailedPrecondition(f"peer {address} runs without a transfer engine; use transport 'grpc'")
             with self.pools.locked(spec.pool_id, exclusive=True) as entry:
                 _check_allocated(entry, dst, "destination pages")
-                plan = plan_pull(self.layout(entry), remote, src, dst, max_batch_items=batch_items)
+                local = self.layout(entry)
+                if local.latent[0] == remote.latent[0]:
+                    raise InvalidArgument(f"pool {spec.pool_id!r} would pull from itself; use MoveKV to copy pages within a pool")
+                plan = plan_pull(local, remote, src, dst, max_batch_items=batch_items)
                 transport = (MooncakeTransport(self.engine) if spec.transport == "mooncake" and self.engine
                              else GrpcPageTransport(stub, address, spec.peer_pool_id, entry, self.chunk_bytes, self.fail_batch))
                 start = time.perf_counter()
                 try:
                     stats = pull_pages(transport, remote, plan)
-                except BaseException as e:
+                except Exception as e:
                     freed = entry.free(slots_of_pages(torch.from_numpy(dst), entry.page_size))
                     self.counters.add("pulls_failed")
                     raise TransferError(f"pull from {address} pool {spec.peer_pool_id!r} failed; the {freed} destination "

@@ -180,6 +180,9 @@ def test_unallocated_pages_are_refused(daemons):
         src = pre.allocate_slots("default", PS)
         with pytest.raises(InvalidArgumentError, match="destination pages contains page 31, which is not allocated"):
             dec.pull_kv("default", daemons["prefill"].address, "default", src_pages=pages_of(src), dst_pages=[31])
+        with pytest.raises(InvalidArgumentError, match="would pull from itself"):
+            dec.pull_kv("default", daemons["decode"].address, "default", src_pages=pages_of(dst), dst_pages=pages_of(dst),
+                        transport="grpc")
         layout = dec.transfer_layout("default")
         assert [i.item_len for i in layout.index] == [0 if x in SKIP else 8448 for x in range(8)]
         assert layout.engine_endpoint.startswith("127.0.0.1:") and len(layout.registered) == 2
