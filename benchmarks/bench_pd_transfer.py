@@ -20,6 +20,7 @@ Prints a table (medians of ``--repeat`` runs). Figures, not a test.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 
@@ -65,6 +66,10 @@ def raw_reads(total_bytes: int, items: list[int], repeat: int) -> tuple[float, f
     return one, many
 
 
+def _pull_into(results: list, dec: KVTierClient, pool: str, peer: str, sp: list[int], dp: list[int], transport: str) -> None:
+    results.append(dec.pull_kv(pool, peer, pool, src_pages=sp, dst_pages=dp, transport=transport))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pages", type=int, default=32, help="pages in the request (64 tokens each)")
@@ -92,11 +97,8 @@ def main() -> None:
             dst = dec.allocate_slots(pool, pages * PS)
             sp, dp = (src[::PS] // PS).tolist(), (dst[::PS] // PS).tolist()
             for transport in ("mooncake", "grpc"):
-                results = []
-
-                def pull() -> None:
-                    results.append(dec.pull_kv(pool, pre_d.address, pool, src_pages=sp, dst_pages=dp, transport=transport))
-
+                results: list = []
+                pull = functools.partial(_pull_into, results, dec, pool, pre_d.address, sp, dp, transport)
                 wall = median_time(pull, args.repeat)
                 r = results[-1]
                 inside = statistics.median(x.seconds for x in results[1:])
