@@ -36,6 +36,8 @@ class DaemonProcess:
         env: extra environment variables for the daemon.
         startup_timeout: seconds to wait for the health check to say SERVING.
         stop_timeout: seconds to wait after SIGTERM before SIGKILL.
+        tls_root_cert: PEM file to check a TLS daemon's certificate with (for the health check).
+        tls_server_name: name that certificate is for, if not the address's host.
 
     Attributes:
         address: the bound address once started.
@@ -44,7 +46,8 @@ class DaemonProcess:
     """
 
     def __init__(self, listen: str | None = None, *, extra_args: Sequence[str] = (), env: Mapping[str, str] | None = None,
-                 startup_timeout: float = 60.0, stop_timeout: float = 30.0) -> None:
+                 startup_timeout: float = 60.0, stop_timeout: float = 30.0,
+                 tls_root_cert: str | Path | None = None, tls_server_name: str | None = None) -> None:
         self._dir = Path(tempfile.mkdtemp(prefix="kvtier-daemon-"))
         os.chmod(self._dir, 0o700)
         self.listen = listen or f"unix://{self._dir / 'kvtier.sock'}"
@@ -56,6 +59,8 @@ class DaemonProcess:
         self.address = ""
         self.returncode: int | None = None
         self.process: subprocess.Popen[bytes] | None = None
+        self.tls_root_cert = tls_root_cert
+        self.tls_server_name = tls_server_name
 
     def start(self) -> str:
         """Start the daemon and wait until it serves; returns its address.
@@ -80,7 +85,13 @@ class DaemonProcess:
         return self.address
 
     def _wait_serving(self, deadline: float) -> None:
-        with grpc.insecure_channel(self.address) as channel:
+        if self.tls_root_cert is not None:
+            creds = grpc.ssl_channel_credentials(root_certificates=Path(self.tls_root_cert).read_bytes())
+            opts = [("grpc.ssl_target_name_override", self.tls_server_name)] if self.tls_server_name else []
+            channel = grpc.secure_channel(self.address, creds, options=opts)
+        else:
+            channel = grpc.insecure_channel(self.address)
+        with channel:
             stub = health_pb2_grpc.HealthStub(channel)
             while True:
                 try:

@@ -45,3 +45,12 @@ def call_daemon(fn: Callable[[], Any]) -> Any:
         return fn()
     except KVTierError as e:
         raise click.ClickException(str(e)) from None
+
+
+def console() -> Any:
+    """A rich console: the terminal's width on a terminal, 160 columns when piped (no truncated tables)."""
+    import sys
+
+    from rich.console import Console
+
+    return Console(width=None if sys.stdout.isatty() else 160)

@@ -6,7 +6,7 @@ import json
 
 import click
 
-from kvtier.cli.common import call_daemon, message_to_dict, server_options
+from kvtier.cli.common import call_daemon, console, message_to_dict, server_options
 
 
 @click.command()
@@ -21,7 +21,6 @@ def pools(server: str | None, timeout: float, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps([message_to_dict(p) for p in infos]))
         return
-    from rich.console import Console
     from rich.table import Table
 
     t = Table(title=f"kvtier pools at {c.address}")
@@ -30,6 +29,6 @@ def pools(server: str | None, timeout: float, as_json: bool) -> None:
     for p in infos:
         ps = p.layout.page_size
         t.add_row(p.pool_id, p.layout.model_name, p.role, p.device, p.layout.kv_cache_dtype,
-                  f"{p.layout.num_layers} ({len(p.live_layers)})", f"{p.size_tokens:,}", f"{p.used_pages * ps:,}",
+                  f"{p.layout.num_layers}/{len(p.live_layers)}", f"{p.size_tokens:,}", f"{p.used_pages * ps:,}",
                   f"{p.free_pages * ps:,}", f"{p.kv_size_bytes:,}")
-    Console().print(t)
+    console().print(t)

@@ -6,7 +6,7 @@ import json
 
 import click
 
-from kvtier.cli.common import call_daemon, message_to_dict, server_options
+from kvtier.cli.common import call_daemon, console, message_to_dict, server_options
 
 
 @click.command()
@@ -22,10 +22,9 @@ def status(server: str | None, timeout: float, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps({"address": c.address, "health": health, **message_to_dict(stats)}))
         return
-    from rich.console import Console
     from rich.table import Table
 
-    con = Console()
+    con = console()
     con.print(f"[bold]kvtier {stats.version}[/] at {c.address}: {health}, up {stats.uptime_seconds:.0f}s, "
               f"device {stats.device}, {len(stats.pools)} pools, max message {stats.max_message_bytes:,} bytes")
     t = Table(title="tiers")

@@ -1,0 +1,41 @@
+"""`kvtier status` and `kvtier pools` against a real daemon (tables and --json)."""
+
+from __future__ import annotations
+
+import json
+
+from click.testing import CliRunner
+
+from kvtier.cli import main
+
+
+def test_pools_json_lists_the_pool(daemon, client, pool):
+    client.allocate_slots(pool, 65)  # two pages
+    r = CliRunner().invoke(main, ["pools", "--server", daemon.address, "--json"])
+    assert r.exit_code == 0, r.output
+    mine = [p for p in json.loads(r.output) if p["pool_id"] == pool][0]
+    assert mine["size_tokens"] == 1024 and mine["used_pages"] == 2 and mine["free_pages"] == 14
+    assert mine["layout"]["skip_mask"] == "FFFSSSFS" and mine["live_layers"] == [0, 1, 2, 6]
+    assert mine["layout"]["model_name"] == "glm-5.2" and mine["layout"]["latent_row_bytes"] == 656
+
+
+def test_pools_table(daemon, pool):
+    r = CliRunner().invoke(main, ["pools", "--server", daemon.address], terminal_width=200)
+    assert r.exit_code == 0, r.output
+    assert pool in r.output and "glm-5.2" in r.output and "8/4" in r.output
+
+
+def test_status_json_and_table(daemon, pool):
+    r = CliRunner().invoke(main, ["status", "--server", daemon.address, "--json"])
+    assert r.exit_code == 0, r.output
+    s = json.loads(r.output)
+    assert s["health"] == "SERVING" and s["max_message_bytes"] == 4 * 1024 * 1024 and s["device"] == "cpu"
+    assert {t["tier"] for t in s["tiers"]} == {"device", "host"}
+    assert pool in [p["pool_id"] for p in s["pools"]]
+    t = CliRunner().invoke(main, ["status", "--server", daemon.address], terminal_width=200)
+    assert t.exit_code == 0 and "SERVING" in t.output and "host" in t.output
+
+
+def test_status_of_no_daemon_is_a_clean_error(tmp_path):
+    r = CliRunner().invoke(main, ["status", "--server", f"unix://{tmp_path}/none.sock", "--timeout", "2"])
+    assert r.exit_code == 1 and "UNAVAILABLE" in r.output and "Traceback" not in r.output

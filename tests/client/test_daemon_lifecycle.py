@@ -1,0 +1,131 @@
+"""Starting and stopping the real daemon: signals, sockets, loopback/TLS rules, config files."""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from kvtier.client import KVTierClient, KVTierError
+from kvtier.client.spawn import DaemonProcess
+from kvtier.v1 import pool_pb2, pool_pb2_grpc
+
+POOL_ARGS = ["--device", "cpu", "--pool", "glm-5.2:1024", "--pool-layers", "8", "--log-level", "WARNING"]
+
+
+def _slow_write(slots, stall_s):
+    data = torch.arange(slots.numel() * 656, dtype=torch.int64).to(torch.uint8).numpy().tobytes()
+    half = len(data) // 2
+    yield pool_pb2.WriteKVRequest(header=pool_pb2.KVHeader(pool_id="default", slots=slots.tolist(), latent_layers=[2]))
+    yield pool_pb2.WriteKVRequest(chunk=pool_pb2.KVChunk(layer_id=2, component=pool_pb2.COMPONENT_LATENT, offset=0, data=data[:half]))
+    time.sleep(stall_s)
+    yield pool_pb2.WriteKVRequest(chunk=pool_pb2.KVChunk(layer_id=2, component=pool_pb2.COMPONENT_LATENT, offset=half, data=data[half:]))
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_signal_finishes_in_flight_call_and_exits_0(signum):
+    """A write in flight when SIGTERM/SIGINT arrives completes; new calls are refused; exit code 0; socket gone."""
+    with DaemonProcess(extra_args=[*POOL_ARGS, "--log-level", "INFO"]) as d:
+        with KVTierClient(d.address, timeout=20) as c:
+            slots = c.allocate_slots("default", 100)
+            result: dict = {}
+
+            def write():
+                with grpc.insecure_channel(d.address) as ch:
+                    result["resp"] = pool_pb2_grpc.PoolServiceStub(ch).WriteKV(_slow_write(slots, 1.5), timeout=20)
+
+            t = threading.Thread(target=write)
+            t.start()
+            time.sleep(0.5)  # the stream is open and stalled half way
+            d.signal(signum)
+            time.sleep(0.3)
+            with pytest.raises(KVTierError) as err, KVTierClient(d.address, timeout=2, retries=0) as late:
+                late.describe_pool("default")
+            assert err.value.code == grpc.StatusCode.UNAVAILABLE
+            t.join(20)
+            assert result["resp"].bytes_written == 100 * 656
+            assert d.wait(20) == 0
+        assert not Path(d.address[len("unix://"):]).exists()
+        assert "stopped" in d.log_tail()
+
+
+def _serve(args, env=None, timeout=30):
+    return subprocess.run([sys.executable, "-m", "kvtier.cli", "serve", *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def test_non_loopback_tcp_without_tls_is_refused():
+    """Listening on all interfaces without TLS fails with a clear message, before binding."""
+    r = _serve(["--device", "cpu", "--listen", "0.0.0.0:0"])
+    assert r.returncode != 0 and "refusing to listen on 0.0.0.0:0 without TLS" in r.stderr
+
+
+def test_default_socket_is_private(tmp_path):
+    """With no --listen the daemon listens on <XDG_RUNTIME_DIR>/kvtier/kvtier.sock: dir 0700, socket 0600."""
+    ready = tmp_path / "ready"
+    env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path)}
+    p = subprocess.Popen([sys.executable, "-m", "kvtier.cli", "serve", "--device", "cpu", "--ready-file", str(ready)],
+                         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists():
+            assert p.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        sock = tmp_path / "kvtier" / "kvtier.sock"
+        assert ready.read_text() == f"unix://{sock}"
+        assert stat.S_IMODE(sock.parent.stat().st_mode) == 0o700
+        assert stat.S_ISSOCK(sock.stat().st_mode) and stat.S_IMODE(sock.stat().st_mode) == 0o600
+        with KVTierClient(f"unix://{sock}", timeout=10) as c:
+            assert c.health() == "SERVING"
+        # a second daemon on the same socket is refused while the first runs
+        r = _serve(["--device", "cpu"], env={"XDG_RUNTIME_DIR": str(tmp_path)})
+        assert r.returncode != 0 and "in use" in r.stderr
+    finally:
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(30) == 0
+
+
+def test_config_file_and_flags(tmp_path):
+    """A TOML config creates its pools; flags override its keys; unknown keys are an error."""
+    cfg = tmp_path / "kvtier.toml"
+    cfg.write_text('device = "cpu"\nhost_memory_bytes = "1MiB"\nlog_level = "WARNING"\n\n'
+                   '[[pools]]\npool_id = "a"\nmodel = "deepseek-v3.2"\nnum_layers = 4\ntokens = 256\n\n'
+                   '[[pools]]\npool_id = "b"\nmodel = "glm-5.2"\nnum_layers = 8\nmemory_bytes = "8MiB"\nrole = "draft"\n')
+    with DaemonProcess(extra_args=["--config", str(cfg), "--host-memory", "2MiB"]) as d, KVTierClient(d.address) as c:
+        pools = {p.pool_id: p for p in c.list_pools()}
+        assert pools["a"].layout.skip_mask == "FFFF" and pools["a"].size_tokens == 256
+        assert pools["b"].role == "draft" and pools["b"].layout.skip_mask == "F" * 8
+        assert pools["b"].kv_size_bytes <= 8 << 20 and pools["b"].plan.skip_aware_tokens == pools["b"].size_tokens
+        assert [t.budget_bytes for t in c.stats().tiers if t.tier == "host"] == [2 << 20]
+    bad = tmp_path / "bad.toml"
+    bad.write_text('devise = "cpu"\n')
+    r = _serve(["--config", str(bad)])
+    assert r.returncode != 0 and "unknown config keys ['devise']" in r.stderr
+
+
+def _self_signed(tmp_path: Path) -> tuple[Path, Path]:
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+                    "-days", "1", "-subj", "/CN=kvtier-test", "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"],
+                   check=True, capture_output=True)
+    return cert, key
+
+
+def test_tls_daemon_on_tcp(tmp_path):
+    """With --tls-cert/--tls-key the daemon serves TLS; a client trusting the cert works, a plaintext one does not."""
+    cert, key = _self_signed(tmp_path)
+    with DaemonProcess("127.0.0.1:0", extra_args=[*POOL_ARGS, "--tls-cert", str(cert), "--tls-key", str(key)],
+                       tls_root_cert=cert) as d:
+        with KVTierClient(d.address, tls_root_cert=cert, timeout=10) as c:
+            assert c.describe_pool("default").size_tokens == 1024
+        with pytest.raises(KVTierError), KVTierClient(d.address, timeout=2, retries=0) as plain:
+            plain.describe_pool("default")

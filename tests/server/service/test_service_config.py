@@ -1,0 +1,57 @@
+"""DaemonConfig and PoolSpec: defaults, byte sizes, --pool parsing, TOML keys."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtier.server.service.config import DaemonConfig, PoolSpec, parse_bytes
+
+
+def test_defaults():
+    c = DaemonConfig()
+    assert (c.listen, c.device, c.max_message_bytes, c.chunk_bytes, c.workers) == ("", "auto", 4 << 20, 1 << 20, 16)
+    assert c.grpc_options() == [("grpc.max_send_message_length", 4 << 20), ("grpc.max_receive_message_length", 4 << 20)]
+    assert c.max_chunk_bytes == (4 << 20) - 1024
+
+
+@pytest.mark.parametrize("text,value", [(4194304, 4194304), ("4MiB", 4 << 20), ("1.5GiB", 3 << 29), ("8gb", 8 * 10**9), ("512 KiB", 512 << 10)])
+def test_parse_bytes(text, value):
+    assert parse_bytes(text) == value
+
+
+@pytest.mark.parametrize("text", ["-1", "4 parsecs", "", True, -5])
+def test_parse_bytes_rejects(text):
+    with pytest.raises(ValueError):
+        parse_bytes(text)
+
+
+def test_pool_spec_parse():
+    assert PoolSpec.parse("glm-5.2:65536") == PoolSpec(model="glm-5.2", pool_id="default", tokens=65536)
+    assert PoolSpec.parse("main=glm-5.2:2GiB") == PoolSpec(model="glm-5.2", pool_id="main", memory_bytes=2 << 30)
+    assert PoolSpec.parse("/m/config.json:64").model == "/m/config.json"
+    for bad in ("glm-5.2", "glm-5.2:", ":64"):
+        with pytest.raises(ValueError):
+            PoolSpec.parse(bad)
+
+
+def test_bad_values_are_refused():
+    for kwargs in ({"device": "tpu"}, {"workers": 0}, {"chunk_bytes": 4 << 20}, {"tls_cert": "c.pem"},
+                   {"max_message_bytes": 1000}, {"log_level": "LOUD"}):
+        with pytest.raises(ValueError):
+            DaemonConfig(**kwargs)
+
+
+def test_toml(tmp_path):
+    p = tmp_path / "c.toml"
+    p.write_text('listen = "127.0.0.1:0"\nmax_message_bytes = "8MiB"\nchunk_bytes = "2MiB"\n'
+                 '[[pools]]\nmodel = "glm-5.2"\ntokens = 128\n')
+    c = DaemonConfig.from_toml(p)
+    assert (c.listen, c.max_message_bytes, c.chunk_bytes) == ("127.0.0.1:0", 8 << 20, 2 << 20)
+    assert c.pools == (PoolSpec(model="glm-5.2", tokens=128),)
+    assert c.replace(listen=None, workers=2).listen == "127.0.0.1:0"
+    p.write_text('[[pools]]\nmodel = "glm-5.2"\ntokens = 128\nsize = 3\n')
+    with pytest.raises(ValueError, match=r"unknown \[\[pools\]\] keys \['size'\]"):
+        DaemonConfig.from_toml(p)
+    p.write_text("listen = \n")
+    with pytest.raises(ValueError):
+        DaemonConfig.from_toml(p)
