@@ -154,8 +154,11 @@ class TransferState:
         with self._lock:
             for pid, (old, ranges) in list(self._registered.items()):
                 if old.deleted or (pid == entry.pool_id and old is not entry):
-                    self.engine.unregister(ranges)
                     del self._registered[pid]
+                    try:
+                        self.engine.unregister(ranges)
+                    except TransferError:
+                        log.warning("could not unregister the buffers of deleted pool %r", pid, exc_info=True)
             if entry.pool_id not in self._registered:
                 pool = entry.pool
                 ranges = registration_ranges(pool.get_contiguous_buf_infos(), pool.get_state_buf_infos())
@@ -281,6 +284,9 @@ class TransferState:
         if self.engine is None:
             return
         with self._lock:
-            for _, ranges in self._registered.values():
-                self.engine.unregister(ranges)
+            for pid, (_, ranges) in self._registered.items():
+                try:
+                    self.engine.unregister(ranges)
+                except TransferError:
+                    log.warning("could not unregister the buffers of pool %r at shutdown", pid, exc_info=True)
             self._registered.clear()

@@ -144,7 +144,7 @@ class MooncakeTransferEngine:
             for p, n in new:
                 rc = self._engine.register_memory(p, n)
                 if rc != 0:
-                    for q in done:
+                    for q in done:  # undo this call's registrations; the original error is what matters
                         self._engine.unregister_memory(q)
                         del self._registered[q]
                     raise TransferError(f"Mooncake register_memory({p:#x}, {n}) returned {rc}", return_code=rc)
@@ -152,11 +152,23 @@ class MooncakeTransferEngine:
                 done.append(p)
 
     def unregister(self, ranges: Iterable[tuple[int, int]]) -> None:
-        """Unregister ranges registered by :meth:`register` (unknown ones are ignored)."""
+        """Unregister ranges registered by :meth:`register` (unknown ones are ignored).
+
+        Every range is tried; they are forgotten here either way.
+
+        Raises:
+            TransferError: the engine returned non-zero for some range (naming the first).
+        """
+        failed: list[tuple[int, int]] = []
         with self._lock:
             for p, _ in ranges:
                 if self._registered.pop(int(p), None) is not None:
-                    self._engine.unregister_memory(int(p))
+                    rc = self._engine.unregister_memory(int(p))
+                    if rc != 0:
+                        failed.append((int(p), rc))
+        if failed:
+            p, rc = failed[0]
+            raise TransferError(f"Mooncake unregister_memory({p:#x}) returned {rc} ({len(failed)} ranges failed)", return_code=rc)
 
     def read(self, peer: str, plan: TransferPlan) -> None:
         """Pull every item of ``plan`` from ``peer`` (its ``src_addr``) to local ``dst_addr``.

@@ -188,3 +188,46 @@ def test_unallocated_pages_are_refused(daemons):
         assert layout.engine_endpoint.startswith("127.0.0.1:") and len(layout.registered) == 2
         dec.free_slots("default", dst)
         pre.free_slots("default", src)
+
+
+def test_concurrent_pulls_are_each_byte_identical(daemons):
+    """Four pulls at once into one decode pool (serialised on its lock), over both transports."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with KVTierClient(daemons["prefill"].address) as pre, KVTierClient(daemons["decode"].address) as dec:
+        requests = [written_request(pre, 2, seed=20 + i) for i in range(4)]
+        dsts = [dec.allocate_slots("default", 2 * PS) for _ in requests]
+
+        def pull(i: int):
+            with KVTierClient(daemons["decode"].address) as c:
+                return c.pull_kv("default", daemons["prefill"].address, "default", src_slots=requests[i][0],
+                                 dst_slots=dsts[i], transport="mooncake" if i % 2 else "grpc")
+
+        with ThreadPoolExecutor(4) as ex:
+            results = list(ex.map(pull, range(4)))
+        for (src, latent, index), dst, r in zip(requests, dsts, results):
+            verify_same_kv(dec, dst, latent, index)
+            assert r.index_bytes == len(LIVE) * 2 * 8448
+            pre.free_slots("default", src)
+            dec.free_slots("default", dst)
+
+
+def test_deleted_pools_are_unregistered(daemons):
+    """A pool registered with the engine, deleted and created again under the same id (its memory may
+    be reused): the new pool registers and transfers fine; the old ranges are gone."""
+    with KVTierClient(daemons["prefill"].address) as pre, KVTierClient(daemons["decode"].address) as dec:
+        for round_ in range(3):
+            pre.create_pool("glm-5.2", size_tokens=1024, num_layers=8, pool_id="again", device="cpu")
+            layout = pre.transfer_layout("again")
+            assert len(layout.registered) == 2
+            assert sorted((r.ptr, r.nbytes) for r in layout.registered) == sorted(
+                [(layout.latent[0].data_ptr, 8 * layout.latent[0].data_len),
+                 (layout.index[0].data_ptr, len(LIVE) * layout.index[0].data_len)])
+            src = pre.allocate_slots("again", PS)
+            latent, index = random_kv(PS, seed=30 + round_)
+            pre.write_kv("again", src, latent=latent, index=index)
+            dst = dec.allocate_slots("default", PS)
+            dec.pull_kv("default", daemons["prefill"].address, "again", src_slots=src, dst_slots=dst)
+            verify_same_kv(dec, dst, latent, index)
+            dec.free_slots("default", dst)
+            pre.delete_pool("again", force=True)
