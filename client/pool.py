@@ -32,9 +32,11 @@ def slot_list(slots: Slots) -> list[int]:
     return [int(s) for s in slots]
 
 
-def _as_bytes(t: torch.Tensor, what: str) -> memoryview:
+def _as_bytes(t: torch.Tensor | np.ndarray, what: str) -> memoryview:
+    if isinstance(t, np.ndarray):
+        t = torch.from_numpy(np.ascontiguousarray(t))
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
+        raise TypeError(f"{what} must be a torch.Tensor or numpy array, got {type(t).__name__}")
     return memoryview(t.detach().cpu().contiguous().view(torch.uint8).reshape(-1).numpy())
 
 
@@ -157,16 +159,16 @@ class PoolMixin(BaseClient):
         step = self.chunk_bytes
         for layer, comp, data in segments:
             for off in range(0, len(data), step):
-                yield pool_pb2.WriteKVRequest(chunk=pool_pb2.KVChunk(
-                    layer_id=layer, component=comp, offset=off, data=bytes(data[off:off + step])))
+                yield pool_pb2.WriteKVRequest(
+                    layer_id=layer, component=comp, offset=off, data=bytes(data[off:off + step]))
 
     def write_kv(
         self,
         pool_id: str,
         slots: Slots,
         *,
-        latent: Mapping[int, torch.Tensor] | None = None,
-        index: Mapping[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
+        latent: Mapping[int, torch.Tensor | np.ndarray] | None = None,
+        index: Mapping[int, tuple[torch.Tensor | np.ndarray, torch.Tensor | np.ndarray]] | None = None,
         timeout: float | None = None,
     ) -> int:
         """Write latent rows and/or indexer keys+scales of ``slots``; returns the bytes written.
@@ -174,7 +176,7 @@ class PoolMixin(BaseClient):
         Args:
             slots: ``(n,)`` allocated slots, no duplicates.
             latent: layer -> ``(n, kv_cache_dim)`` (or ``(n, 1, kv_cache_dim)``) rows of the pool's
-                dtype, or raw ``(n, latent_row_bytes)`` uint8.
+                dtype, or raw ``(n, latent_row_bytes)`` uint8 (torch tensors or numpy arrays).
             index: live layer -> ``(keys (n, index_head_dim) uint8/float8, scales (n,) float32)``.
 
         Nothing is written unless the whole stream arrives and checks out (all or nothing).
@@ -218,8 +220,7 @@ class PoolMixin(BaseClient):
         def consume(stream: Iterator[pool_pb2.ReadKVResponse]) -> KVData:
             bufs: dict[tuple[int, int], np.ndarray] = {}
             filled: dict[tuple[int, int], int] = {}
-            for msg in stream:
-                c = msg.chunk
+            for c in stream:
                 key = (c.layer_id, c.component)
                 if key not in bufs:
                     bufs[key] = np.empty(n * sizes[c.component], dtype=np.uint8)

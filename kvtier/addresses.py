@@ -7,11 +7,11 @@ variable is set, else ``/tmp/kvtier-<uid>/kvtier.sock``; the directory is privat
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import tempfile
 from pathlib import Path
 
-LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
 
 
 def default_socket_path() -> Path:
@@ -64,5 +64,13 @@ def tcp_host(address: str) -> str:
 
 
 def is_loopback(address: str) -> bool:
-    """True for unix sockets and TCP addresses on a loopback host."""
-    return is_unix(address) or tcp_host(address) in LOOPBACK_HOSTS
+    """True for unix sockets and TCP addresses on a loopback host (127.0.0.0/8, ::1, ``localhost``)."""
+    if is_unix(address):
+        return True
+    host = tcp_host(address).strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

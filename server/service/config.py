@@ -111,6 +111,9 @@ class DaemonConfig:
     """Cap on the bytes of all pools together; 0 = no cap beyond what the device can allocate."""
     workers: int = 16
     """gRPC worker threads (each in-flight call, streams included, holds one)."""
+    torch_threads: int = 1
+    """torch intra-op threads. Calls already run in parallel on the workers; more than 1 made row
+    gathers/scatters ~30x slower on a busy 2-core machine (OpenMP threads spin against each other)."""
     log_level: str = "INFO"
     """``DEBUG``, ``INFO``, ``WARNING`` or ``ERROR``."""
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
@@ -141,6 +144,8 @@ class DaemonConfig:
             raise ValueError(f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
         if self.workers < 1:
             raise ValueError(f"workers must be >= 1, got {self.workers}")
+        if self.torch_threads < 1:
+            raise ValueError(f"torch_threads must be >= 1, got {self.torch_threads}")
         if self.max_message_bytes < 64 * 1024:
             raise ValueError(f"max_message_bytes must be at least 65536, got {self.max_message_bytes}")
         if not 0 < self.chunk_bytes <= self.max_message_bytes - CHUNK_OVERHEAD_BYTES:

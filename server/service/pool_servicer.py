@@ -72,15 +72,17 @@ class PoolServicer(pool_pb2_grpc.PoolServiceServicer):
     # ----- KV data ------------------------------------------------------------------------------
     def WriteKV(self, request_iterator: Iterator[pool_pb2.WriteKVRequest], context: grpc.ServicerContext) -> pool_pb2.WriteKVResponse:
         first = next(request_iterator, None)
-        if first is None or first.WhichOneof("item") != "header":
-            raise InvalidArgument("WriteKV must start with a header message")
+        if first is None or not first.HasField("header"):
+            raise InvalidArgument("WriteKV must start with a message carrying the header")
         sel = _selection(first.header)
         buf = kv_ops.KVWriteBuffer(self.pools.get(sel.pool_id), sel)
-        for msg in request_iterator:
-            if msg.WhichOneof("item") != "chunk":
-                raise InvalidArgument("WriteKV takes one header, then chunks only")
-            c = msg.chunk
-            buf.add(c.layer_id, messages.component_name(c.component), c.offset, c.data)
+        msg = first
+        while msg is not None:
+            if msg is not first and msg.HasField("header"):
+                raise InvalidArgument("WriteKV takes one header, in its first message")
+            if msg.data:
+                buf.add(msg.layer_id, messages.component_name(msg.component), msg.offset, msg.data)
+            msg = next(request_iterator, None)
         nbytes = kv_ops.write_kv(self.pools, buf)
         self.state.counters.add("kv_writes")
         self.state.counters.add("kv_bytes_written", nbytes)
@@ -91,15 +93,14 @@ class PoolServicer(pool_pb2_grpc.PoolServiceServicer):
         chunk = request.chunk_bytes or cfg.chunk_bytes
         if chunk > cfg.max_chunk_bytes:
             raise InvalidArgument(f"chunk_bytes {chunk} exceeds {cfg.max_chunk_bytes} (max_message_bytes "
-                                  f"{cfg.max_message_bytes} less room for the chunk's fields)")
+                                  f"{cfg.max_message_bytes} less room for the other fields)")
         segments = kv_ops.read_kv(self.pools, _selection(request.header))
         self.state.counters.add("kv_reads")
         for seg, data in segments:
             view = memoryview(data)
             comp = messages.COMPONENT_TO_PROTO[seg.component]
             for off in range(0, seg.nbytes, chunk):
-                yield pool_pb2.ReadKVResponse(chunk=pool_pb2.KVChunk(
-                    layer_id=seg.layer_id, component=comp, offset=off, data=bytes(view[off:off + chunk])))
+                yield pool_pb2.ReadKVResponse(layer_id=seg.layer_id, component=comp, offset=off, data=bytes(view[off:off + chunk]))
             self.state.counters.add("kv_bytes_read", seg.nbytes)
 
     def MoveKV(self, request: pool_pb2.MoveKVRequest, context: grpc.ServicerContext) -> pool_pb2.MoveKVResponse:

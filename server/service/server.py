@@ -132,6 +132,9 @@ def serve(config: DaemonConfig) -> int:
     ``grace_seconds``, shutdown hooks run, the unix socket and ready file are removed.
     """
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import torch
+
+    torch.set_num_threads(config.torch_threads)
     state = DaemonState(config)
     state.create_configured_pools()
     hs = health.HealthServicer()

@@ -138,9 +138,9 @@ def _stalling_write(scene, stall_s: float):
     n = scene.slots.numel()
     data = torch.randint(0, 256, (n * ROW_BYTES,), dtype=torch.uint8).numpy().tobytes()
     yield pool_pb2.WriteKVRequest(header=pool_pb2.KVHeader(pool_id=scene.pool, slots=scene.slots.tolist(), latent_layers=[0]))
-    yield pool_pb2.WriteKVRequest(chunk=pool_pb2.KVChunk(layer_id=0, component=pool_pb2.COMPONENT_LATENT, offset=0, data=data[: len(data) // 2]))
+    yield pool_pb2.WriteKVRequest(layer_id=0, component=pool_pb2.COMPONENT_LATENT, offset=0, data=data[: len(data) // 2])
     time.sleep(stall_s)
-    yield pool_pb2.WriteKVRequest(chunk=pool_pb2.KVChunk(layer_id=0, component=pool_pb2.COMPONENT_LATENT, offset=len(data) // 2, data=data[len(data) // 2:]))
+    yield pool_pb2.WriteKVRequest(layer_id=0, component=pool_pb2.COMPONENT_LATENT, offset=len(data) // 2, data=data[len(data) // 2:])
 
 
 def test_deadline_mid_stream_writes_nothing(scene, daemon):

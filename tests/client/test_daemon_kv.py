@@ -47,6 +47,14 @@ def test_partial_layers_and_permuted_slots(client, pool):
     assert other.latent == {} and torch.equal(other.index_k[0], base_index[0][0])
 
 
+def test_numpy_arrays_are_accepted(client, pool):
+    """write_kv takes numpy arrays as well as tensors; slots may be a numpy array or a list."""
+    slots = client.allocate_slots(pool, 5).numpy()
+    latent, index = random_kv(5, seed=9, layers=[1], live=[2])
+    client.write_kv(pool, slots, latent={1: latent[1].numpy()}, index={2: (index[2][0].numpy(), index[2][1].numpy())})
+    verify_kv(client.read_kv(pool, slots.tolist(), latent_layers=[1], index_layers=[2]), latent, index)
+
+
 def test_move_is_token_granular(client, pool):
     """MoveKV copies 10 tokens onto another page; that page's other tokens keep their bytes."""
     a = client.allocate_slots(pool, 64)

@@ -26,9 +26,9 @@ def _slow_write(slots, stall_s):
     data = torch.arange(slots.numel() * 656, dtype=torch.int64).to(torch.uint8).numpy().tobytes()
     half = len(data) // 2
     yield pool_pb2.WriteKVRequest(header=pool_pb2.KVHeader(pool_id="default", slots=slots.tolist(), latent_layers=[2]))
-    yield pool_pb2.WriteKVRequest(chunk=pool_pb2.KVChunk(layer_id=2, component=pool_pb2.COMPONENT_LATENT, offset=0, data=data[:half]))
+    yield pool_pb2.WriteKVRequest(layer_id=2, component=pool_pb2.COMPONENT_LATENT, offset=0, data=data[:half])
     time.sleep(stall_s)
-    yield pool_pb2.WriteKVRequest(chunk=pool_pb2.KVChunk(layer_id=2, component=pool_pb2.COMPONENT_LATENT, offset=half, data=data[half:]))
+    yield pool_pb2.WriteKVRequest(layer_id=2, component=pool_pb2.COMPONENT_LATENT, offset=half, data=data[half:])
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])

@@ -72,8 +72,8 @@ def test_kv_payload_above_4mib_round_trips(client, big_pool):
 
 
 def _chunk_request(offset: int):
-    return lambda k: pool_pb2.WriteKVRequest(chunk=pool_pb2.KVChunk(
-        layer_id=0, component=pool_pb2.COMPONENT_LATENT, offset=offset, data=b"\x5a" * k))
+    return lambda k: pool_pb2.WriteKVRequest(
+        layer_id=0, component=pool_pb2.COMPONENT_LATENT, offset=offset, data=b"\x5a" * k)
 
 
 def test_client_to_daemon_message_of_4mib_passes_and_4mib_plus_1_is_refused(client, daemon, big_pool):
@@ -84,12 +84,12 @@ def test_client_to_daemon_message_of_4mib_passes_and_4mib_plus_1_is_refused(clie
     with grpc.insecure_channel(daemon.address, options=opts) as ch:
         stub = pool_pb2_grpc.PoolServiceStub(ch)
         first, k = _sized(_chunk_request(0), MIB4)
-        rest = pool_pb2.WriteKVRequest(chunk=pool_pb2.KVChunk(
-            layer_id=0, component=pool_pb2.COMPONENT_LATENT, offset=k, data=b"\x5a" * (MIB4 - k)))
+        rest = pool_pb2.WriteKVRequest(
+            layer_id=0, component=pool_pb2.COMPONENT_LATENT, offset=k, data=b"\x5a" * (MIB4 - k))
         assert stub.WriteKV(iter([header, first, rest]), timeout=30).bytes_written == MIB4
         too_big, k1 = _sized(_chunk_request(0), MIB4 + 1)
-        rest1 = pool_pb2.WriteKVRequest(chunk=pool_pb2.KVChunk(
-            layer_id=0, component=pool_pb2.COMPONENT_LATENT, offset=k1, data=b"\xa5" * (MIB4 - k1)))
+        rest1 = pool_pb2.WriteKVRequest(
+            layer_id=0, component=pool_pb2.COMPONENT_LATENT, offset=k1, data=b"\xa5" * (MIB4 - k1))
         with pytest.raises(grpc.RpcError) as err:
             stub.WriteKV(iter([header, too_big, rest1]), timeout=30)
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -126,14 +126,14 @@ def test_daemon_to_client_message_of_4mib_passes_and_4mib_plus_1_is_refused(daem
     header = pool_pb2.KVHeader(pool_id="p", slots=slots.tolist(), latent_layers=[0])
 
     def response(k):
-        return pool_pb2.ReadKVResponse(chunk=pool_pb2.KVChunk(layer_id=0, component=pool_pb2.COMPONENT_LATENT, offset=0, data=b"x" * k))
+        return pool_pb2.ReadKVResponse(layer_id=0, component=pool_pb2.COMPONENT_LATENT, offset=0, data=b"x" * k)
 
     _, k = _sized(response, MIB4)
     with grpc.insecure_channel(daemon_8mib.address, options=[("grpc.max_receive_message_length", MIB4)]) as ch:
         stub = pool_pb2_grpc.PoolServiceStub(ch)
         got = list(stub.ReadKV(pool_pb2.ReadKVRequest(header=header, chunk_bytes=k), timeout=30))
         assert got[0].ByteSize() == MIB4
-        assert b"".join(m.chunk.data for m in got) == bytes(rows.reshape(-1).numpy())
+        assert b"".join(m.data for m in got) == bytes(rows.reshape(-1).numpy())
         with pytest.raises(grpc.RpcError) as err:
             list(stub.ReadKV(pool_pb2.ReadKVRequest(header=header, chunk_bytes=k + 1), timeout=30))
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED

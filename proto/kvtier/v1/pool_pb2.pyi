@@ -8,7 +8,7 @@ slot 0 / page 0 is padding. Latent rows are per layer per token; the indexer key
 keys (index_head_dim bytes a token) and FP32 scales (index_head_dim / 128 a token) on live layers
 only: skip-topk layers own no indexer buffer.
 
-Big payloads travel as streams of KVChunk messages; no message exceeds the configured limit
+Big payloads travel as streams of WriteKVRequest / ReadKVResponse pieces; no message exceeds the configured limit
 (4 MiB by default, the same on both ends). Regenerate the Python stubs with
 `python proto/generate.py` (see README.md, "Wire contract / regenerating stubs").
 """
@@ -595,13 +595,17 @@ class KVHeader(_message.Message):
 Global___KVHeader: _TypeAlias = KVHeader  # noqa: Y015
 
 @_typing.final
-class KVChunk(_message.Message):
-    """A piece of one segment: `data` goes at byte `offset` of segment (layer_id, component).
-    Pieces of a segment arrive in order, without gaps or overlap.
+class WriteKVRequest(_message.Message):
+    """WriteKV: a stream of pieces of segments. The first message carries the header (and may carry
+    data); every message's data goes at byte `offset` of segment (layer_id, component). Pieces of a
+    segment arrive in order, without gaps or overlap. Nothing is written into the pool until the
+    whole stream has arrived and checked out; a stream that breaks off writes nothing.
+    (Flat messages: protobuf's Python runtime copies a nested message's bytes once more.)
     """
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    HEADER_FIELD_NUMBER: _builtins.int
     LAYER_ID_FIELD_NUMBER: _builtins.int
     COMPONENT_FIELD_NUMBER: _builtins.int
     OFFSET_FIELD_NUMBER: _builtins.int
@@ -610,49 +614,24 @@ class KVChunk(_message.Message):
     component: Global___Component.ValueType
     offset: _builtins.int
     data: _builtins.bytes
+    @_builtins.property
+    def header(self) -> Global___KVHeader:
+        """first message only"""
+
     def __init__(
         self,
         *,
+        header: Global___KVHeader | None = ...,
         layer_id: _builtins.int = ...,
         component: Global___Component.ValueType = ...,
         offset: _builtins.int = ...,
         data: _builtins.bytes = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["header", b"header"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["component", b"component", "data", b"data", "layer_id", b"layer_id", "offset", b"offset"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["component", b"component", "data", b"data", "header", b"header", "layer_id", b"layer_id", "offset", b"offset"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
-
-Global___KVChunk: _TypeAlias = KVChunk  # noqa: Y015
-
-@_typing.final
-class WriteKVRequest(_message.Message):
-    """WriteKV: the first message carries the header, the rest chunks. Nothing is written into the
-    pool until the whole stream has arrived and checked out; a stream that breaks off writes nothing.
-    """
-
-    DESCRIPTOR: _descriptor.Descriptor
-
-    HEADER_FIELD_NUMBER: _builtins.int
-    CHUNK_FIELD_NUMBER: _builtins.int
-    @_builtins.property
-    def header(self) -> Global___KVHeader: ...
-    @_builtins.property
-    def chunk(self) -> Global___KVChunk: ...
-    def __init__(
-        self,
-        *,
-        header: Global___KVHeader | None = ...,
-        chunk: Global___KVChunk | None = ...,
-    ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "header", b"header", "item", b"item"]  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "header", b"header", "item", b"item"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_item: _TypeAlias = _typing.Literal["header", "chunk"]  # noqa: Y015
-    _WhichOneofArgType_item: _TypeAlias = _typing.Literal["item", b"item"]  # noqa: Y015
-    def WhichOneof(self, oneof_group: _WhichOneofArgType_item) -> _WhichOneofReturnType_item | None: ...
 
 Global___WriteKVRequest: _TypeAlias = WriteKVRequest  # noqa: Y015
 
@@ -685,7 +664,7 @@ class ReadKVRequest(_message.Message):
     HEADER_FIELD_NUMBER: _builtins.int
     CHUNK_BYTES_FIELD_NUMBER: _builtins.int
     chunk_bytes: _builtins.int
-    """data bytes a chunk; 0 = the daemon's default"""
+    """data bytes a message; 0 = the daemon's default"""
     @_builtins.property
     def header(self) -> Global___KVHeader: ...
     def __init__(
@@ -704,19 +683,29 @@ Global___ReadKVRequest: _TypeAlias = ReadKVRequest  # noqa: Y015
 
 @_typing.final
 class ReadKVResponse(_message.Message):
+    """A piece of one segment, in stream order (see KVHeader)."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
-    CHUNK_FIELD_NUMBER: _builtins.int
-    @_builtins.property
-    def chunk(self) -> Global___KVChunk: ...
+    LAYER_ID_FIELD_NUMBER: _builtins.int
+    COMPONENT_FIELD_NUMBER: _builtins.int
+    OFFSET_FIELD_NUMBER: _builtins.int
+    DATA_FIELD_NUMBER: _builtins.int
+    layer_id: _builtins.int
+    component: Global___Component.ValueType
+    offset: _builtins.int
+    data: _builtins.bytes
     def __init__(
         self,
         *,
-        chunk: Global___KVChunk | None = ...,
+        layer_id: _builtins.int = ...,
+        component: Global___Component.ValueType = ...,
+        offset: _builtins.int = ...,
+        data: _builtins.bytes = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["component", b"component", "data", b"data", "layer_id", b"layer_id", "offset", b"offset"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

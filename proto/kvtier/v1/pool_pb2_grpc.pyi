@@ -8,7 +8,7 @@ slot 0 / page 0 is padding. Latent rows are per layer per token; the indexer key
 keys (index_head_dim bytes a token) and FP32 scales (index_head_dim / 128 a token) on live layers
 only: skip-topk layers own no indexer buffer.
 
-Big payloads travel as streams of KVChunk messages; no message exceeds the configured limit
+Big payloads travel as streams of WriteKVRequest / ReadKVResponse pieces; no message exceeds the configured limit
 (4 MiB by default, the same on both ends). Regenerate the Python stubs with
 `python proto/generate.py` (see README.md, "Wire contract / regenerating stubs").
 """
