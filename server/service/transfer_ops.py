@@ -6,10 +6,11 @@ registers a pool's buffers (one range per component arena, from its buffer infos
 the pool takes part in a transfer; registrations of deleted pools are dropped on the next call
 (the pool's memory stays referenced until then, so a registered range is never reused).
 
-Locking: GetTransferLayout and ReadPages hold the source pool's lock shared; PullKV holds the
-destination pool's lock exclusive from the destination checks until the bytes have moved (or the
-pages were freed after a failure), so nothing else reads or writes that pool meanwhile. The
-engine's one-sided reads of a source pool take no lock there.
+Locking: GetTransferLayout holds the source pool's lock shared; ReadPages copies each page run
+under it and streams the copy without it; PullKV holds the destination pool's lock exclusive from
+the destination checks until the bytes have moved (or the pages were freed after a failure), so
+nothing else reads or writes that pool meanwhile. The engine's one-sided reads of a source pool
+take no lock there: the caller must keep the source pages allocated and unchanged until PullKV returns.
 
 Failure contract of PullKV: validation (mapping, destination pages allocated, layouts) happens
 before any byte moves and leaves everything as it was. A failure while moving bytes frees the
@@ -273,11 +274,11 @@ class TransferState:
                 page_run(entry.pool, comp, layer, first, n)
                 _check_allocated(entry, np.arange(first, first + n, dtype=np.int64), f"run of layer {layer} {comp}")
         for i, (layer, comp, first, n) in enumerate(runs):
-            with self.pools.locked(pool_id, exclusive=False) as entry:
+            with self.pools.locked(pool_id, exclusive=False) as entry:  # a consistent copy of the run...
                 view = page_run(entry.pool, comp, layer, first, n)
-                for off in range(0, view.numel(), chunk):
-                    data = view[off:off + chunk].cpu().numpy().tobytes()
-                    yield i, off, data
+                pieces = [view[off:off + chunk].cpu().numpy().tobytes() for off in range(0, view.numel(), chunk)]
+            for k, data in enumerate(pieces):  # ...streamed without holding the lock
+                yield i, k * chunk, data
 
     def close(self) -> None:
         """Drop every registration (at shutdown)."""
