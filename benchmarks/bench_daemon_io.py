@@ -142,7 +142,9 @@ def main() -> None:
                         proc.kill()
                         proc.wait()
                 c.delete_pool(pool, force=True)
-            gbps = lambda secs: nbytes / statistics.median(secs) / 1e9  # noqa: E731
+            def gbps(secs: list[float], nbytes: int = nbytes) -> float:
+                return nbytes / statistics.median(secs) / 1e9
+
             r = {
                 "chunk_bytes": chunk, "payload_bytes": nbytes, "tokens": a.tokens, "layers": a.layers,
                 "live_layers": len(info.live_layers), "repeat": a.repeat,

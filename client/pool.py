@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from kvtier.client.base import BaseClient
+from kvtier.client.errors import FailedPreconditionError
 from kvtier.v1 import pool_pb2, pool_pb2_grpc
 
 Slots = Any  # (n,) int torch.Tensor, numpy array or sequence of ints
@@ -190,7 +191,9 @@ class PoolMixin(BaseClient):
         for x, (keys, scales) in index.items():
             segs.append((x, _INDEX_K, _as_bytes(keys, f"index[{x}] keys")))
             segs.append((x, _INDEX_SCALE, _as_bytes(scales, f"index[{x}] scales")))
-        header = pool_pb2.KVHeader(pool_id=pool_id, slots=slot_list(slots), latent_layers=list(latent), index_layers=list(index))
+        cached = self.__dict__.get("_layouts", {}).get(pool_id)
+        header = pool_pb2.KVHeader(pool_id=pool_id, slots=slot_list(slots), latent_layers=list(latent), index_layers=list(index),
+                                   layout_digest=cached.fingerprint_digest if cached is not None else "")
         resp = self.unary(self._pool.WriteKV, self._write_requests(header, segs), idempotent=False, timeout=timeout)
         return resp.bytes_written
 
@@ -204,7 +207,21 @@ class PoolMixin(BaseClient):
         timeout: float | None = None,
     ) -> KVData:
         """Read KV of ``slots``. ``latent_layers`` None: every layer; ``index_layers`` None: every live
-        layer; ``[]`` selects none. Returns :class:`KVData` (host tensors)."""
+        layer; ``[]`` selects none. Returns :class:`KVData` (host tensors).
+
+        The read names the pool layout this client has cached; if the pool was re-created with
+        another layout, the cache is refreshed and the read tried once more.
+        """
+        try:
+            return self._read_kv(pool_id, slots, latent_layers, index_layers, timeout)
+        except FailedPreconditionError:
+            old = self.__dict__.get("_layouts", {}).pop(pool_id, None)
+            if old is None or self.layout(pool_id).fingerprint_digest == old.fingerprint_digest:
+                raise
+            return self._read_kv(pool_id, slots, latent_layers, index_layers, timeout)
+
+    def _read_kv(self, pool_id: str, slots: Slots, latent_layers: list[int] | None, index_layers: list[int] | None,
+                 timeout: float | None) -> KVData:
         lay = self.layout(pool_id)
         if latent_layers is None:
             latent_layers = list(range(lay.num_layers))
@@ -212,7 +229,8 @@ class PoolMixin(BaseClient):
             index_layers = [i for i, c in enumerate(lay.skip_mask) if c == "F"]
         slot_ids = slot_list(slots)
         n = len(slot_ids)
-        header = pool_pb2.KVHeader(pool_id=pool_id, slots=slot_ids, latent_layers=latent_layers, index_layers=index_layers)
+        header = pool_pb2.KVHeader(pool_id=pool_id, slots=slot_ids, latent_layers=latent_layers, index_layers=index_layers,
+                                   layout_digest=lay.fingerprint_digest)
         req = pool_pb2.ReadKVRequest(header=header, chunk_bytes=self.chunk_bytes)
         scale_per_token = lay.index_head_dim // 128
         sizes = {_LATENT: lay.latent_row_bytes, _INDEX_K: lay.index_head_dim, _INDEX_SCALE: 4 * scale_per_token}

@@ -53,6 +53,7 @@ def serve(config_file: str | None, pools: tuple[str, ...], pool_layers: int | No
 
     Example: kvtier serve --pool glm-5.2:65536 --host-memory 8GiB
     """
+    from kvtier.server.service.errors import KVTierError
     from kvtier.server.service.server import AddressError, serve as run
 
     try:
@@ -68,6 +69,7 @@ def serve(config_file: str | None, pools: tuple[str, ...], pool_layers: int | No
     except (ValueError, OSError) as e:
         raise click.UsageError(str(e)) from None
     try:
-        sys.exit(run(cfg))
-    except AddressError as e:
+        code = run(cfg)
+    except (AddressError, KVTierError, ValueError) as e:  # bad address, device, or a configured pool that cannot be created
         raise click.ClickException(str(e)) from None
+    sys.exit(code)

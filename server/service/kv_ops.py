@@ -47,6 +47,8 @@ class KVSelection:
     slots: Any
     latent_layers: tuple[int, ...]
     index_layers: tuple[int, ...]
+    layout_digest: str = ""
+    """If set, the layout the caller assumes: the pool's fingerprint digest must equal it."""
 
 
 def token_bytes(entry: PoolEntry, component: str) -> int:
@@ -60,8 +62,13 @@ def plan_segments(entry: PoolEntry, sel: KVSelection, n_slots: int) -> list[Segm
 
     Raises:
         InvalidArgument: a layer out of range or repeated, or nothing selected.
-        FailedPrecondition: indexer data asked of a skip-topk layer (it owns no indexer buffer).
+        FailedPrecondition: indexer data asked of a skip-topk layer (it owns no indexer buffer), or
+            ``sel.layout_digest`` differs from the pool's.
     """
+    if sel.layout_digest and sel.layout_digest != entry.model.fingerprint_digest():
+        raise FailedPrecondition(
+            f"pool {entry.pool_id!r} has layout {entry.model.fingerprint_digest()}, not the {sel.layout_digest} the "
+            f"request assumes (was the pool re-created?)")
     num_layers = entry.pool.layer_num
     for what, layers in (("latent_layers", sel.latent_layers), ("index_layers", sel.index_layers)):
         bad = [x for x in layers if not 0 <= x < num_layers]

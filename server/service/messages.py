@@ -75,7 +75,7 @@ def buffer_infos(entry: PoolEntry, state: BufInfos, contiguous: BufInfos) -> poo
     def infos(triple: BufInfos) -> list[pool_pb2.BufferInfo]:
         ptrs, lens, items = triple
         return [pool_pb2.BufferInfo(layer_id=i, data_ptr=p, data_len=n, item_len=it)
-                for i, (p, n, it) in enumerate(zip(ptrs, lens, items))]
+                for i, (p, n, it) in enumerate(zip(ptrs, lens, items, strict=True))]
     return pool_pb2.BufferInfosResponse(layout=pool_layout(entry.model), state=infos(state),
                                         contiguous=infos(contiguous), skip_topk_layers=list(entry.pool.skip_topk_layers))
 

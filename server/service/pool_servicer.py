@@ -19,7 +19,7 @@ from kvtier.v1 import pool_pb2, pool_pb2_grpc
 
 
 def _selection(h: pool_pb2.KVHeader) -> KVSelection:
-    return KVSelection(h.pool_id, list(h.slots), tuple(h.latent_layers), tuple(h.index_layers))
+    return KVSelection(h.pool_id, list(h.slots), tuple(h.latent_layers), tuple(h.index_layers), h.layout_digest)
 
 
 class PoolServicer(pool_pb2_grpc.PoolServiceServicer):

@@ -10,7 +10,7 @@ import time
 import grpc
 import pytest
 import torch
-from kv_helpers import LIVE_LAYERS, NUM_LAYERS, ROW_BYTES, random_kv, verify_same
+from kv_helpers import NUM_LAYERS, ROW_BYTES, random_kv, verify_same
 
 from kvtier.client import KVTierError
 from kvtier.v1 import pool_pb2, pool_pb2_grpc

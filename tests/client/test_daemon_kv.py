@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from kv_helpers import INDEX_PAGE_BYTES, LIVE_LAYERS, NUM_LAYERS, PAGE_SIZE, ROW_BYTES, random_kv, verify_kv
 
@@ -123,3 +124,22 @@ def test_stats_count_bytes(client, pool):
     assert host.budget_bytes == 4 << 20
     assert s.counters["kv_writes"] >= 1
     client.drop("stats-key")
+
+
+def test_reads_follow_a_recreated_pool(daemon, client):
+    """A pool re-created under the same id with another layout: a write naming the old layout is refused
+    (FAILED_PRECONDITION, nothing written); a read refreshes the client's cached layout."""
+    from kvtier.client import FailedPreconditionError, KVTierClient
+
+    client.create_pool("glm-5.2", num_layers=8, size_tokens=256, pool_id="recreated")
+    with KVTierClient(daemon.address) as other:
+        slots = other.allocate_slots("recreated", 10)
+        other.read_kv("recreated", slots)  # caches the 8-layer layout
+        client.delete_pool("recreated", force=True)
+        client.create_pool("glm-5.2", num_layers=4, size_tokens=256, pool_id="recreated")
+        assert client.allocate_slots("recreated", 10).tolist() == slots.tolist()
+        with pytest.raises(FailedPreconditionError, match="re-created"):
+            other.write_kv("recreated", slots, latent={0: torch.ones(10, ROW_BYTES, dtype=torch.uint8)})
+        kv = other.read_kv("recreated", slots)
+        assert sorted(kv.latent) == [0, 1, 2, 3] and bool((kv.latent[0] == 0).all())
+    client.delete_pool("recreated", force=True)

@@ -7,7 +7,6 @@ import signal
 import stat
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -22,38 +21,39 @@ from kvtier.v1 import pool_pb2, pool_pb2_grpc
 POOL_ARGS = ["--device", "cpu", "--pool", "glm-5.2:1024", "--pool-layers", "8", "--log-level", "WARNING"]
 
 
-def _slow_write(slots, stall_s):
-    data = torch.arange(slots.numel() * 656, dtype=torch.int64).to(torch.uint8).numpy().tobytes()
-    half = len(data) // 2
-    yield pool_pb2.WriteKVRequest(header=pool_pb2.KVHeader(pool_id="default", slots=slots.tolist(), latent_layers=[2]))
-    yield pool_pb2.WriteKVRequest(layer_id=2, component=pool_pb2.COMPONENT_LATENT, offset=0, data=data[:half])
-    time.sleep(stall_s)
-    yield pool_pb2.WriteKVRequest(layer_id=2, component=pool_pb2.COMPONENT_LATENT, offset=half, data=data[half:])
-
-
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_signal_finishes_in_flight_call_and_exits_0(signum):
-    """A write in flight when SIGTERM/SIGINT arrives completes; new calls are refused; exit code 0; socket gone."""
-    with DaemonProcess(extra_args=[*POOL_ARGS, "--log-level", "INFO"]) as d:
-        with KVTierClient(d.address, timeout=20) as c:
-            slots = c.allocate_slots("default", 100)
-            result: dict = {}
-
-            def write():
-                with grpc.insecure_channel(d.address) as ch:
-                    result["resp"] = pool_pb2_grpc.PoolServiceStub(ch).WriteKV(_slow_write(slots, 1.5), timeout=20)
-
-            t = threading.Thread(target=write)
-            t.start()
-            time.sleep(0.5)  # the stream is open and stalled half way
+    """A 43 MB read in flight when SIGTERM/SIGINT arrives streams to its end; new calls are refused;
+    exit code 0; the socket is removed."""
+    args = ["--device", "cpu", "--pool", "glm-5.2:8192", "--pool-layers", "8", "--log-level", "INFO"]
+    with DaemonProcess(extra_args=args) as d:
+        with KVTierClient(d.address, timeout=60) as c:
+            slots = c.allocate_slots("default", 8192)
+            rows = torch.randint(0, 256, (8192, 656), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))
+            c.write_kv("default", slots, latent={l: rows for l in range(8)})
+        with grpc.insecure_channel(d.address) as ch:
+            header = pool_pb2.KVHeader(pool_id="default", slots=slots.tolist(), latent_layers=list(range(8)))
+            stream = pool_pb2_grpc.PoolServiceStub(ch).ReadKV(pool_pb2.ReadKVRequest(header=header, chunk_bytes=256 << 10), timeout=60)
+            first = next(stream)  # the call is in flight on the daemon now
             d.signal(signum)
-            time.sleep(0.3)
-            with pytest.raises(KVTierError) as err, KVTierClient(d.address, timeout=2, retries=0) as late:
-                late.describe_pool("default")
-            assert err.value.code == grpc.StatusCode.UNAVAILABLE
-            t.join(20)
-            assert result["resp"].bytes_written == 100 * 656
-            assert d.wait(20) == 0
+            refused = None
+            for _ in range(100):  # once the daemon has begun stopping, new calls are refused
+                try:
+                    with KVTierClient(d.address, timeout=2, retries=0) as late:
+                        late.describe_pool("default")
+                except KVTierError as e:
+                    refused = e
+                    break
+                time.sleep(0.1)
+            assert refused is not None and refused.code == grpc.StatusCode.UNAVAILABLE
+            segments = {first.layer_id: bytearray(first.data)}
+            for msg in stream:  # the in-flight read still streams to its end
+                seg = segments.setdefault(msg.layer_id, bytearray())
+                assert msg.offset == len(seg)
+                seg += msg.data
+            assert d.wait(30) == 0
+        expected = bytes(rows.reshape(-1).numpy())
+        assert sorted(segments) == list(range(8)) and all(bytes(seg) == expected for seg in segments.values())
         assert not Path(d.address[len("unix://"):]).exists()
         assert "stopped" in d.log_tail()
 
@@ -67,6 +67,13 @@ def test_non_loopback_tcp_without_tls_is_refused():
     """Listening on all interfaces without TLS fails with a clear message, before binding."""
     r = _serve(["--device", "cpu", "--listen", "0.0.0.0:0"])
     assert r.returncode != 0 and "refusing to listen on 0.0.0.0:0 without TLS" in r.stderr
+
+
+def test_bad_configured_pool_is_a_clean_error():
+    """A --pool the daemon cannot create stops it at start with the reason, no traceback."""
+    r = _serve(["--device", "cpu", "--listen", "127.0.0.1:0", "--pool", "glm-5.2:100"])
+    assert r.returncode == 1 and "size_tokens must be a multiple of page_size=64, got 100" in r.stderr
+    assert "Traceback" not in r.stderr
 
 
 def test_default_socket_is_private(tmp_path):

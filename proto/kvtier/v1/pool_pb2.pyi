@@ -569,7 +569,10 @@ class KVHeader(_message.Message):
     SLOTS_FIELD_NUMBER: _builtins.int
     LATENT_LAYERS_FIELD_NUMBER: _builtins.int
     INDEX_LAYERS_FIELD_NUMBER: _builtins.int
+    LAYOUT_DIGEST_FIELD_NUMBER: _builtins.int
     pool_id: _builtins.str
+    layout_digest: _builtins.str
+    """if set: the pool's PoolLayout.fingerprint_digest must equal it"""
     @_builtins.property
     def slots(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -585,10 +588,11 @@ class KVHeader(_message.Message):
         slots: _abc.Iterable[_builtins.int] | None = ...,
         latent_layers: _abc.Iterable[_builtins.int] | None = ...,
         index_layers: _abc.Iterable[_builtins.int] | None = ...,
+        layout_digest: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["index_layers", b"index_layers", "latent_layers", b"latent_layers", "pool_id", b"pool_id", "slots", b"slots"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["index_layers", b"index_layers", "latent_layers", b"latent_layers", "layout_digest", b"layout_digest", "pool_id", b"pool_id", "slots", b"slots"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

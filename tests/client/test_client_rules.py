@@ -1,0 +1,37 @@
+"""Client rules: it never imports the server; only idempotent calls are retried, only on UNAVAILABLE."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from kvtier.client import KVTierClient, UnavailableError
+from kvtier.client.spawn import DaemonProcess
+
+
+def test_client_does_not_import_server():
+    code = ("import sys, kvtier.client, kvtier.client.spawn; "
+            "bad = sorted(m for m in sys.modules if m.startswith('kvtier.server')); print(bad); sys.exit(1 if bad else 0)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_change_is_not_retried_read_is(tmp_path):
+    """With no daemon yet, allocate_slots fails at once with UNAVAILABLE; describe_pool retries until
+    the daemon, started meanwhile, answers."""
+    d = DaemonProcess(f"unix://{tmp_path}/late.sock", extra_args=["--device", "cpu", "--pool", "glm-5.2:128", "--pool-layers", "2"])
+    try:
+        with KVTierClient(d.listen, timeout=60, retries=12) as c:
+            with pytest.raises(UnavailableError):
+                c.allocate_slots("default", 1)
+            starter = threading.Thread(target=d.start)
+            starter.start()
+            info = c.describe_pool("default")  # fails while the daemon starts, retried with backoff
+            starter.join(60)
+            assert info.size_tokens == 128
+    finally:
+        d.stop()
+        d.cleanup()
