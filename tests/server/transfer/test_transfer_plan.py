@@ -133,3 +133,51 @@ def test_ranges_outside_registered_memory_are_refused(model):
     only_latent = src.with_engine("127.0.0.1:1", [(lat0, 8 * src.latent[1][0])])
     with pytest.raises(LayoutMismatchError, match="layer 0 index_k source pages 1..1 lie outside every registered range"):
         plan_pull(dst, only_latent, [1], [1])
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.data())
+def test_plan_applied_to_memory_equals_page_by_page_copy(data):
+    """Random skip masks, page sizes and mappings: copying the plan's ranges gives exactly what copying
+    each mapped page of each layer with a buffer gives (a plain reference), and nothing else."""
+    layers = data.draw(st.integers(1, 6))
+    mask = [False] + data.draw(st.lists(st.booleans(), min_size=layers - 1, max_size=layers - 1))
+    lat_item, idx_item, pages = data.draw(st.sampled_from([8, 24])), 16, data.draw(st.integers(2, 12))
+    src_pages = data.draw(st.lists(st.integers(1, pages - 1), min_size=1, max_size=pages - 1, unique=True))
+    dst_pages = data.draw(st.permutations(range(1, pages)))[: len(src_pages)]
+    batch = data.draw(st.integers(1, 5))
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**31)))
+
+    def memory(base):
+        """Per-layer latent then indexer buffers laid out one after another from address ``base``."""
+        lat, idx, off = ([], [], []), ([], [], []), 0
+        for skip in mask:
+            for infos, item, has in ((lat, lat_item, True), (idx, idx_item, not skip)):
+                n = pages * item if has else 0
+                for part, v in zip(infos, (base + off if has else 0, n, item if has else 0)):
+                    part.append(v)
+                off += n
+        return {"latent": lat, "index_k": idx}, rng.integers(0, 256, off, dtype=np.uint8)
+
+    src_base, dst_base = 1 << 20, 1 << 30
+    (src, src_mem), (dst, dst_mem) = memory(src_base), memory(dst_base)
+    expected = dst_mem.copy()
+    for comp in ("latent", "index_k"):
+        for layer in range(layers):
+            (sp, _, item), (dp, _, _) = (tuple(part[layer] for part in side[comp]) for side in (src, dst))
+            for s, d in zip(src_pages, dst_pages):
+                if item:
+                    so, do = sp - src_base + s * item, dp - dst_base + d * item
+                    expected[do:do + item] = src_mem[so:so + item]
+    plan = plan_transfer(src, dst, src_pages, dst_pages, max_batch_items=batch)
+    got = dst_mem.copy()
+    for b in plan.batches:
+        assert 1 <= len(b) <= batch
+        for it in b:
+            assert it.nbytes > 0
+            got[it.dst_addr - dst_base:it.dst_addr - dst_base + it.nbytes] = src_mem[it.src_addr - src_base:it.src_addr - src_base + it.nbytes]
+    assert np.array_equal(got, expected)
+    stats = plan.stats()
+    live = sum(not s for s in mask)
+    assert stats.index_bytes == live * len(src_pages) * idx_item
+    assert stats.latent_bytes == layers * len(src_pages) * lat_item
