@@ -42,6 +42,8 @@ def _bytes(_ctx: click.Context, param: click.Parameter, value: str | None) -> in
 @click.option("--tls-key", type=click.Path(exists=True, dir_okay=False), default=None, help="PEM private key (TLS).")
 @click.option("--ready-file", type=click.Path(dir_okay=False), default=None,
               help="Write the bound address here once serving.")
+@click.option("--transfer-engine", type=click.Choice(["mooncake", "none"]), default=None, help="PD transfer engine [none].")
+@click.option("--transfer-host", default=None, metavar="HOST", help="Address the transfer engine binds and publishes [127.0.0.1].")
 @click.option("--pool", "pools", multiple=True, metavar="[ID=]MODEL:TOKENS|BYTES",
               help="Create a pool at start, e.g. glm-5.2:65536 or main=glm-5.2:2GiB (repeatable; replaces the file's pools).")
 @click.option("--pool-layers", type=click.IntRange(min=1), default=None,

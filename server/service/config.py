@@ -34,6 +34,7 @@ DEFAULT_MAX_MESSAGE_BYTES = 4 * MiB
 CHUNK_OVERHEAD_BYTES = 1024  # room a KV chunk message needs beside its data (field tags, lengths)
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 DEVICES = ("auto", "cpu", "cuda")
+TRANSFER_ENGINES = ("none", "mooncake")
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 10**6, "mb": 10**6, "mib": MiB,
           "g": 10**9, "gb": 10**9, "gib": GiB, "t": 10**12, "tb": 10**12, "tib": 1 << 40}
@@ -134,6 +135,10 @@ class DaemonConfig:
     pools: tuple[PoolSpec, ...] = field(default=())
     """Pools created at start."""
     tiers: TierSettings = field(default_factory=TierSettings)  # [tiers] table / --disk-* flags (kvtier.server.service.tier_settings)
+    transfer_engine: str = "none"
+    """PD transfer engine: ``mooncake`` (Mooncake Transfer Engine, registers pool buffers) or ``none`` (gRPC fallback only)."""
+    transfer_host: str = "127.0.0.1"
+    """Address the transfer engine binds and publishes to peers."""
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
@@ -152,6 +157,8 @@ class DaemonConfig:
                 f"(0, {self.max_message_bytes - CHUNK_OVERHEAD_BYTES}], got {self.chunk_bytes}")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("tls_cert and tls_key go together")
+        if self.transfer_engine not in TRANSFER_ENGINES:
+            raise ValueError(f"transfer_engine must be one of {TRANSFER_ENGINES}, got {self.transfer_engine!r}")
         if self.grace_seconds < 0:
             raise ValueError(f"grace_seconds must be >= 0, got {self.grace_seconds}")
         ids = [p.pool_id for p in self.pools]

@@ -17,6 +17,8 @@ from typing import Any
 
 import grpc
 
+from kvtier.server.transfer.errors import LayoutMismatchError, TransferEngineUnavailable, TransferError
+
 log = logging.getLogger("kvtier.service")
 
 
@@ -53,6 +55,9 @@ STATUS_CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (AlreadyExists, grpc.StatusCode.ALREADY_EXISTS),
     (ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
+    (LayoutMismatchError, grpc.StatusCode.FAILED_PRECONDITION),  # PD peers' layouts differ; nothing moved
+    (TransferEngineUnavailable, grpc.StatusCode.FAILED_PRECONDITION),
+    (TransferError, grpc.StatusCode.ABORTED),  # moving bytes failed; the destination pages were freed
     (MemoryError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
     (TypeError, grpc.StatusCode.INVALID_ARGUMENT),

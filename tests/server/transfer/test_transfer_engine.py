@@ -1,0 +1,194 @@
+"""Real Mooncake Transfer Engine transfers between two engines on 127.0.0.1 (TCP).
+
+The engine is a required part: when it is missing these tests fail (TransferEngineUnavailable).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from kvtier.server.pool import create_pool
+from kvtier.server.transfer import (
+    LayoutMismatchError, MooncakeTransferEngine, MooncakeTransport, PoolLayout, TransferEngineConfig,
+    TransferEngineUnavailable, TransferError, plan_pull, pool_layout, pull_pages, registration_ranges,
+)
+from transfer_helpers import INDEX_PAGE_BYTES, LATENT_PAGE_BYTES, LIVE_LAYERS, SKIP_LAYERS, filled_pool
+
+
+@pytest.fixture(scope="module")
+def engines():
+    """(prefill engine, decode engine), one process, loopback TCP."""
+    return MooncakeTransferEngine(), MooncakeTransferEngine()
+
+
+@pytest.fixture
+def published():
+    """``published(pool, engine, fingerprint)``: register the pool's buffers and return its layout
+    naming the endpoint; every registration is undone after the test (freed memory gets reused)."""
+    done = []
+
+    def publish(pool, engine, fingerprint):
+        layout = pool_layout(pool, fingerprint)
+        ranges = registration_ranges(layout.latent, layout.index)
+        engine.register(ranges)
+        done.append((engine, ranges, pool))
+        return layout.with_engine(engine.endpoint, ranges)
+
+    yield publish
+    for engine, ranges, _ in done:
+        engine.unregister(ranges)
+
+
+def page_bytes(pool, component, layer, page):
+    if component == "latent":
+        return pool.kv_buffer[layer].view(torch.uint8).view(-1)[page * LATENT_PAGE_BYTES:(page + 1) * LATENT_PAGE_BYTES]
+    return pool.index_k_with_scale_buffer[layer][page]
+
+
+def verify_pages_copied(src_pool, dst_pool, src_pages, dst_pages):
+    for layer in range(8):
+        comps = ("latent", "index_k") if layer in LIVE_LAYERS else ("latent",)
+        for comp in comps:
+            for s, d in zip(src_pages, dst_pages):
+                assert torch.equal(page_bytes(src_pool, comp, layer, s), page_bytes(dst_pool, comp, layer, d)), (layer, comp, s, d)
+
+
+def verify_untouched(dst_pool, before, pages):
+    """Pages not in ``pages`` still hold the bytes of ``before`` (a clone of the arenas)."""
+    for layer in range(8):
+        for comp in ("latent", "index_k") if layer in LIVE_LAYERS else ("latent",):
+            for p in range(1, dst_pool.num_pages):
+                if p not in pages:
+                    assert torch.equal(page_bytes(dst_pool, comp, layer, p), page_bytes(before, comp, layer, p))
+
+
+def test_the_engine_is_installed():
+    """CI installs mooncake-transfer-engine-non-cuda; without it this (and every transfer test) fails."""
+    import mooncake.engine
+
+    assert hasattr(mooncake.engine.TransferEngine, "batch_transfer_sync_read")
+
+
+def test_missing_engine_raises_a_clear_error(monkeypatch):
+    """What a daemon started with --transfer-engine mooncake says on a machine without the package."""
+    monkeypatch.setitem(sys.modules, "mooncake.engine", None)  # makes `from mooncake.engine import ...` fail
+    with pytest.raises(TransferEngineUnavailable, match="pip install 'kvtier\\[mooncake\\]'.*libibverbs1 librdmacm1 libnuma1"):
+        MooncakeTransferEngine()
+
+
+def test_registration_ranges_are_the_arenas(model):
+    """Per-layer views of one arena register as one range a component; skip layers add nothing."""
+    pool = create_pool(model, 64 * 8, device="cpu")
+    lat, idx = pool.get_contiguous_buf_infos(), pool.get_state_buf_infos()
+    ranges = registration_ranges(lat, idx)
+    assert sorted(ranges) == sorted([(pool._lat_arena.data_ptr(), pool._lat_arena.nbytes),
+                                     (pool._idx_arena.data_ptr(), pool._idx_arena.nbytes)])
+    assert pool._idx_arena.nbytes == len(LIVE_LAYERS) * 9 * INDEX_PAGE_BYTES
+
+
+def test_register_refuses_overlap_and_empty():
+    engine = MooncakeTransferEngine()
+    buf = torch.zeros(1 << 16, dtype=torch.uint8)
+    p = buf.data_ptr()
+    engine.register([(p, 4096)])
+    with pytest.raises(ValueError, match="overlaps"):
+        engine.register([(p + 4000, 4096)])
+    with pytest.raises(ValueError, match="empty"):
+        engine.register([(p + 8192, 0)])
+    assert engine.registered == [(p, 4096)]
+
+
+def test_pull_is_byte_identical_on_every_layer(model, engines, published):
+    prefill, decode = engines
+    src_pool = filled_pool(model, seed=1)
+    dst_pool = filled_pool(model, seed=2)
+    before = filled_pool(model, seed=2)
+    remote = published(src_pool, prefill, model.fingerprint())
+    local = published(dst_pool, decode, model.fingerprint())
+    src_pages, dst_pages = [4, 5, 6, 7, 20, 11], [30, 31, 32, 2, 3, 17]
+    plan = plan_pull(local, remote, src_pages, dst_pages, max_batch_items=7)
+    stats = pull_pages(MooncakeTransport(decode), remote, plan)
+    verify_pages_copied(src_pool, dst_pool, src_pages, dst_pages)
+    verify_untouched(dst_pool, before, set(dst_pages))
+    assert stats.index_bytes == len(LIVE_LAYERS) * 6 * 8448
+    assert stats.latent_bytes == 8 * 6 * 656 * 64
+    assert all(s.index_requests == 0 for s in stats.layers if s.layer_id in SKIP_LAYERS)
+    # runs: 4..6 -> 30..32, 7 -> 2, 11 -> 17, 20 -> 3  => 4 requests a layer and component
+    assert stats.latent_requests == 8 * 4 and stats.index_requests == len(LIVE_LAYERS) * 4
+    assert stats.batches == -(-(12 * 4) // 7)
+
+
+def test_sglang_shaped_peer_interoperates_by_page_ids(model, engines, published):
+    """A peer whose buffers are separate per-layer tensors with SGLang's shapes (no arena, no
+    fingerprint): the plan comes from its buffer infos alone."""
+    prefill, decode = engines
+    size, ps = 64 * 32, 64
+    g = torch.Generator().manual_seed(5)
+    kv = [torch.randint(0, 256, (size + ps, 1, 656), dtype=torch.uint8, generator=g) for _ in range(8)]
+    num_pages = (size + ps + 1) // ps
+    idx = [torch.empty((0, 8448), dtype=torch.uint8) if l in SKIP_LAYERS
+           else torch.randint(0, 256, (num_pages, 8448), dtype=torch.uint8, generator=g) for l in range(8)]
+    lat_infos = ([t.data_ptr() for t in kv], [t.nbytes for t in kv], [656 * ps] * 8)
+    idx_infos = ([0 if l in SKIP_LAYERS else t.data_ptr() for l, t in enumerate(idx)],
+                 [t.nbytes for t in idx], [0 if l in SKIP_LAYERS else 8448 for l in range(8)])
+    ranges = registration_ranges(lat_infos, idx_infos)
+    prefill.register(ranges)
+    try:
+        peer = PoolLayout(ps, 656, 8448, [l in SKIP_LAYERS for l in range(8)], lat_infos, idx_infos,
+                          endpoint=prefill.endpoint, registered=ranges)
+        dst_pool = create_pool(model, size, device="cpu")
+        local = published(dst_pool, decode, model.fingerprint())
+        stats = pull_pages(MooncakeTransport(decode), peer, plan_pull(local, peer, [8, 9, 1], [1, 2, 3]))
+        for layer in range(8):
+            for s, d in zip([8, 9, 1], [1, 2, 3]):
+                assert torch.equal(kv[layer].view(-1)[s * 656 * ps:(s + 1) * 656 * ps], page_bytes(dst_pool, "latent", layer, d))
+                if layer in LIVE_LAYERS:
+                    assert torch.equal(idx[layer][s], dst_pool.index_k_with_scale_buffer[layer][d])
+        assert stats.index_bytes == len(LIVE_LAYERS) * 3 * 8448
+    finally:
+        prefill.unregister(ranges)
+
+
+def test_mismatched_layout_is_refused_before_any_byte_moves(model, engines, published):
+    prefill, decode = engines
+    src_pool = filled_pool(model, role="draft", seed=3)
+    dst_pool = create_pool(model, 64 * 32, device="cpu")
+    remote = published(src_pool, prefill, model.fingerprint())
+    local = published(dst_pool, decode, model.fingerprint())
+    with pytest.raises(LayoutMismatchError, match="skip masks differ"):
+        plan_pull(local, remote, [1, 2], [1, 2])
+    assert int(dst_pool._lat_arena.count_nonzero()) == 0 and int(dst_pool._idx_arena.count_nonzero()) == 0
+
+
+def test_injected_failure_stops_the_transfer(model, engines, published):
+    """fail_batch=2: the first batch moves, the second raises; later batches never start."""
+    prefill, _ = engines
+    failing = MooncakeTransferEngine(TransferEngineConfig(fail_batch=2))
+    src_pool = filled_pool(model, seed=4)
+    dst_pool = create_pool(model, 64 * 32, device="cpu")
+    remote = published(src_pool, prefill, model.fingerprint())
+    local = published(dst_pool, failing, model.fingerprint())
+    plan = plan_pull(local, remote, [1, 3, 5], [1, 3, 5], max_batch_items=4)
+    with pytest.raises(TransferError, match="injected failure in batch 2") as err:
+        pull_pages(MooncakeTransport(failing), remote, plan)
+    assert err.value.batch == 1
+    first = plan.batches[0]
+    assert torch.equal(page_bytes(dst_pool, "latent", 0, 1), page_bytes(src_pool, "latent", 0, 1))  # batch 1 ran
+    last = plan.batches[-1][-1]
+    assert not torch.equal(page_bytes(dst_pool, last.component, last.layer_id, 5), page_bytes(src_pool, last.component, last.layer_id, 5))
+    assert len(first) == 4
+
+
+def test_engine_return_code_becomes_transfer_error(model, engines, published):
+    """A read from an endpoint nobody listens on returns non-zero: a TransferError naming the batch."""
+    _, decode = engines
+    dst_pool = create_pool(model, 64 * 8, device="cpu")
+    local = published(dst_pool, decode, model.fingerprint())
+    ghost = local.with_engine("127.0.0.1:1", ())
+    plan = plan_pull(local, ghost, [1], [1])
+    with pytest.raises(TransferError, match="return code -1 in batch 1 of 1") as err:
+        pull_pages(MooncakeTransport(decode), ghost, plan)
+    assert err.value.return_code == -1
