@@ -231,11 +231,14 @@ def offload(registry: PoolRegistry, store: CopyStore, pool_id: str, key: str, sl
     Raises:
         InvalidArgument: bad, unallocated, duplicate or no slots; empty key.
         AlreadyExists: ``key`` is taken. ResourceExhausted: the store's budget is too small.
+        FailedPrecondition: ``free_slots`` with slots on pages the prefix cache holds.
     """
     with registry.locked(pool_id, exclusive=free_slots) as entry:
         t = entry.slots(slots, unique=True)
         if t.numel() == 0:
             raise InvalidArgument("offload needs at least one slot")
+        if free_slots:  # checked before anything is stored, so a refusal leaves no copy behind
+            entry.check_client_owned(torch.unique(t // entry.page_size), "offload slots")
         nbytes = entry.pool.cpu_copy_nbytes(t)
         store.check_room(key, nbytes)
         copy = entry.pool.get_cpu_copy(t)

@@ -82,6 +82,9 @@ class PoolEntry:
         plan: the capacity plan when created from a memory budget.
         lock: shared for reads, exclusive for changes (module docstring).
         page_allocated: ``(num_pages + 1,)`` bool, True on pages handed out (page 0 never).
+        cache_owned: ``(num_pages + 1,)`` bool, True on pages the prefix cache holds (cached pages
+            and the fresh pages of its leases). Clients read and write them through a lease, but
+            ``FreeSlots``, ``Offload(free_slots)`` and ``PullKV`` never free them: only the cache does.
     """
 
     pool_id: str
@@ -92,10 +95,24 @@ class PoolEntry:
     plan: PoolPlan | None = None
     lock: RWLock = field(default_factory=RWLock)
     page_allocated: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.bool))
+    cache_owned: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.bool))
     deleted: bool = False
 
     def __post_init__(self) -> None:
         self.page_allocated = torch.zeros(self.allocator.num_pages + 1, dtype=torch.bool)
+        self.cache_owned = torch.zeros(self.allocator.num_pages + 1, dtype=torch.bool)
+
+    def check_client_owned(self, pages: Any, what: str = "slots") -> None:
+        """Raise FailedPrecondition if any of ``pages`` belongs to the prefix cache (its own pages,
+        or fresh pages of a lease): such pages are freed by ``ReleasePrefix`` or eviction only."""
+        t = torch.as_tensor(pages, dtype=torch.int64).reshape(-1)
+        if t.numel():
+            owned = self.cache_owned[t]
+            if bool(owned.any()):
+                page = int(t[owned][0])
+                raise FailedPrecondition(
+                    f"{what}: page {page} of pool {self.pool_id!r} is held by the prefix cache (a cached page or a "
+                    f"lease's fresh page); release the lease instead of freeing its pages")
 
     @property
     def page_size(self) -> int:
@@ -141,8 +158,13 @@ class PoolEntry:
         return slots
 
     def free(self, slots: torch.Tensor) -> int:
-        """Free every page ``slots`` (already checked by :meth:`slots`) touch; caller holds the lock exclusive."""
+        """Free every page ``slots`` (already checked by :meth:`slots`) touch; caller holds the lock exclusive.
+
+        Raises:
+            FailedPrecondition: a page belongs to the prefix cache (nothing is freed then).
+        """
         pages = sorted(set((slots // self.page_size).tolist()))
+        self.check_client_owned(pages)
         freed = self.allocator.free_pages_by_id(pages)
         self.page_allocated[pages] = False
         return freed

@@ -35,7 +35,8 @@ log = logging.getLogger("kvtier.service")
 
 class EntryAllocator:
     """A pool entry's page allocator as the prefix cache sees it: pages it takes are marked
-    allocated in the entry (so ReadKV/WriteKV accept their slots) and unmarked when freed."""
+    allocated (so ReadKV/WriteKV accept their slots) and cache-owned (so FreeSlots, Offload and
+    PullKV refuse to free them) in the entry, and unmarked when the cache frees them."""
 
     def __init__(self, entry: PoolEntry) -> None:
         self.entry = entry
@@ -53,12 +54,15 @@ class EntryAllocator:
         pages = self.entry.allocator.alloc_pages(n_pages)
         if pages is not None and pages.numel():
             self.entry.page_allocated[pages] = True
+            self.entry.cache_owned[pages] = True
         return pages
 
     def free_pages_by_id(self, pages: list[int]) -> int:
         n = self.entry.allocator.free_pages_by_id(pages)
         if pages:
-            self.entry.page_allocated[torch.tensor(pages, dtype=torch.int64)] = False
+            ids = torch.tensor(pages, dtype=torch.int64)
+            self.entry.page_allocated[ids] = False
+            self.entry.cache_owned[ids] = False
         return n
 
 

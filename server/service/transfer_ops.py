@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -63,6 +63,27 @@ class PullSpec:
     dst_slots: Sequence[int] = ()
     transport: str = "mooncake"
     max_batch_items: int = 0
+    deadline: float | None = None
+    """``time.monotonic()`` by which the caller gives up (its gRPC deadline); None: no deadline.
+    Peer calls are bounded by it and no batch starts after it, so a stalled peer cannot hold the
+    destination pool past the caller's deadline."""
+    is_active: Callable[[], bool] = lambda: True
+    """False once the caller has cancelled (checked before every batch)."""
+
+    def remaining(self, cap: float) -> float:
+        """Seconds a peer call may take: ``cap``, or less when the deadline is nearer.
+
+        Raises:
+            TransferError: the deadline has passed or the caller cancelled.
+        """
+        if not self.is_active():
+            raise TransferError("the PullKV call was cancelled by its caller")
+        if self.deadline is None:
+            return cap
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TransferError("the PullKV call's deadline passed")
+        return min(cap, left)
 
 
 @dataclass(frozen=True)
@@ -98,9 +119,10 @@ class GrpcPageTransport:
     name = "grpc"
 
     def __init__(self, stub: transfer_pb2_grpc.TransferServiceStub, peer: str, peer_pool_id: str,
-                 entry: PoolEntry, chunk_bytes: int, fail_batch: int | None) -> None:
+                 entry: PoolEntry, chunk_bytes: int, fail_batch: int | None, spec: PullSpec) -> None:
         self.stub, self.peer, self.peer_pool_id = stub, peer, peer_pool_id
         self.entry, self.chunk_bytes, self.fail_batch = entry, chunk_bytes, fail_batch
+        self.spec = spec
 
     def pull(self, remote: PoolLayout, plan: TransferPlan) -> None:
         for b, batch in enumerate(plan.batches):
@@ -111,7 +133,7 @@ class GrpcPageTransport:
                 transfer_pb2.PageRun(layer_id=it.layer_id, component=COMPONENT_TO_PROTO[it.component],
                                      first_page=it.src_page, num_pages=it.num_pages) for it in batch])
             try:
-                for msg in self.stub.ReadPages(request, timeout=PEER_STREAM_TIMEOUT_S):
+                for msg in self.stub.ReadPages(request, timeout=self.spec.remaining(PEER_STREAM_TIMEOUT_S)):
                     r, n = msg.run, len(msg.data)
                     if r >= len(batch) or msg.offset != got[r] or got[r] + n > batch[r].nbytes:
                         raise TransferError(f"grpc: ReadPages from {self.peer} sent an out-of-order chunk (run {r}, offset {msg.offset})", batch=b)
@@ -217,17 +239,20 @@ class TransferState:
             raise InvalidArgument(f"peer_address: {e}") from None
         with grpc.insecure_channel(address, options=self.grpc_options) as channel:
             stub = transfer_pb2_grpc.TransferServiceStub(channel)
-            remote = self._peer_layout(stub, address, spec.peer_pool_id, src)
+            remote = self._peer_layout(stub, address, spec.peer_pool_id, src, spec)
             if spec.transport == "mooncake" and not remote.endpoint:
                 raise FailedPrecondition(f"peer {address} runs without a transfer engine; use transport 'grpc'")
             with self.pools.locked(spec.pool_id, exclusive=True) as entry:
                 _check_allocated(entry, dst, "destination pages")
+                # a failed pull frees its destination pages: they must be the caller's to free
+                entry.check_client_owned(dst, "destination pages")
                 local = self.layout(entry)
                 if local.latent[0] == remote.latent[0]:
                     raise InvalidArgument(f"pool {spec.pool_id!r} would pull from itself; use MoveKV to copy pages within a pool")
                 plan = plan_pull(local, remote, src, dst, max_batch_items=batch_items)
                 transport = (MooncakeTransport(self.engine) if spec.transport == "mooncake" and self.engine
-                             else GrpcPageTransport(stub, address, spec.peer_pool_id, entry, self.chunk_bytes, self.fail_batch))
+                             else GrpcPageTransport(stub, address, spec.peer_pool_id, entry, self.chunk_bytes,
+                                                    self.fail_batch, spec))
                 start = time.perf_counter()
                 try:
                     stats = pull_pages(transport, remote, plan)
@@ -242,10 +267,10 @@ class TransferState:
         return PullResult(stats, spec.transport, seconds)
 
     def _peer_layout(self, stub: transfer_pb2_grpc.TransferServiceStub, address: str, pool_id: str,
-                     src: np.ndarray) -> PoolLayout:
+                     src: np.ndarray, spec: PullSpec) -> PoolLayout:
         request = transfer_pb2.TransferLayoutRequest(pool_id=pool_id, check_pages=src.tolist())
         try:
-            msg = stub.GetTransferLayout(request, timeout=PEER_LAYOUT_TIMEOUT_S)
+            msg = stub.GetTransferLayout(request, timeout=spec.remaining(PEER_LAYOUT_TIMEOUT_S))
         except grpc.RpcError as e:
             code, details = e.code(), e.details()
             if code == grpc.StatusCode.NOT_FOUND:

@@ -6,6 +6,7 @@ a layout mismatch is FAILED_PRECONDITION and is raised before any byte moves.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import grpc
@@ -31,11 +32,13 @@ class TransferServicer(transfer_pb2_grpc.TransferServiceServicer):
     def PullKV(self, request: transfer_pb2.PullKVRequest, context: grpc.ServicerContext) -> transfer_pb2.PullKVResponse:
         if request.transport not in TRANSPORTS:
             raise InvalidArgument(f"unknown transport {request.transport}")
+        remaining = context.time_remaining()
         result = self.transfer.pull(PullSpec(
             pool_id=request.pool_id, peer_address=request.peer_address, peer_pool_id=request.peer_pool_id,
             src_pages=list(request.src_pages), dst_pages=list(request.dst_pages), src_slots=list(request.src_slots),
             dst_slots=list(request.dst_slots), transport=TRANSPORTS[request.transport],
-            max_batch_items=request.max_batch_items))
+            max_batch_items=request.max_batch_items,
+            deadline=None if remaining is None else time.monotonic() + remaining, is_active=context.is_active))
         return pull_response(result.stats, result.transport, result.seconds)
 
     def ReadPages(self, request: transfer_pb2.ReadPagesRequest, context: grpc.ServicerContext) -> Iterator[transfer_pb2.ReadPagesResponse]:

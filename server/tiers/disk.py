@@ -27,6 +27,7 @@ import os
 import resource
 import struct
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +41,10 @@ from kvtier.server.tiers.base import EvictHook, RecordLike, Tier, TierConfig
 from kvtier.server.tiers.errors import EnvironmentInUseError, RecordError, TierFullError
 from kvtier.server.tiers.policy import TierIndex
 from kvtier.server.tiers.record import verify_record
+
+# Pauses between retries of a put transaction that hit MapFullError while read transactions still
+# pinned the pages the eviction commit freed (about 0.35 s in all before TierFullError).
+MAP_FULL_RETRY_PAUSES_S: tuple[float, ...] = (0.002, 0.01, 0.03, 0.1, 0.2)
 
 log = logging.getLogger(__name__)
 
@@ -324,14 +329,25 @@ class DiskTier(Tier):
                     for v in victims:
                         self._delete(txn, v)
             recs = dict(puts)
-            with env.begin(write=True) as txn:
-                self._stamp_touched(txn)
-                for key in order:
-                    if key not in self.index:
-                        continue  # evicted again within the batch
-                    if key in recs:
-                        txn.put(key, memoryview(recs[key].numpy()), db=records)
-                    self._stamp(txn, key)
+            for attempt, pause in enumerate(MAP_FULL_RETRY_PAUSES_S + (None,)):
+                try:
+                    with env.begin(write=True) as txn:
+                        self._stamp_touched(txn)
+                        for key in order:
+                            if key not in self.index:
+                                continue  # evicted again within the batch
+                            if key in recs:
+                                txn.put(key, memoryview(recs[key].numpy()), db=records)
+                            self._stamp(txn, key)
+                    break
+                except lmdb.MapFullError:
+                    # Pages freed by the eviction commit above are reusable only once every read
+                    # transaction older than it has ended; concurrent readers can hold them a moment.
+                    # The aborted transaction left nothing behind, so wait briefly and try again.
+                    if pause is None:
+                        raise
+                    log.debug("LMDB map full while readers hold freed pages; retrying in %.3f s (attempt %d)", pause, attempt + 1)
+                    time.sleep(pause)
         except BaseException as e:
             self._load_index(scrub=False)  # the put transaction aborted: back to exactly what LMDB holds
             if isinstance(e, (lmdb.MapFullError, TierFullError)):

@@ -40,10 +40,12 @@ def test_reads_see_whole_writes(daemon, client, pool):
     seen: list[set[int]] = []
 
     def writer() -> None:
-        with KVTierClient(daemon.address, timeout=60) as c:
-            for v in range(1, 21):
-                c.write_kv(pool, slots, latent={l: torch.full((128, 656), v, dtype=torch.uint8) for l in layers})
-        stop.set()
+        try:
+            with KVTierClient(daemon.address, timeout=60) as c:
+                for v in range(1, 21):
+                    c.write_kv(pool, slots, latent={l: torch.full((128, 656), v, dtype=torch.uint8) for l in layers})
+        finally:  # readers stop even when a write fails
+            stop.set()
 
     def reader() -> None:
         with KVTierClient(daemon.address, timeout=60) as c:
@@ -51,7 +53,7 @@ def test_reads_see_whole_writes(daemon, client, pool):
                 kv = c.read_kv(pool, slots, index_layers=[])
                 seen.append(set(torch.cat([kv.latent[l].reshape(-1) for l in layers]).unique().tolist()))
 
-    threads = [threading.Thread(target=writer)] + [threading.Thread(target=reader) for _ in range(2)]
+    threads = [threading.Thread(target=writer, daemon=True)] + [threading.Thread(target=reader, daemon=True) for _ in range(2)]
     for t in threads:
         t.start()
     for t in threads:

@@ -207,3 +207,39 @@ def test_a_daemon_without_tier_budgets_keeps_the_plain_offload_store():
     state = DaemonState(DaemonConfig(host_memory_bytes=0, device="cpu"))
     assert isinstance(state.copy_store, OffloadStore) and state.tiers.stack.tiers == []
     state.close()
+
+
+def test_pool_calls_cannot_free_pages_the_prefix_cache_holds(tiny):
+    """Regression: FreeSlots / Offload(free_slots) on a cached page freed it while the cache still
+    indexed it; the page was handed out again and a later LoadPrefix served another client's KV
+    as a device hit. Freeing a lease's fresh pages and then releasing the lease freed a third
+    client's allocation. Both are now FAILED_PRECONDITION, and nothing changes."""
+    from kvtier.client.errors import FailedPreconditionError
+
+    d = tiny
+    c = d.client
+    keys = d.page_keys(2)
+    written = write_pages(d, keys, seed=3)
+    cached = c.load_prefix(d.pool_id, keys)  # both pages are device hits, cache-owned
+    assert cached.tiers == ["device", "device"]
+    c.release_prefix(cached)
+    stats_before = c.tier_stats(d.pool_id).device
+    with pytest.raises(FailedPreconditionError, match="prefix cache"):
+        c.free_slots(d.pool_id, cached.slots)
+    with pytest.raises(FailedPreconditionError, match="prefix cache"):
+        c.offload(d.pool_id, "stolen", cached.slots[:PAGE], free_slots=True)
+    with pytest.raises(NotFoundError):
+        c.restore(d.pool_id, "stolen")  # the refused offload stored nothing
+    lease = c.load_prefix(d.pool_id, d.page_keys(1, seed=11))  # one fresh page under a lease
+    with pytest.raises(FailedPreconditionError, match="release the lease"):
+        c.free_slots(d.pool_id, lease.slots)
+    other = c.allocate_slots(d.pool_id, PAGE)
+    c.release_prefix(lease)
+    c.read_kv(d.pool_id, other[:1])  # the other client's page is still allocated
+    c.free_slots(d.pool_id, other)
+    again = c.load_prefix(d.pool_id, keys)
+    assert again.tiers == ["device", "device"]
+    verify_loaded(d, again, keys, written)  # the cached pages still hold their own KV
+    c.release_prefix(again)
+    assert c.tier_stats(d.pool_id).device["pages"] == stats_before["pages"]
+    verify_nothing_pinned(d)

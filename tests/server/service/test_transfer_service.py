@@ -231,3 +231,46 @@ def test_deleted_pools_are_unregistered(daemons):
             verify_same_kv(dec, dst, latent, index)
             dec.free_slots("default", dst)
             pre.delete_pool("again", force=True)
+
+
+def test_a_stalled_peer_holds_the_destination_pool_no_longer_than_the_callers_deadline(daemons):
+    """Regression: PullKV held the destination pool's lock while a peer stalled in ReadPages, for up
+    to 600 s after the caller's deadline had passed, blocking every call on that pool. The pull is now
+    bounded by the caller's deadline; its destination pages are freed (never presented as valid)."""
+    import threading
+    import time
+    from concurrent import futures
+
+    from kvtier.v1 import transfer_pb2_grpc
+
+    real = transfer_pb2_grpc.TransferServiceStub(grpc.insecure_channel(daemons["prefill"].address))
+    release = threading.Event()
+
+    class StalledPeer(transfer_pb2_grpc.TransferServiceServicer):
+        def GetTransferLayout(self, request, context):
+            return real.GetTransferLayout(request)
+
+        def ReadPages(self, request, context):
+            release.wait(60)
+            return iter(())
+
+    server = grpc.server(futures.ThreadPoolExecutor(4))
+    transfer_pb2_grpc.add_TransferServiceServicer_to_server(StalledPeer(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        with KVTierClient(daemons["prefill"].address) as p, KVTierClient(daemons["decode"].address) as d:
+            src = p.allocate_slots("default", PS)
+            dst = d.allocate_slots("default", PS)
+            with pytest.raises(KVTierError):
+                d.pull_kv("default", f"127.0.0.1:{port}", "default", src_pages=pages_of(src),
+                          dst_pages=pages_of(dst), transport="grpc", timeout=2)
+            start = time.monotonic()
+            d.describe_pool("default", timeout=10)  # the pool is not held by the abandoned pull
+            assert time.monotonic() - start < 5
+            with pytest.raises(InvalidArgumentError, match="not allocated"):
+                d.read_kv("default", dst[:1])  # the destination pages were freed, not left half-filled
+            p.free_slots("default", src)
+    finally:
+        release.set()
+        server.stop(0)

@@ -241,18 +241,20 @@ def test_disk_reads_racing_eviction_return_the_whole_record_or_a_miss(tmp_path, 
                 if n and not torch.equal(out[:n], records[k]):
                     bad.append(k.decode())
 
-    threads = [threading.Thread(target=reader, args=(i,)) for i in range(2)]
+    threads = [threading.Thread(target=reader, args=(i,), daemon=True) for i in range(2)]
     for t in threads:
         t.start()
     rounds = 0
-    while rounds < 5 or min(reads) < 200:
-        for k in keys:
-            disk.remove([k]) if rounds % 2 else disk.write([(k, records[k])])
-        rounds += 1
-        assert rounds < 100_000
-    stop.set()
-    for t in threads:
-        t.join()
+    try:
+        while rounds < 5 or min(reads) < 200:
+            for k in keys:
+                disk.remove([k]) if rounds % 2 else disk.write([(k, records[k])])
+            rounds += 1
+            assert rounds < 100_000
+    finally:  # a failing writer must not leave the readers spinning (pytest would never exit)
+        stop.set()
+        for t in threads:
+            t.join()
     assert bad == []
     s = disk.stats()
     assert s.damaged == 0 and s.hits > 0 and s.misses > 0 and s.evictions > 0

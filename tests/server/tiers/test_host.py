@@ -116,18 +116,20 @@ def test_reads_racing_eviction_return_the_whole_record_or_a_miss(records, codec)
                 if n and not torch.equal(out[:n], records[k]):
                     bad.append(k.hex())
 
-    threads = [threading.Thread(target=reader, args=(i,)) for i in range(2)]
+    threads = [threading.Thread(target=reader, args=(i,), daemon=True) for i in range(2)]
     for t in threads:
         t.start()
     rounds = 0
-    while rounds < 40 or min(reads) < 400:  # both readers really raced the writer
-        for k in keys:
-            host.write([(k, records[k])])
-        rounds += 1
-        assert rounds < 100_000
-    stop.set()
-    for t in threads:
-        t.join()
+    try:
+        while rounds < 40 or min(reads) < 400:  # both readers really raced the writer
+            for k in keys:
+                host.write([(k, records[k])])
+            rounds += 1
+            assert rounds < 100_000
+    finally:  # a failing writer must not leave the readers spinning (pytest would never exit)
+        stop.set()
+        for t in threads:
+            t.join()
     assert bad == []
     s = host.stats()
     assert s.pinned == 0 and s.damaged == 0 and s.evictions > 0 and s.hits > 0
