@@ -45,7 +45,9 @@ def test_signal_finishes_in_flight_call_and_exits_0(signum):
                     refused = e
                     break
                 time.sleep(0.1)
-            assert refused is not None and refused.code == grpc.StatusCode.UNAVAILABLE
+            # gRPC refuses calls to a stopping server with UNAVAILABLE, or CANCELLED for a call that
+            # raced the start of the shutdown (seen under load); either way it was not served.
+            assert refused is not None and refused.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
             segments = {first.layer_id: bytearray(first.data)}
             for msg in stream:  # the in-flight read still streams to its end
                 seg = segments.setdefault(msg.layer_id, bytearray())
