@@ -41,9 +41,14 @@ def call_daemon(fn: Callable[[], Any]) -> Any:
     """Run ``fn``; turn a client error into a clean CLI error (exit 1, the daemon's message)."""
     from kvtier.client.errors import KVTierError
 
+    import grpc
+
     try:
         return fn()
     except KVTierError as e:
+        if getattr(e, "code", None) == grpc.StatusCode.UNAVAILABLE:
+            raise click.ClickException(
+                f"no kvtier daemon answers there (start one with `kvtier serve`, or pass --server ADDR): {e}") from None
         raise click.ClickException(str(e)) from None
 
 

@@ -23,11 +23,20 @@ def load_model(model: str, kv_dtype: str, page_size: int = 64) -> DSAModelConfig
         raise click.BadParameter(str(e), param_hint="--model") from None
 
 
+def _bytes(_ctx: click.Context, _param: click.Parameter, value: str) -> int:
+    from kvtier.server.service.config import parse_bytes
+
+    try:
+        return parse_bytes(value, "--available-bytes")
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+
+
 @click.command()
 @click.option("--model", "model", default="glm-5.2", show_default=True,
               help=f"Preset ({', '.join(preset_names())}) or path to an HF config.json.")
-@click.option("--available-bytes", type=click.IntRange(min=0), required=True,
-              help="Device bytes available for the KV pool.")
+@click.option("--available-bytes", callback=_bytes, required=True, metavar="BYTES",
+              help="Device bytes available for the KV pool: an integer or a size such as 80GiB or 134.227GB.")
 @click.option("--kv-dtype", type=click.Choice(["fp8", "bf16"]), default="fp8", show_default=True,
               help="KV cache dtype (fp8: 656-byte DSA rows; bf16: 1152-byte rows).")
 @click.option("--accounting", type=click.Choice(list(ACCOUNTINGS)), default="exact", show_default=True,
@@ -43,6 +52,10 @@ def plan(model: str, available_bytes: int, kv_dtype: str, accounting: str, role:
     """
     cfg = load_model(model, kv_dtype, page_size)
     p = plan_pool(cfg, available_bytes, accounting=accounting, role=role)
+    if p.naive_tokens == 0 or p.skip_aware_tokens == 0:
+        raise click.ClickException(
+            f"{available_bytes:,} bytes do not hold one page of {cfg.name} ({p.page_size} tokens) with the "
+            f"{accounting} accounting (one page needs {_one_page_bytes(cfg, accounting, role):,} bytes skip-aware)")
     if as_json:
         click.echo(json.dumps(p.to_dict(), indent=None))
         return
@@ -62,9 +75,17 @@ def plan(model: str, available_bytes: int, kv_dtype: str, accounting: str, role:
     c.print(f"available bytes      {p.available_bytes:,}")
     c.print(f"layers               {p.num_layers} ({len(live)} with an indexer buffer, {p.num_layers - len(live)} skip top-k)")
     c.print(f"live indexer layers  {_ranges(live)}")
-    c.print(f"gain                 {p.gain_ratio:.4f}x tokens (+{(p.gain_ratio - 1) * 100:.1f}%)")
+    c.print(f"gain                 {p.gain_ratio:.4f}x tokens ({(p.gain_ratio - 1) * 100:+.1f}%)")
     c.print(f"saved                {p.saved_bytes_per_token:,} bytes a token; {p.saved_bytes:,} bytes "
             f"({p.saved_bytes / 1e9:.1f} GB) at the naive token count")
+
+
+def _one_page_bytes(cfg: DSAModelConfig, accounting: str, role: str) -> int:
+    from kvtier.server.pool_configurator import cell_size_bytes, exact_pool_bytes
+
+    if accounting == "exact":
+        return exact_pool_bytes(cfg, cfg.page_size, skip_aware=True, role=role)
+    return cell_size_bytes(cfg, skip_aware=True, accounting=accounting, role=role) * cfg.page_size
 
 
 def _ranges(ids: list[int]) -> str:

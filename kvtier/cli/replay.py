@@ -23,6 +23,19 @@ from kvtier.server.service.config import parse_bytes
 DEFAULT_TRACE = "../shared/data/conversation_trace.jsonl"
 
 
+def _trace_path(_ctx: click.Context, _param: click.Parameter, value: str) -> str:
+    """The trace file; the default also resolves against the checkout's root (``<root>/../shared/data``)."""
+    from pathlib import Path
+
+    candidates = [Path(value)]
+    if value == DEFAULT_TRACE:
+        candidates.append(Path(__file__).resolve().parents[2] / DEFAULT_TRACE)
+    for c in candidates:
+        if c.is_file():
+            return str(c)
+    raise click.BadParameter(f"file {value!r} does not exist (pass --trace PATH to the Mooncake conversation trace)")
+
+
 def _bytes(_ctx: click.Context, param: click.Parameter, value: Any) -> int:
     try:
         return parse_bytes(value, (param.opts or [str(param.name)])[0])
@@ -112,8 +125,10 @@ def _print_report(res: ReplayResult, belady: int | None) -> None:
 
 
 @click.command()
-@click.option("--trace", "trace_path", type=click.Path(exists=True, dir_okay=False), default=DEFAULT_TRACE, show_default=True,
-              help="Mooncake trace (JSON lines with hash_ids).")
+@click.option("--trace", "trace_path", type=click.Path(dir_okay=False), default=DEFAULT_TRACE, show_default=True,
+              callback=_trace_path,
+              help="Mooncake trace (JSON lines with hash_ids). The default is looked up from the current directory, "
+                   "then beside the kvtier checkout.")
 @click.option("--model", default="glm-5.2", show_default=True, help="Model preset.")
 @click.option("--requests", "n_requests", type=click.IntRange(min=1), default=None, help="Only the first N requests.")
 @click.option("--server", default=None, metavar="ADDR", help="Use this daemon instead of an embedded one.")

@@ -39,3 +39,14 @@ def test_status_json_and_table(daemon, pool):
 def test_status_of_no_daemon_is_a_clean_error(tmp_path):
     r = CliRunner().invoke(main, ["status", "--server", f"unix://{tmp_path}/none.sock", "--timeout", "2"])
     assert r.exit_code == 1 and "UNAVAILABLE" in r.output and "Traceback" not in r.output
+
+
+def test_status_without_a_daemon_says_so(tmp_path):
+    """``kvtier status`` against a socket nobody serves explains that no daemon answers, exit 1."""
+    from click.testing import CliRunner
+
+    from kvtier.cli import main
+
+    result = CliRunner().invoke(main, ["status", "--server", f"unix://{tmp_path}/none.sock", "--timeout", "2"])
+    assert result.exit_code == 1
+    assert "no kvtier daemon answers there" in result.output

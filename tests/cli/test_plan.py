@@ -94,3 +94,19 @@ def test_draft_role_plans_an_indexer_on_every_layer():
     data = json.loads(result.output)
     assert data["naive_tokens"] == data["skip_aware_tokens"] == 2_430_528
     assert data["live_indexer_layers"] == list(range(78)) and data["saved_bytes"] == 0
+
+
+def test_available_bytes_takes_size_suffixes():
+    """``--available-bytes 80GiB`` is 80 * 2**30 bytes, as ``kvtier serve``'s sizes are."""
+    result = CliRunner().invoke(main, ["plan", "--available-bytes", "80GiB", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["available_bytes"] == 80 * 2**30
+
+
+def test_a_budget_below_one_page_is_an_error():
+    """Regression: 1,000 bytes printed 0 tokens, pool bytes larger than the budget and '+-100.0%'."""
+    result = CliRunner().invoke(main, ["plan", "--available-bytes", "1000"])
+    assert result.exit_code != 0
+    # exact accounting, one skip-aware GLM-5.2 page: 78 layers x 2 pages x 64 rows x 656 bytes (padding
+    # page included) + 21 live layers x 2 indexer pages x 8448 bytes = 6,549,504 + 354,816
+    assert "do not hold one page" in result.output and "6,904,320" in result.output
