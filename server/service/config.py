@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvtier.server.service.config_keys import check_known_keys
 from kvtier.server.service.tier_settings import TierSettings
 
 MiB = 1 << 20
@@ -182,21 +183,15 @@ class DaemonConfig:
     @classmethod
     def from_mapping(cls, data: dict[str, Any]) -> DaemonConfig:
         """Build from a parsed TOML document. Raises ValueError on unknown keys or bad values."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"unknown config keys {unknown}; known: {sorted(known)}")
+        check_known_keys(cls, data, "config")
         kwargs = dict(data)
         for key in ("host_memory_bytes", "pool_memory_bytes", "max_message_bytes", "chunk_bytes"):
             if key in kwargs:
                 kwargs[key] = parse_bytes(kwargs[key], key)
         if "pools" in kwargs:
-            pool_keys = {f.name for f in dataclasses.fields(PoolSpec)}
             specs = []
             for table in kwargs["pools"]:
-                bad = sorted(set(table) - pool_keys)
-                if bad:
-                    raise ValueError(f"unknown [[pools]] keys {bad}; known: {sorted(pool_keys)}")
+                check_known_keys(PoolSpec, table, "[[pools]]")
                 table = dict(table)
                 if "memory_bytes" in table:
                     table["memory_bytes"] = parse_bytes(table["memory_bytes"], "memory_bytes")

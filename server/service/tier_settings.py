@@ -5,10 +5,11 @@ The host tier's budget is the daemon's ``host_memory_bytes``; these fields confi
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from kvtier.server.service.config_keys import check_known_keys
 
 GiB = 1 << 30
 
@@ -61,10 +62,7 @@ class TierSettings:
             return value
         if not isinstance(value, Mapping):
             raise ValueError(f"[tiers] must be a table, got {type(value).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"unknown [tiers] keys {unknown}; known: {sorted(known)}")
+        check_known_keys(cls, value, "[tiers]")
         data = dict(value)
         if "disk_bytes" in data:
             from kvtier.server.service.config import parse_bytes  # config imports this module
