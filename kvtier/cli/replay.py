@@ -177,9 +177,10 @@ def replay(trace_path: str, model: str, n_requests: int | None, server: str | No
             raise
     bound = belady_bound(requests, scale) if belady else None
     res.belady_hit_tokens = bound
+    click.echo(f"trace: {Path(trace_path).resolve()} ({len(requests):,} requests)")
     _print_report(res, bound)
     if json_path:
-        Path(json_path).write_text(json.dumps(res.to_dict(), indent=1) + "\n")
+        Path(json_path).write_text(json.dumps({**res.to_dict(), "trace": str(Path(trace_path).resolve())}, indent=1) + "\n")
     if res.verify_failures:
         raise SystemExit(1)
 
