@@ -21,6 +21,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from kvtier.server.tiers.health import TierHealth
 from kvtier.server.tiers.policy import TierIndex
 
 log = logging.getLogger(__name__)
@@ -79,14 +80,25 @@ class TierStats:
 
 
 class Tier(ABC):
-    """A tier of records keyed by bytes. Thread-safe; every method takes a batch of keys."""
+    """A tier of records keyed by bytes. Thread-safe; every method takes a batch of keys.
+
+    Attributes:
+        index: what the tier holds, its byte budget, LRU policy and pins.
+        health: :class:`~kvtier.server.tiers.health.TierHealth`; an unhealthy tier is bypassed by the
+            stack until :meth:`probe` succeeds.
+    """
 
     name: str = ""
 
     def __init__(self, index: TierIndex) -> None:
         self.index = index
+        self.health = TierHealth(self.name)
         self._stats = TierStats(self.name, capacity_bytes=index.capacity)
         self._stats_lock = threading.Lock()
+
+    def probe(self) -> None:
+        """Check that an unhealthy tier can serve again (e.g. a small write and delete); raise an
+        exception saying why not. The default has nothing to check."""
 
     # ----- presence -------------------------------------------------------------------------
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
