@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from kvtier.server.service.config import LOG_LEVELS, DaemonConfig, PoolSpec, parse_bytes
+from kvtier.server.daemon.config import LOG_LEVELS, DaemonConfig, PoolSpec, parse_bytes
 
 
 def _bytes(_ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
@@ -53,7 +53,7 @@ def serve(config_file: str | None, pools: tuple[str, ...], pool_layers: int | No
 
     Example: kvtier serve --pool glm-5.2:65536 --host-memory 8GiB
     """
-    from kvtier.server.service.errors import KVTierError
+    from kvtier.server.daemon.errors import KVTierError
     from kvtier.server.service.server import AddressError, serve as run
 
     try:

@@ -9,9 +9,9 @@ from kvtier.server.model_config import DSAModelConfig
 from kvtier.server.pool.buffer_info import BufInfos
 from kvtier.server.pool_configurator import PoolPlan
 from kvtier.server.service.errors import InvalidArgument
-from kvtier.server.service.kv_ops import INDEX_K, INDEX_SCALE, LATENT
-from kvtier.server.service.pools import PoolEntry
-from kvtier.server.service.state import DaemonState
+from kvtier.server.daemon.kv_ops import INDEX_K, INDEX_SCALE, LATENT
+from kvtier.server.daemon.pools import PoolEntry
+from kvtier.server.daemon.core import Daemon
 from kvtier.v1 import pool_pb2
 
 COMPONENT_TO_PROTO = {LATENT: pool_pb2.COMPONENT_LATENT, INDEX_K: pool_pb2.COMPONENT_INDEX_K,
@@ -80,7 +80,7 @@ def buffer_infos(entry: PoolEntry, state: BufInfos, contiguous: BufInfos) -> poo
                                         contiguous=infos(contiguous), skip_topk_layers=list(entry.pool.skip_topk_layers))
 
 
-def stats(state: DaemonState) -> pool_pb2.StatsResponse:
+def stats(state: Daemon) -> pool_pb2.StatsResponse:
     """Per pool and per tier usage plus counters."""
     pools = []
     for e in state.pools.list():

@@ -10,11 +10,12 @@ from collections.abc import Iterator
 
 import grpc
 
-from kvtier.server.service import kv_ops, messages
+from kvtier.server.daemon import kv_ops
+from kvtier.server.service import messages
 from kvtier.server.service.errors import InvalidArgument
-from kvtier.server.service.kv_ops import KVSelection
-from kvtier.server.service.pools import PoolRequest, parse_hf_config
-from kvtier.server.service.state import DaemonState
+from kvtier.server.daemon.kv_ops import KVSelection
+from kvtier.server.daemon.pools import PoolRequest, parse_hf_config
+from kvtier.server.daemon.core import Daemon
 from kvtier.v1 import pool_pb2, pool_pb2_grpc
 
 
@@ -23,9 +24,9 @@ def _selection(h: pool_pb2.KVHeader) -> KVSelection:
 
 
 class PoolServicer(pool_pb2_grpc.PoolServiceServicer):
-    """Serves :class:`DaemonState`'s pools; see ``pool.proto`` for each RPC's contract."""
+    """Serves :class:`Daemon`'s pools; see ``pool.proto`` for each RPC's contract."""
 
-    def __init__(self, state: DaemonState) -> None:
+    def __init__(self, state: Daemon) -> None:
         self.state = state
         self.pools = state.pools
 
@@ -110,21 +111,21 @@ class PoolServicer(pool_pb2_grpc.PoolServiceServicer):
 
     # ----- offload / restore --------------------------------------------------------------------
     def Offload(self, request: pool_pb2.OffloadRequest, context: grpc.ServicerContext) -> pool_pb2.OffloadResponse:
-        r = kv_ops.offload(self.pools, self.state.copy_store, request.pool_id, request.key, list(request.slots),
+        r = kv_ops.offload(self.pools, self.state.offload_store, request.pool_id, request.key, list(request.slots),
                            free_slots=request.free_slots)
         self.state.counters.add("offloads")
         self.state.counters.add("offload_bytes", r.nbytes)
         return pool_pb2.OffloadResponse(key=request.key, nbytes=r.nbytes, num_tokens=r.num_tokens, freed_pages=r.freed_pages)
 
     def Restore(self, request: pool_pb2.RestoreRequest, context: grpc.ServicerContext) -> pool_pb2.RestoreResponse:
-        slots, nbytes = kv_ops.restore(self.pools, self.state.copy_store, request.pool_id, request.key,
+        slots, nbytes = kv_ops.restore(self.pools, self.state.offload_store, request.pool_id, request.key,
                                        list(request.slots), drop=request.drop)
         self.state.counters.add("restores")
         self.state.counters.add("restore_bytes", nbytes)
         return pool_pb2.RestoreResponse(slots=slots.tolist(), nbytes=nbytes)
 
     def Drop(self, request: pool_pb2.DropRequest, context: grpc.ServicerContext) -> pool_pb2.DropResponse:
-        copy = self.state.copy_store.drop(request.key)
+        copy = self.state.offload_store.drop(request.key)
         self.state.counters.add("drops")
         return pool_pb2.DropResponse(dropped=copy is not None, nbytes=copy.nbytes if copy else 0)
 

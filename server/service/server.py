@@ -23,10 +23,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvtier.addresses import default_socket_path, is_loopback, is_unix, resolve_address, socket_path
-from kvtier.server.service.config import DaemonConfig
+from kvtier.server.daemon.config import DaemonConfig
 from kvtier.server.service.errors import DomainErrorInterceptor
 from kvtier.server.service.registry import SERVICES, ServiceEntry
-from kvtier.server.service.state import DaemonState
+from kvtier.server.daemon.core import Daemon
 
 log = logging.getLogger("kvtier.service")
 
@@ -85,7 +85,7 @@ def _bind(server: grpc.Server, config: DaemonConfig) -> str:
 
 def create_server(
     config: DaemonConfig,
-    state: DaemonState | None = None,
+    state: Daemon | None = None,
     *,
     health_servicer: health.HealthServicer | None = None,
     services: list[ServiceEntry] | None = None,
@@ -94,7 +94,7 @@ def create_server(
 
     Args:
         config: listen address, workers, message limits, TLS.
-        state: shared state for the servicers (default: a fresh ``DaemonState(config)``).
+        state: shared state for the servicers (default: a fresh ``Daemon(config)``).
         health_servicer: the health service to register (pass one to flip it to NOT_SERVING on shutdown).
         services: services to serve (default :data:`SERVICES`).
 
@@ -104,7 +104,7 @@ def create_server(
     Raises:
         AddressError: the address is not usable.
     """
-    state = state if state is not None else DaemonState(config)
+    state = state if state is not None else Daemon(config)
     services = SERVICES if services is None else services
     server = grpc.server(
         ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="kvtier-rpc"),
@@ -135,7 +135,7 @@ def serve(config: DaemonConfig) -> int:
     import torch
 
     torch.set_num_threads(config.torch_threads)
-    state = DaemonState(config)
+    state = Daemon(config)
     state.create_configured_pools()
     hs = health.HealthServicer()
     server, address = create_server(config, state, health_servicer=hs)

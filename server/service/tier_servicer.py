@@ -1,4 +1,4 @@
-"""TierService: proto in -> :class:`~kvtier.server.service.tier_runtime.TierRuntime` call -> proto out.
+"""TierService: proto in -> :class:`~kvtier.server.daemon.tier_runtime.TierRuntime` call -> proto out.
 
 Errors are the runtime's typed errors; the daemon's one mapping (``errors``) picks status codes.
 """
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import grpc
 
-from kvtier.server.service.state import DaemonState
+from kvtier.server.daemon.core import Daemon
 from kvtier.v1 import tier_pb2, tier_pb2_grpc
 
 _COUNTER_FIELDS = ("hits", "misses", "damaged", "writes", "bytes_written", "bytes_read", "evictions",
@@ -17,7 +17,7 @@ _COUNTER_FIELDS = ("hits", "misses", "damaged", "writes", "bytes_written", "byte
 class TierServicer(tier_pb2_grpc.TierServiceServicer):
     """The prefix cache of each pool over the device, host and disk tiers."""
 
-    def __init__(self, state: DaemonState) -> None:
+    def __init__(self, state: Daemon) -> None:
         self.tiers = state.tiers
 
     def LookupPrefix(self, request: tier_pb2.LookupPrefixRequest, context: grpc.ServicerContext) -> tier_pb2.LookupPrefixResponse:

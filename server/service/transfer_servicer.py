@@ -1,4 +1,4 @@
-"""``kvtier.v1.TransferService``: translates messages to :class:`TransferState` calls and back.
+"""``kvtier.v1.TransferService``: translates messages to ``Daemon.transfer`` calls and back.
 
 Errors are domain exceptions mapped to status codes in one place (:mod:`kvtier.server.service.errors`):
 a layout mismatch is FAILED_PRECONDITION and is raised before any byte moves.
@@ -12,18 +12,19 @@ from collections.abc import Iterator
 import grpc
 
 from kvtier.server.service.errors import InvalidArgument
-from kvtier.server.service.state import DaemonState
+from kvtier.server.daemon.core import Daemon
 from kvtier.server.service.transfer_messages import COMPONENT_FROM_PROTO, TRANSPORTS, pull_response, transfer_layout
-from kvtier.server.service.transfer_ops import PullSpec, TransferState
+from kvtier.server.daemon.transfer import PullSpec
+from kvtier.server.service.transfer_peer import GrpcPeerConnector
 from kvtier.v1 import transfer_pb2, transfer_pb2_grpc
 
 
 class TransferServicer(transfer_pb2_grpc.TransferServiceServicer):
-    """Serves PD transfer for :class:`DaemonState`'s pools; see ``transfer.proto``."""
+    """Serves PD transfer for :class:`Daemon`'s pools; see ``transfer.proto``."""
 
-    def __init__(self, state: DaemonState) -> None:
-        self.transfer = TransferState(state)
-        state.add_shutdown_hook(self.transfer.close)
+    def __init__(self, state: Daemon) -> None:
+        self.transfer = state.transfer
+        self.peers = GrpcPeerConnector(state.config.grpc_options())
 
     def GetTransferLayout(self, request: transfer_pb2.TransferLayoutRequest, context: grpc.ServicerContext) -> transfer_pb2.TransferLayout:
         entry, layout = self.transfer.transfer_layout(request.pool_id, list(request.check_pages))
@@ -38,7 +39,7 @@ class TransferServicer(transfer_pb2_grpc.TransferServiceServicer):
             src_pages=list(request.src_pages), dst_pages=list(request.dst_pages), src_slots=list(request.src_slots),
             dst_slots=list(request.dst_slots), transport=TRANSPORTS[request.transport],
             max_batch_items=request.max_batch_items,
-            deadline=None if remaining is None else time.monotonic() + remaining, is_active=context.is_active))
+            deadline=None if remaining is None else time.monotonic() + remaining, is_active=context.is_active), self.peers)
         return pull_response(result.stats, result.transport, result.seconds)
 
     def ReadPages(self, request: transfer_pb2.ReadPagesRequest, context: grpc.ServicerContext) -> Iterator[transfer_pb2.ReadPagesResponse]:

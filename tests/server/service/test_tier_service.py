@@ -199,16 +199,6 @@ def test_concurrent_clients_on_one_pool_leave_consistent_pages_and_no_pins(kvtie
     verify_nothing_pinned(d)
 
 
-def test_a_daemon_without_tier_budgets_keeps_the_plain_offload_store():
-    from kvtier.server.service.config import DaemonConfig
-    from kvtier.server.service.offload_store import OffloadStore
-    from kvtier.server.service.state import DaemonState
-
-    state = DaemonState(DaemonConfig(host_memory_bytes=0, device="cpu"))
-    assert isinstance(state.copy_store, OffloadStore) and state.tiers.stack.tiers == []
-    state.close()
-
-
 def test_pool_calls_cannot_free_pages_the_prefix_cache_holds(tiny):
     """Regression: FreeSlots / Offload(free_slots) on a cached page freed it while the cache still
     indexed it; the page was handed out again and a later LoadPrefix served another client's KV

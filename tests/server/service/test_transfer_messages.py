@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvtier.server.model_config import DSAModelConfig
-from kvtier.server.service.pools import PoolRegistry, PoolRequest
+from kvtier.server.daemon.pools import PoolRegistry, PoolRequest
 from kvtier.server.service.transfer_messages import peer_layout, transfer_layout
 from kvtier.server.transfer import LayoutMismatchError, check_compatible, pool_layout
 

@@ -1,7 +1,7 @@
 """The daemon's pools: a registry of named pools, each with its slot allocator and lock.
 
 Locking (README "Concurrency"): the registry has one short lock for its dict. Each pool has a
-readers-writer lock (:class:`~kvtier.server.service.locks.RWLock`): reads of pool bytes (ReadKV,
+readers-writer lock (:class:`~kvtier.server.daemon.locks.RWLock`): reads of pool bytes (ReadKV,
 Offload without freeing, buffer infos, describe) hold it shared and run in parallel; anything that
 changes pool bytes or the allocator (WriteKV commit, MoveKV, Restore, AllocateSlots, FreeSlots,
 Offload with free, DeletePool) holds it exclusive, so per pool those run one at a time.
@@ -25,8 +25,8 @@ from kvtier.server.pool import DSATokenToKVPool, PagedTokenAllocator, create_poo
 from kvtier.server.pool.factory import POOL_ROLES, skip_mask_for_role
 from kvtier.server.pool.validation import as_slots
 from kvtier.server.pool_configurator import PoolPlan, exact_pool_bytes, plan_pool
-from kvtier.server.service.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
-from kvtier.server.service.locks import RWLock
+from kvtier.server.daemon.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from kvtier.server.daemon.locks import RWLock
 
 
 @dataclass(frozen=True)

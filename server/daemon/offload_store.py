@@ -1,37 +1,60 @@
-"""The daemon's offload store backed by the tier stack: copies are records in the host tier that
-spill to the LMDB disk tier (write-back or write-through) and come back from either.
+"""The daemon's one offload store, backed by the tier stack: ``Offload`` puts a pool's
+:meth:`~kvtier.server.pool.DSATokenToKVPool.get_cpu_copy` result here under a key, ``Restore`` gets it
+back for ``load_cpu_copy``, ``Drop`` removes it.
 
-Implements :class:`~kvtier.server.service.offload_store.CopyStore`. A copy is one record: its latent
-rows and live-layer indexer pages live and die together. Unlike the plain ``OffloadStore`` it does
-not refuse when full: older copies move down (and, past the last tier, are gone: a later restore of
-them is NOT_FOUND). A copy larger than every tier is refused with RESOURCE_EXHAUSTED.
+Copies are records in the host tier that spill to the LMDB disk tier (write-back or write-through)
+and come back from either. A copy is one record: its latent rows and live-layer indexer pages live
+and die together, never apart. The store does not refuse when full: older copies move down (and,
+past the last tier, are gone: a later restore of them is NOT_FOUND). A copy larger than every tier
+(or a daemon without any tier) is refused with RESOURCE_EXHAUSTED.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from kvtier.server.service.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
-from kvtier.server.service.offload_store import HostCopy
+from kvtier.server.daemon.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
 from kvtier.server.tiers import RecordCodec, RecordError, TierStack, disk_charge
 from kvtier.server.tiers.record import model_from_fingerprint, read_header
 
 OFFLOAD_PREFIX = b"o:"
 
 
-class TieredCopyStore:
+@dataclass(frozen=True)
+class HostCopy:
+    """One offloaded request.
+
+    Attributes:
+        copy: the ``get_cpu_copy`` result (``{"kv", "index_k", "src_loc"}``, host tensors).
+        nbytes: host bytes its tensors take (latent rows plus live-layer indexer page rows).
+        num_tokens: slots it covers.
+        layout: the fingerprint (``DSAModelConfig.fingerprint()``) of the pool layout it came from.
+        layout_digest: that fingerprint's digest; restore refuses a pool whose digest differs.
+        source_pool: id of the pool it came from.
+    """
+
+    copy: Mapping[str, Any]
+    nbytes: int
+    num_tokens: int
+    layout: Mapping[str, Any]
+    layout_digest: str
+    source_pool: str
+
+
+class OffloadStore:
     """Offloaded copies in the tier stack under keys ``b"o:" + key``.
 
     Args:
-        stack: the daemon's host/disk tiers (shared with the prefix caches).
+        stack: the daemon's host/disk tiers (shared with the prefix caches); with no tier at all
+            every copy is refused (RESOURCE_EXHAUSTED).
     """
 
     def __init__(self, stack: TierStack) -> None:
-        if not stack.tiers:
-            raise ValueError("a tiered copy store needs at least one tier")
         self.stack = stack
         self._sources: dict[str, str] = {}
         self._lock = threading.Lock()
@@ -58,6 +81,9 @@ class TieredCopyStore:
         if self.contains(key):
             raise AlreadyExists(f"offload key {key!r} already holds a copy; drop it first")
         if not self._fits_somewhere(nbytes + 4096):
+            if not self.stack.tiers:
+                raise ResourceExhausted(f"host tier full: the copy needs {nbytes} bytes and the daemon has no "
+                                        f"tier to keep copies in (host memory budget 0, no disk tier)")
             top = self.stack.tiers[0]
             raise ResourceExhausted(f"host tier full: the copy needs {nbytes} bytes, the {top.name} tier holds "
                                     f"{top.index.capacity} bytes and no tier below can take it")
@@ -68,7 +94,7 @@ class TieredCopyStore:
         with self._lock:
             self.check_room(key, copy.nbytes)
             codec = RecordCodec(model_from_fingerprint(dict(copy.layout)))
-            pin = bool(getattr(self.stack.tiers[0], "pin_memory", False))
+            pin = bool(getattr(self.stack.tiers[0], "pin_memory", False)) if self.stack.tiers else False
             try:
                 rec = codec.encode_copy(dict(copy.copy), pin_memory=pin)
             except ValueError as e:
@@ -111,19 +137,3 @@ class TieredCopyStore:
         tkey = self._key(key)
         return any(t.contains([tkey])[0] for t in self.stack.tiers)
 
-    def usage_bytes(self) -> int:
-        """Bytes the top (host) tier holds."""
-        return self.stack.tiers[0].index.used
-
-    def budget_bytes(self) -> int:
-        """The top (host) tier's budget."""
-        return self.stack.tiers[0].index.capacity
-
-    def tier_usage(self) -> list[Any]:
-        """Usage of each tier (prefix pages and copies together), as ``state.TierUsage`` items."""
-        from kvtier.server.service.state import TierUsage  # state imports this module
-
-        return [TierUsage(t.name, t.index.used, t.index.capacity, len(t.index)) for t in self.stack.tiers]
-
-    def __len__(self) -> int:
-        return sum(1 for t in self.stack.tiers for k in t.index.keys() if isinstance(k, bytes) and k.startswith(OFFLOAD_PREFIX))

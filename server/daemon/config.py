@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvtier.server.service.config_keys import check_known_keys
-from kvtier.server.service.tier_settings import TierSettings
+from kvtier.server.daemon.config_keys import check_known_keys
+from kvtier.server.daemon.tier_settings import TierSettings
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -135,7 +135,7 @@ class DaemonConfig:
     """If set, the bound address is written to this file once the daemon serves (for port 0)."""
     pools: tuple[PoolSpec, ...] = field(default=())
     """Pools created at start."""
-    tiers: TierSettings = field(default_factory=TierSettings)  # [tiers] table / --disk-* flags (kvtier.server.service.tier_settings)
+    tiers: TierSettings = field(default_factory=TierSettings)  # [tiers] table / --disk-* flags (kvtier.server.daemon.tier_settings)
     transfer_engine: str = "none"
     """PD transfer engine: ``mooncake`` (Mooncake Transfer Engine, registers pool buffers) or ``none`` (gRPC fallback only)."""
     transfer_host: str = "127.0.0.1"

@@ -1,7 +1,7 @@
 """The daemon's tiers: one host/disk stack shared by the offload store and one prefix cache per pool.
 
-Built once per daemon from :class:`~kvtier.server.service.config.DaemonConfig` (host budget
-``host_memory_bytes``, the rest from its ``tiers`` settings) and kept as ``DaemonState.tiers``.
+Built once per daemon from :class:`~kvtier.server.daemon.config.DaemonConfig` (host budget
+``host_memory_bytes``, the rest from its ``tiers`` settings) and kept as ``Daemon.tiers``.
 Everything here is domain glue: it holds each pool's lock exclusive while its prefix cache moves
 pages (prefix operations on one pool run one at a time; other pools are not blocked) and turns tier
 errors into the daemon's typed errors (TierFullError -> ResourceExhausted, LeaseError -> NotFound,
@@ -18,19 +18,18 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvtier.server.service.errors import InvalidArgument, NotFound, ResourceExhausted
-from kvtier.server.service.pools import PoolEntry
-from kvtier.server.service.tier_settings import TierSettings
-from kvtier.server.service.tier_store import TieredCopyStore
+from kvtier.server.daemon.errors import InvalidArgument, NotFound, ResourceExhausted
+from kvtier.server.daemon.pools import PoolEntry
+from kvtier.server.daemon.tier_settings import TierSettings
 from kvtier.server.tiers import (
     DiskTierConfig, HostTierConfig, LeaseError, PrefixCache, PrefixLoad, PrefixLookup, RecordCodec, TierFullError,
     TierStack,
 )
 
 if TYPE_CHECKING:
-    from kvtier.server.service.state import DaemonState
+    from kvtier.server.daemon.core import Daemon
 
-log = logging.getLogger("kvtier.service")
+log = logging.getLogger("kvtier.daemon")
 
 
 class EntryAllocator:
@@ -91,24 +90,19 @@ def build_stack(host_bytes: int, settings: TierSettings, device: str = "cpu") ->
 
 
 class TierRuntime:
-    """The daemon's tier stack, its tiered offload store and the prefix caches of its pools.
+    """The daemon's tier stack and the prefix caches of its pools.
 
     Args:
-        state: the daemon state (its config, pool registry and shutdown hooks).
-        replace_copy_store: make the tiered store ``state.copy_store`` (False when a store was
-            passed to ``DaemonState`` explicitly).
+        state: the daemon (its config, pool registry and shutdown hooks).
 
     Raises:
         ValueError: bad ``[tiers]`` settings.
     """
 
-    def __init__(self, state: DaemonState, *, replace_copy_store: bool = True) -> None:
+    def __init__(self, state: Daemon) -> None:
         self.settings = TierSettings.coerce(getattr(state.config, "tiers", None))
         self.pools = state.pools
         self.stack = build_stack(state.config.host_memory_bytes, self.settings, state.device)
-        self.copy_store = TieredCopyStore(self.stack) if self.stack.tiers else None
-        if replace_copy_store and self.copy_store is not None:  # no tier at all: the plain store refuses
-            state.copy_store = self.copy_store
         self._caches: dict[str, tuple[PoolEntry, PrefixCache]] = {}
         self._lock = threading.Lock()
         for t in self.stack.tiers:

@@ -21,9 +21,9 @@ import numpy as np
 import torch
 
 from kvtier.server.pool.buffer_info import BufInfos
-from kvtier.server.service.errors import FailedPrecondition, InvalidArgument
-from kvtier.server.service.offload_store import CopyStore, HostCopy
-from kvtier.server.service.pools import PoolEntry, PoolRegistry
+from kvtier.server.daemon.errors import FailedPrecondition, InvalidArgument
+from kvtier.server.daemon.offload_store import HostCopy, OffloadStore
+from kvtier.server.daemon.pools import PoolEntry, PoolRegistry
 
 LATENT, INDEX_K, INDEX_SCALE = "latent", "index_k", "index_scale"
 COMPONENTS = (LATENT, INDEX_K, INDEX_SCALE)
@@ -225,7 +225,7 @@ class OffloadResult:
     freed_pages: int
 
 
-def offload(registry: PoolRegistry, store: CopyStore, pool_id: str, key: str, slots: Any, *, free_slots: bool) -> OffloadResult:
+def offload(registry: PoolRegistry, store: OffloadStore, pool_id: str, key: str, slots: Any, *, free_slots: bool) -> OffloadResult:
     """Copy ``slots`` (latent + live-layer indexer) into ``store`` under ``key``; optionally free them.
 
     Raises:
@@ -253,7 +253,7 @@ def _layout_difference(a: dict[str, Any], b: dict[str, Any]) -> str:
     return ", ".join(f"{k}: copy {a.get(k)!r} vs pool {b.get(k)!r}" for k in keys)
 
 
-def restore(registry: PoolRegistry, store: CopyStore, pool_id: str, key: str, slots: Sequence[int] | None,
+def restore(registry: PoolRegistry, store: OffloadStore, pool_id: str, key: str, slots: Sequence[int] | None,
             *, drop: bool) -> tuple[torch.Tensor, int]:
     """Load the copy under ``key`` into ``slots`` (or newly allocated slots when None/empty).
 

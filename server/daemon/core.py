@@ -1,9 +1,10 @@
-"""What a running daemon holds: config, pools, the store of offloaded copies, counters.
+"""The daemon's domain root: config, pools, tiers and prefix caches, the offload store, counters.
 
-One :class:`DaemonState` is built per daemon and handed to every servicer factory (see
-``kvtier.server.service.registry``). Other components keep their state here too: give
-:class:`DaemonState` a field (or pass a ``copy_store``), and register cleanup with
-:meth:`DaemonState.add_shutdown_hook` so it runs after the server stopped (e.g. closing an LMDB env).
+One :class:`Daemon` is built per daemon process. The gRPC servicers (``kvtier.server.service``) call
+into it and only translate; an in-process user (tests, replay, an adapter's local mode) calls the
+same objects directly. Components keep their state here: give :class:`Daemon` a field and register
+cleanup with :meth:`Daemon.add_shutdown_hook` so it runs after the server stopped (e.g. closing an
+LMDB environment). Nothing here imports grpc or ``kvtier.v1``.
 """
 
 from __future__ import annotations
@@ -16,12 +17,13 @@ from dataclasses import dataclass
 
 from kvtier import __version__
 from kvtier.server.pool import resolve_device
-from kvtier.server.service.config import DaemonConfig
-from kvtier.server.service.offload_store import CopyStore, OffloadStore
-from kvtier.server.service.pools import PoolRegistry, PoolRequest
-from kvtier.server.service.tier_runtime import TierRuntime
+from kvtier.server.daemon.config import DaemonConfig
+from kvtier.server.daemon.offload_store import OffloadStore
+from kvtier.server.daemon.pools import PoolRegistry, PoolRequest
+from kvtier.server.daemon.tier_runtime import TierRuntime
+from kvtier.server.daemon.transfer import TransferState
 
-log = logging.getLogger("kvtier.service")
+log = logging.getLogger("kvtier.daemon")
 
 
 class Counters:
@@ -52,26 +54,34 @@ class TierUsage:
     entries: int
 
 
-class DaemonState:
-    """Everything the servicers share.
+class Daemon:
+    """Everything a daemon holds; the servicers and in-process users share it.
 
     Args:
         config: the daemon's configuration.
-        copy_store: where offloaded copies go; default an :class:`OffloadStore` of
-            ``config.host_memory_bytes``. A store with a ``tier_usage() -> list[TierUsage]`` method
-            reports its own tiers in stats.
+
+    Attributes:
+        pools: the pool registry. tiers: the host/disk stack and the pools' prefix caches.
+        offload_store: the one store of offloaded copies, in ``tiers.stack``.
+        transfer: PD transfer (layouts, pulls, page streams).
+
+    Raises:
+        ValueError: bad config values (device, ``[tiers]``).
+        TransferEngineUnavailable: ``transfer_engine = "mooncake"`` but the engine cannot start.
     """
 
-    def __init__(self, config: DaemonConfig | None = None, *, copy_store: CopyStore | None = None) -> None:
+    def __init__(self, config: DaemonConfig | None = None) -> None:
         self.config = config or DaemonConfig()
         self.device = str(resolve_device(self.config.device))
         self.pools = PoolRegistry(self.config.device, self.config.pool_memory_bytes)
-        self.copy_store: CopyStore = copy_store if copy_store is not None else OffloadStore(self.config.host_memory_bytes)
         self.counters = Counters()
         self.version = __version__
         self._started = time.monotonic()
         self._shutdown_hooks: list[Callable[[], None]] = []
-        self.tiers = TierRuntime(self, replace_copy_store=copy_store is None)  # host/disk tiers, prefix caches
+        self.tiers = TierRuntime(self)  # host/disk tiers, prefix caches
+        self.offload_store = OffloadStore(self.tiers.stack)
+        self.transfer = TransferState(self)  # PD transfer: the engine (if configured) and its registrations
+        self.add_shutdown_hook(self.transfer.close)
 
     @property
     def uptime_seconds(self) -> float:
@@ -94,15 +104,12 @@ class DaemonState:
                      entry.allocator.size, entry.pool.get_kv_size_bytes(), entry.pool.device)
 
     def tier_usage(self) -> list[TierUsage]:
-        """Usage of the device pools and of the copy store's tier(s)."""
+        """Usage of the device pools and of each tier below (prefix pages and copies together).
+        Reads plain integers only: takes no pool, cache, store or index lock."""
         pools = self.pools.list()
         device = TierUsage("device", sum(e.pool.get_kv_size_bytes() for e in pools),
                            self.config.pool_memory_bytes, len(pools))
-        reporter = getattr(self.copy_store, "tier_usage", None)
-        if callable(reporter):
-            return [device, *reporter()]
-        store = self.copy_store
-        return [device, TierUsage("host", store.usage_bytes(), store.budget_bytes(), len(store))]
+        return [device, *(TierUsage(t.name, t.index.used, t.index.capacity, len(t.index)) for t in self.tiers.stack.tiers)]
 
     def add_shutdown_hook(self, hook: Callable[[], None]) -> None:
         """Run ``hook`` in :meth:`close` (hooks run last-added first; errors are logged, not raised)."""
