@@ -95,6 +95,8 @@ class TierIndex:
     Pins are reference counts: a pinned key is never chosen as a victim. Take them with
     :meth:`pinned` (a context manager), so they return to zero on every path, exceptions included.
     All methods are thread-safe (one lock per index; callers may hold :attr:`lock` across calls).
+    ``used``, ``total_pins`` and ``len()`` are plain integers a monitoring reader may take without
+    the lock (they are updated under it, one operation at a time).
     """
 
     def __init__(self, capacity: int, policy: CachePolicy | None = None) -> None:
@@ -106,6 +108,7 @@ class TierIndex:
         self._charge: dict[Key, int] = {}
         self._pins: dict[Key, int] = {}
         self.used = 0
+        self.total_pins = 0
 
     def __contains__(self, key: Key) -> bool:
         return key in self._charge
@@ -125,11 +128,6 @@ class TierIndex:
     def pin_count(self, key: Key) -> int:
         """Current pins on ``key``."""
         return self._pins.get(key, 0)
-
-    @property
-    def total_pins(self) -> int:
-        """Sum of all pins (0 whenever no read or load is in flight)."""
-        return sum(self._pins.values())
 
     def plan_insert(self, key: Key, charge: int, exclude: Iterable[Key] = ()) -> list[Key]:
         """Victims to evict so ``key`` (absent) charged ``charge`` fits; changes nothing.
@@ -187,6 +185,7 @@ class TierIndex:
             got = [k for k in keys if k in self._charge]
             for k in got:
                 self._pins[k] = self._pins.get(k, 0) + 1
+            self.total_pins += len(got)  # sum of all pins: 0 whenever no read or load is in flight
             return got
 
     def unpin(self, keys: Iterable[Key]) -> None:
@@ -198,6 +197,7 @@ class TierIndex:
                     self._pins[k] = left
                 else:
                     del self._pins[k]
+                self.total_pins -= 1
 
     @contextmanager
     def pinned(self, keys: Iterable[Key]) -> Iterator[list[Key]]:
