@@ -35,7 +35,9 @@ import torch
 
 from kvtier.addresses import resolve_address
 from kvtier.server.daemon.errors import FailedPrecondition, InvalidArgument
+from kvtier.server.daemon.kv_ops import chunk_size
 from kvtier.server.daemon.pools import PoolEntry, PoolRegistry
+from kvtier.server.daemon.tenants import Caller
 from kvtier.server.pool import slots_of_pages
 from kvtier.server.transfer import (
     DEFAULT_BATCH_ITEMS, MooncakeTransferEngine, MooncakeTransport, PageMappingError, PageTransport, PoolLayout,
@@ -125,8 +127,9 @@ class PeerLink(Protocol):
 class PeerConnector(Protocol):
     """Opens :class:`PeerLink` s to peer daemons by address."""
 
-    def connect(self, address: str) -> AbstractContextManager[PeerLink]:
-        """A link to the daemon at ``address`` (``unix:///path`` or ``HOST:PORT``), closed on exit."""
+    def connect(self, address: str, caller: Caller) -> AbstractContextManager[PeerLink]:
+        """A link to the daemon at ``address`` (``unix:///path`` or ``HOST:PORT``) on behalf of
+        ``caller`` (whose credentials the link presents), closed on exit."""
 
 
 class TransferState:
@@ -147,7 +150,7 @@ class TransferState:
         if cfg.transfer_engine == "mooncake":
             self.engine = MooncakeTransferEngine(TransferEngineConfig(host=cfg.transfer_host, fail_batch=self.fail_batch))
             log.info("Mooncake Transfer Engine at %s", self.engine.endpoint)
-        self._registered: dict[str, tuple[PoolEntry, list[tuple[int, int]]]] = {}
+        self._registered: dict[tuple[str, str], tuple[PoolEntry, list[tuple[int, int]]]] = {}  # (tenant, pool id)
         self._lock = threading.Lock()
 
     # ----- registrations and layouts ------------------------------------------------------------
@@ -155,19 +158,20 @@ class TransferState:
         """Register ``entry``'s buffers once (dropping those of deleted pools first)."""
         assert self.engine is not None
         with self._lock:
+            key = (entry.tenant, entry.pool_id)
             for pid, (old, ranges) in list(self._registered.items()):
-                if old.deleted or (pid == entry.pool_id and old is not entry):
+                if old.deleted or (pid == key and old is not entry):
                     del self._registered[pid]
                     try:
                         self.engine.unregister(ranges)
                     except TransferError:
-                        log.warning("could not unregister the buffers of deleted pool %r", pid, exc_info=True)
-            if entry.pool_id not in self._registered:
+                        log.warning("could not unregister the buffers of deleted pool %r", pid[1], exc_info=True)
+            if key not in self._registered:
                 pool = entry.pool
                 ranges = registration_ranges(pool.get_contiguous_buf_infos(), pool.get_state_buf_infos())
                 self.engine.register(ranges)
-                self._registered[entry.pool_id] = (entry, ranges)
-            return self._registered[entry.pool_id][1]
+                self._registered[key] = (entry, ranges)
+            return self._registered[key][1]
 
     def layout(self, entry: PoolEntry) -> PoolLayout:
         """``entry``'s layout, naming the engine endpoint and registered ranges when there is an engine."""
@@ -176,9 +180,10 @@ class TransferState:
             return layout
         return layout.with_engine(self.engine.endpoint, self._registration(entry))
 
-    def transfer_layout(self, pool_id: str, check_pages: Sequence[int]) -> tuple[PoolEntry, PoolLayout]:
-        """GetTransferLayout: the pool's layout; ``check_pages`` must be allocated (InvalidArgument)."""
-        with self.pools.locked(pool_id, exclusive=False) as entry:
+    def transfer_layout(self, caller: Caller, pool_id: str, check_pages: Sequence[int]) -> tuple[PoolEntry, PoolLayout]:
+        """GetTransferLayout: ``caller``'s pool's layout (raw addresses: the owner only; another
+        tenant's pool is NOT_FOUND); ``check_pages`` must be allocated (InvalidArgument)."""
+        with self.pools.locked(caller, pool_id, exclusive=False) as entry:
             if len(check_pages):
                 try:
                     pages = np.asarray(list(check_pages), dtype=np.int64)
@@ -196,9 +201,9 @@ class TransferState:
             return check_page_mapping(list(spec.src_pages), list(spec.dst_pages))
         return pages_from_slots(list(spec.src_slots), list(spec.dst_slots), page_size)
 
-    def pull(self, spec: PullSpec, peers: PeerConnector) -> PullResult:
-        """PullKV: move pages of the peer's pool onto this daemon's pool (module docstring); the peer
-        is reached through ``peers``.
+    def pull(self, caller: Caller, spec: PullSpec, peers: PeerConnector) -> PullResult:
+        """PullKV: move pages of the peer's pool onto ``caller``'s pool (module docstring); the peer
+        is reached through ``peers`` with ``caller``'s credentials (its tenant there is the token's).
 
         Raises:
             InvalidArgument/PageMappingError: bad mapping, unknown transport, destination pages not allocated.
@@ -212,17 +217,17 @@ class TransferState:
         if spec.transport == "mooncake" and self.engine is None:
             raise FailedPrecondition("this daemon runs without a transfer engine (--transfer-engine none); use transport 'grpc'")
         batch_items = spec.max_batch_items or DEFAULT_BATCH_ITEMS
-        page_size = self.pools.get(spec.pool_id).page_size
+        page_size = self.pools.get(caller, spec.pool_id).page_size
         src, dst = self._mapping(spec, page_size)
         try:
             address = resolve_address(spec.peer_address)
         except ValueError as e:
             raise InvalidArgument(f"peer_address: {e}") from None
-        with peers.connect(address) as peer:
+        with peers.connect(address, caller) as peer:
             remote = peer.layout(spec.peer_pool_id, src.tolist(), spec)
             if spec.transport == "mooncake" and not remote.endpoint:
                 raise FailedPrecondition(f"peer {address} runs without a transfer engine; use transport 'grpc'")
-            with self.pools.locked(spec.pool_id, exclusive=True) as entry:
+            with self.pools.locked(caller, spec.pool_id, exclusive=True) as entry:
                 _check_allocated(entry, dst, "destination pages")
                 # a failed pull frees its destination pages: they must be the caller's to free
                 entry.check_client_owned(dst, "destination pages")
@@ -237,16 +242,17 @@ class TransferState:
                     stats = pull_pages(transport, remote, plan)
                 except Exception as e:
                     freed = entry.free(slots_of_pages(torch.from_numpy(dst), entry.page_size))
-                    self.counters.add("pulls_failed")
+                    self.counters.add(caller, "pulls_failed")
                     raise TransferError(f"pull from {address} pool {spec.peer_pool_id!r} failed; the {freed} destination "
                                         f"pages {dst.tolist()[:16]} were freed: {e}") from e
                 seconds = time.perf_counter() - start
-        self.counters.add("pulls")
-        self.counters.add("pull_bytes", stats.total_bytes)
+        self.counters.add(caller, "pulls")
+        self.counters.add(caller, "pull_bytes", stats.total_bytes)
         return PullResult(stats, spec.transport, seconds)
 
     # ----- page streams (source side of the gRPC fallback) --------------------------------------
-    def read_pages(self, pool_id: str, runs: Sequence[tuple[int, str, int, int]], chunk_bytes: int) -> Iterator[tuple[int, int, bytes]]:
+    def read_pages(self, caller: Caller, pool_id: str, runs: Sequence[tuple[int, str, int, int]],
+                   chunk_bytes: int) -> Iterator[tuple[int, int, bytes]]:
         """ReadPages: ``(run index, offset, data)`` chunks of each ``(layer, component, first_page, num_pages)`` run.
 
         Every run is checked (layer, component, page range, pages allocated) before the first chunk.
@@ -254,17 +260,15 @@ class TransferState:
         Raises:
             InvalidArgument/PageMappingError: a bad run or chunk size.
         """
-        chunk = chunk_bytes or self.chunk_bytes
-        if chunk > self.max_chunk_bytes:
-            raise InvalidArgument(f"chunk_bytes {chunk} exceeds {self.max_chunk_bytes} (max_message_bytes less chunk overhead)")
+        chunk = chunk_size(chunk_bytes, self.chunk_bytes, self.max_chunk_bytes)
         if not runs:
             raise PageMappingError("ReadPages needs at least one page run")
-        with self.pools.locked(pool_id, exclusive=False) as entry:
+        with self.pools.locked(caller, pool_id, exclusive=False) as entry:
             for layer, comp, first, n in runs:
                 page_run(entry.pool, comp, layer, first, n)
                 _check_allocated(entry, np.arange(first, first + n, dtype=np.int64), f"run of layer {layer} {comp}")
         for i, (layer, comp, first, n) in enumerate(runs):
-            with self.pools.locked(pool_id, exclusive=False) as entry:  # a consistent copy of the run...
+            with self.pools.locked(caller, pool_id, exclusive=False) as entry:  # a consistent copy of the run...
                 view = page_run(entry.pool, comp, layer, first, n)
                 pieces = [view[off:off + chunk].cpu().numpy().tobytes() for off in range(0, view.numel(), chunk)]
             for k, data in enumerate(pieces):  # ...streamed without holding the lock
@@ -279,5 +283,5 @@ class TransferState:
                 try:
                     self.engine.unregister(ranges)
                 except TransferError:
-                    log.warning("could not unregister the buffers of pool %r at shutdown", pid, exc_info=True)
+                    log.warning("could not unregister the buffers of pool %r at shutdown", pid[1], exc_info=True)
             self._registered.clear()

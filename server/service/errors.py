@@ -21,6 +21,7 @@ import grpc
 from kvtier.server.daemon.errors import (
     AlreadyExists, FailedPrecondition, InvalidArgument, KVTierError, NotFound, ResourceExhausted, Unauthenticated,
 )
+from kvtier.server.service.interceptors import handler_like
 from kvtier.server.transfer.errors import LayoutMismatchError, TransferEngineUnavailable, TransferError
 
 log = logging.getLogger("kvtier.service")
@@ -98,16 +99,4 @@ class DomainErrorInterceptor(grpc.ServerInterceptor):
         if handler is None:
             return None
         method = handler_call_details.method
-        if handler.unary_unary:
-            return grpc.unary_unary_rpc_method_handler(
-                _wrap_unary(handler.unary_unary, method), handler.request_deserializer, handler.response_serializer)
-        if handler.stream_unary:
-            return grpc.stream_unary_rpc_method_handler(
-                _wrap_unary(handler.stream_unary, method), handler.request_deserializer, handler.response_serializer)
-        if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(
-                _wrap_stream(handler.unary_stream, method), handler.request_deserializer, handler.response_serializer)
-        if handler.stream_stream:
-            return grpc.stream_stream_rpc_method_handler(
-                _wrap_stream(handler.stream_stream, method), handler.request_deserializer, handler.response_serializer)
-        return handler
+        return handler_like(handler, lambda b: _wrap_unary(b, method), streaming=lambda b: _wrap_stream(b, method))

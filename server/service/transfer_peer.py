@@ -4,19 +4,30 @@ Implements the domain's :class:`~kvtier.server.daemon.transfer.PeerConnector`: t
 what to move; this module only asks the peer over gRPC and writes the bytes a ReadPages stream
 brings into the destination pool's pages. Peer errors become the daemon's typed errors (the peer's
 NOT_FOUND / INVALID_ARGUMENT stay what they are; anything else is a :class:`TransferError`).
+
+Credentials: PullKV presents the *caller's* bearer token to the peer (``authorization: Bearer``), so
+the peer serves the pool of the tenant that token names there (run both daemons with the same
+tokens file for PD pairs). With ``peer_tls_ca`` set, peers are reached over TLS checked against that
+CA, and the daemon's own ``tls_cert``/``tls_key`` are its client certificate (for peers that require
+mutual TLS). Without it, peers are reached in plaintext, and a token is sent only to a loopback or
+unix-socket peer (else FAILED_PRECONDITION: a bearer token never crosses a network in the clear).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 
 import grpc
 import numpy as np
 import torch
 
-from kvtier.server.daemon.errors import InvalidArgument, NotFound
+from kvtier.addresses import is_loopback
+from kvtier.server.daemon.config import DaemonConfig
+from kvtier.server.daemon.errors import FailedPrecondition, InvalidArgument, NotFound
 from kvtier.server.daemon.pools import PoolEntry
+from kvtier.server.daemon.tenants import Caller
 from kvtier.server.daemon.transfer import PEER_LAYOUT_TIMEOUT_S, PEER_STREAM_TIMEOUT_S, PullSpec
 from kvtier.server.service.transfer_messages import COMPONENT_TO_PROTO, peer_layout
 from kvtier.server.transfer import PageTransport, PoolLayout, TransferError, TransferPlan
@@ -97,16 +108,36 @@ class GrpcPeerLink:
 
 
 class GrpcPeerConnector:
-    """Opens plain gRPC channels to peer daemons with the daemon's message limits.
+    """Opens gRPC channels to peer daemons with the daemon's message limits (module docstring: credentials).
 
     Args:
         options: channel options (``DaemonConfig.grpc_options()``).
+        tls: channel credentials for TLS peers (None: plaintext).
     """
 
-    def __init__(self, options: Sequence[tuple[str, int]]) -> None:
+    def __init__(self, options: Sequence[tuple[str, int]], tls: grpc.ChannelCredentials | None = None) -> None:
         self.options = list(options)
+        self.tls = tls
+
+    @classmethod
+    def for_config(cls, config: DaemonConfig) -> GrpcPeerConnector:
+        """The connector a daemon of ``config`` uses (TLS with ``peer_tls_ca``)."""
+        tls = None
+        if config.peer_tls_ca:
+            own = (Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes()) if config.tls_cert else (None, None)
+            tls = grpc.ssl_channel_credentials(root_certificates=Path(config.peer_tls_ca).read_bytes(),
+                                               private_key=own[0], certificate_chain=own[1])
+        return cls(config.grpc_options(), tls)
 
     @contextmanager
-    def connect(self, address: str) -> Iterator[GrpcPeerLink]:
-        with grpc.insecure_channel(address, options=self.options) as channel:
-            yield GrpcPeerLink(channel, address)
+    def connect(self, address: str, caller: Caller) -> Iterator[GrpcPeerLink]:
+        metadata: list[tuple[str, str]] = []
+        if caller.token:
+            if self.tls is None and not is_loopback(address):
+                raise FailedPrecondition(f"refusing to send the caller's token to peer {address} in plaintext: give the "
+                                         f"daemon --peer-tls-ca (peers over TLS), or use a loopback/unix peer")
+            metadata.append(("authorization", f"Bearer {caller.token}"))
+        channel = (grpc.secure_channel(address, self.tls, options=self.options) if self.tls is not None
+                   else grpc.insecure_channel(address, options=self.options))
+        with channel:
+            yield GrpcPeerLink(channel, address, metadata)
