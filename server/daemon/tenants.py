@@ -158,9 +158,10 @@ class TokenTable:
                 data = tomllib.load(f)
             except tomllib.TOMLDecodeError as e:
                 raise AuthConfigError(f"--auth-tokens {path}: not valid TOML ({e})") from None
-        unknown = sorted(set(data) - {"tokens"})
-        if unknown:
-            raise AuthConfigError(f"--auth-tokens {path}: unknown tables/keys {unknown}; the file holds one [tokens] table")
+        unknown = set(data) - {"tokens"}
+        if unknown:  # not named: a misplaced key may be a token
+            raise AuthConfigError(f"--auth-tokens {path}: {len(unknown)} unknown tables/keys outside [tokens]; the file "
+                                  f"holds one [tokens] table")
         tokens = data.get("tokens")
         if not isinstance(tokens, dict) or any(not isinstance(v, str) for v in tokens.values()):
             raise AuthConfigError(f"--auth-tokens {path}: needs a [tokens] table of \"<token>\" = \"<tenant>\" strings")
