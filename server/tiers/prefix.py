@@ -92,8 +92,7 @@ class _Lease:
 
 
 def _unknown_lease(lease_id: object) -> str:
-    text = lease_id if isinstance(lease_id, str) and len(lease_id) <= 64 else repr(lease_id)[:64]
-    return f"lease {text!r} is unknown or released"
+    return "the lease is unknown or released"  # its id is not echoed: messages are logged, ids are secrets
 
 
 class PrefixCache:
