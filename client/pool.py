@@ -96,18 +96,23 @@ class PoolMixin(BaseClient):
         num_layers: int = 0,
         kv_cache_dtype: str = "fp8",
         page_size: int = 64,
+        start_layer: int = 0,
+        end_layer: int = 0,
         timeout: float | None = None,
     ) -> pool_pb2.PoolInfo:
         """Create a pool of ``size_tokens`` tokens or planned from ``memory_budget_bytes``.
 
         Args:
             model: a preset name, a path to an HF config.json, or its parsed dict.
-            num_layers: only the first N layers (0: all).
+            num_layers: only N layers from ``start_layer`` (0: up to ``end_layer``).
+            start_layer, end_layer: a pipeline-parallel stage's model layers ``[start_layer, end_layer)``
+                (``end_layer`` 0: the model's last). Layer ids in KV calls are model layer ids.
 
         Raises:
             InvalidArgumentError, AlreadyExistsError, ResourceExhaustedError.
         """
-        spec = pool_pb2.ModelSpec(num_layers=num_layers, kv_cache_dtype=kv_cache_dtype, page_size=page_size)
+        spec = pool_pb2.ModelSpec(num_layers=num_layers, kv_cache_dtype=kv_cache_dtype, page_size=page_size,
+                                  start_layer=start_layer, end_layer=end_layer)
         if isinstance(model, Mapping):
             spec.hf_config_json = json.dumps(dict(model))
         elif Path(model).is_file():
@@ -224,9 +229,9 @@ class PoolMixin(BaseClient):
                  timeout: float | None) -> KVData:
         lay = self.layout(pool_id)
         if latent_layers is None:
-            latent_layers = list(range(lay.num_layers))
+            latent_layers = list(range(lay.start_layer, lay.start_layer + lay.num_layers))
         if index_layers is None:
-            index_layers = [i for i, c in enumerate(lay.skip_mask) if c == "F"]
+            index_layers = [lay.start_layer + i for i, c in enumerate(lay.skip_mask) if c == "F"]
         slot_ids = slot_list(slots)
         n = len(slot_ids)
         header = pool_pb2.KVHeader(pool_id=pool_id, slots=slot_ids, latent_layers=latent_layers, index_layers=index_layers,

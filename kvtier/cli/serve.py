@@ -18,6 +18,18 @@ def _bytes(_ctx: click.Context, param: click.Parameter, value: str | None) -> in
         raise click.BadParameter(str(e)) from None
 
 
+def _layers(_ctx: click.Context, _param: click.Parameter, value: str | None) -> dict[str, int] | None:
+    """``N`` -> the first N layers; ``START:END`` -> model layers [START, END)."""
+    if value is None:
+        return None
+    start, sep, end = value.partition(":")
+    if not sep and value.isdigit() and int(value) > 0:
+        return {"num_layers": int(value)}
+    if sep and start.isdigit() and end.isdigit() and int(start) < int(end):
+        return {"start_layer": int(start), "end_layer": int(end)}
+    raise click.BadParameter(f"must be N (the first N layers) or START:END with START < END, e.g. 20:40; got {value!r}")
+
+
 @click.command()
 @click.option("--listen", default=None, metavar="ADDR",
               help="unix:///path or HOST:PORT (port 0: any free port). Default: a unix socket in a private "
@@ -59,9 +71,10 @@ def _bytes(_ctx: click.Context, param: click.Parameter, value: str | None) -> in
 @click.option("--transfer-host", default=None, metavar="HOST", help="Address the transfer engine binds and publishes [127.0.0.1].")
 @click.option("--pool", "pools", multiple=True, metavar="[ID=]MODEL:TOKENS|BYTES",
               help="Create a pool at start, e.g. glm-5.2:65536 or main=glm-5.2:2GiB (repeatable; replaces the file's pools).")
-@click.option("--pool-layers", type=click.IntRange(min=1), default=None,
-              help="Only the first N layers for --pool pools (small test pools).")
-def serve(config_file: str | None, pools: tuple[str, ...], pool_layers: int | None, **flags: object) -> None:
+@click.option("--pool-layers", callback=_layers, default=None, metavar="N|START:END",
+              help="Layers of --pool pools: the first N (small test pools), or model layers START..END-1 "
+                   "(a pipeline-parallel stage, e.g. 20:40).")
+def serve(config_file: str | None, pools: tuple[str, ...], pool_layers: dict[str, int] | None, **flags: object) -> None:
     """Run the kvtier daemon until SIGTERM/SIGINT (then finish in-flight calls and exit 0).
 
     Example: kvtier serve --pool glm-5.2:65536 --host-memory 8GiB
@@ -77,7 +90,7 @@ def serve(config_file: str | None, pools: tuple[str, ...], pool_layers: int | No
         if pools:
             specs = tuple(PoolSpec.parse(p) for p in pools)
             if pool_layers:
-                specs = tuple(PoolSpec(**{**s.__dict__, "num_layers": pool_layers}) for s in specs)
+                specs = tuple(PoolSpec(**{**s.__dict__, **pool_layers}) for s in specs)
         cfg = cfg.replace(pools=specs, **flags)
     except (ValueError, OSError) as e:
         raise click.UsageError(str(e)) from None

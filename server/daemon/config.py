@@ -73,7 +73,11 @@ class PoolSpec:
     role: str = "target"
     """``target`` (skip-aware), ``draft`` or ``hisparse`` (indexer on every layer)."""
     num_layers: int = 0
-    """Use only the first N layers (scaled-down pools); 0 = all of the model's layers."""
+    """Use only N layers from ``start_layer`` (scaled-down pools); 0 = up to ``end_layer``."""
+    start_layer: int = 0
+    """First model layer of the pool: a pipeline-parallel stage holds layers ``[start_layer, end_layer)``."""
+    end_layer: int = 0
+    """One past the pool's last model layer; 0 = the model's last (or ``start_layer + num_layers``)."""
     kv_cache_dtype: str = "fp8"
     """``fp8`` (656-byte DSA rows) or ``bf16``."""
     page_size: int = 64

@@ -130,6 +130,7 @@ class Daemon:
             hf = json.loads(path.read_text()) if path.is_file() else None
             req = PoolRequest(pool_id=spec.pool_id, preset="" if hf is not None else spec.model, hf_config=hf,
                               model_name=path.stem if hf is not None else "", num_layers=spec.num_layers,
+                              start_layer=spec.start_layer, end_layer=spec.end_layer,
                               kv_cache_dtype=spec.kv_cache_dtype, page_size=spec.page_size, role=spec.role,
                               size_tokens=spec.tokens, memory_budget_bytes=spec.memory_bytes)
             entry = self.pools.create(Caller(spec.tenant), req)

@@ -81,6 +81,7 @@ def token_bytes(entry: PoolEntry, component: str) -> int:
 
 def plan_segments(entry: PoolEntry, sel: KVSelection, n_slots: int) -> list[Segment]:
     """The segments of ``sel`` in stream order (latent layers, then per index layer keys then scales).
+    Layers are model layer ids (a pipeline stage's pool holds ``[start_layer, end_layer)``).
 
     Raises:
         InvalidArgument: a layer out of range or repeated, or nothing selected.
@@ -91,18 +92,19 @@ def plan_segments(entry: PoolEntry, sel: KVSelection, n_slots: int) -> list[Segm
         raise FailedPrecondition(
             f"pool {entry.pool_id!r} has layout {entry.model.fingerprint_digest()}, not the {sel.layout_digest} the "
             f"request assumes (was the pool re-created?)")
-    num_layers = entry.pool.layer_num
+    pool = entry.pool
+    start, end = pool.start_layer, pool.end_layer
     for what, layers in (("latent_layers", sel.latent_layers), ("index_layers", sel.index_layers)):
-        bad = [x for x in layers if not 0 <= x < num_layers]
+        bad = [x for x in layers if not start <= x < end]
         if bad:
-            raise InvalidArgument(f"{what} has layer {bad[0]} outside [0, {num_layers})")
+            raise InvalidArgument(f"{what} has layer {bad[0]} outside the pool's layers [{start}, {end})")
         if len(set(layers)) != len(layers):
             raise InvalidArgument(f"{what} repeats a layer")
-    skipped = [x for x in sel.index_layers if entry.pool.skip_topk_layers[x]]
+    skipped = [x for x in sel.index_layers if pool.skip_topk_layers[x - start]]
     if skipped:
         raise FailedPrecondition(
             f"layer {skipped[0]} skips top-k in pool {entry.pool_id!r} and owns no indexer buffer "
-            f"(live layers: {list(entry.pool.live_layers)})")
+            f"(live layers: {[start + i for i in pool.live_layers]})")
     if not sel.latent_layers and not sel.index_layers:
         raise InvalidArgument("select at least one latent or index layer")
     segs = [Segment(x, LATENT, n_slots * token_bytes(entry, LATENT)) for x in sel.latent_layers]

@@ -52,6 +52,8 @@ class PoolRequest:
     hf_config: dict[str, Any] | None = None
     model_name: str = ""
     num_layers: int = 0
+    start_layer: int = 0
+    end_layer: int = 0
     kv_cache_dtype: str = "fp8"
     page_size: int = DEFAULT_PAGE_SIZE
     role: str = "target"
@@ -64,7 +66,8 @@ def build_model(req: PoolRequest) -> DSAModelConfig:
     """The model geometry ``req`` names. Raises InvalidArgument naming the bad field."""
     try:
         kwargs: dict[str, Any] = {"kv_cache_dtype": req.kv_cache_dtype or "fp8", "page_size": req.page_size or DEFAULT_PAGE_SIZE,
-                                  "num_layers": req.num_layers or None}
+                                  "num_layers": req.num_layers or None, "start_layer": req.start_layer,
+                                  "end_layer": req.end_layer or None}
         if bool(req.preset) == (req.hf_config is not None):
             raise InvalidArgument("give exactly one of a model preset and an HF config")
         if req.preset:

@@ -49,7 +49,7 @@ def pool_layout(model: DSAModelConfig) -> pool_pb2.PoolLayout:
         kv_cache_dtype=fp["kv_cache_dtype"], page_size=fp["page_size"], latent_row_bytes=fp["latent_row_bytes"],
         index_page_bytes=model.index_page_bytes, skip_mask=fp["skip_mask"],
         fingerprint_digest=model.fingerprint_digest(), index_token_bytes=model.index_token_bytes,
-        kv_cache_dim=model.kv_cache_dim,
+        kv_cache_dim=model.kv_cache_dim, start_layer=fp["start_layer"],
     )
 
 
@@ -69,14 +69,15 @@ def pool_info(entry: PoolEntry) -> pool_pb2.PoolInfo:
     for i, buf in enumerate(pool.kv_buffer):
         skip = pool.skip_topk_layers[i]
         layers.append(pool_pb2.LayerInfo(
-            layer_id=i, skips_topk=skip, latent_row_bytes=pool.row_bytes, latent_bytes=int(buf.nbytes),
+            layer_id=pool.start_layer + i, skips_topk=skip, latent_row_bytes=pool.row_bytes, latent_bytes=int(buf.nbytes),
             index_page_bytes=0 if skip else pool.index_page_bytes,
             index_bytes=int(pool.index_k_with_scale_buffer[i].nbytes)))
     info = pool_pb2.PoolInfo(
         pool_id=entry.pool_id, layout=pool_layout(entry.model), role=entry.role, device=str(pool.device),
         size_tokens=alloc.size, total_pages=alloc.num_pages, free_pages=alloc.free_pages, used_pages=alloc.used_pages,
         kv_size_bytes=pool.get_kv_size_bytes(), latent_size_bytes=pool.get_kv_size_bytes() - pool.get_index_size_bytes(),
-        index_size_bytes=pool.get_index_size_bytes(), live_layers=list(pool.live_layers), layers=layers,
+        index_size_bytes=pool.get_index_size_bytes(), live_layers=[pool.start_layer + i for i in pool.live_layers],
+        layers=layers,
     )
     if entry.plan is not None:
         info.plan.CopyFrom(pool_plan(entry.plan))
@@ -84,10 +85,12 @@ def pool_info(entry: PoolEntry) -> pool_pb2.PoolInfo:
 
 
 def buffer_infos(entry: PoolEntry, state: BufInfos, contiguous: BufInfos) -> pool_pb2.BufferInfosResponse:
-    """State (indexer) and contiguous (latent) buffer infos with layer ids, layout and skip mask."""
+    """State (indexer) and contiguous (latent) buffer infos with (model) layer ids, layout and skip mask."""
+    start = entry.pool.start_layer
+
     def infos(triple: BufInfos) -> list[pool_pb2.BufferInfo]:
         ptrs, lens, items = triple
-        return [pool_pb2.BufferInfo(layer_id=i, data_ptr=p, data_len=n, item_len=it)
+        return [pool_pb2.BufferInfo(layer_id=start + i, data_ptr=p, data_len=n, item_len=it)
                 for i, (p, n, it) in enumerate(zip(ptrs, lens, items, strict=True))]
     return pool_pb2.BufferInfosResponse(layout=pool_layout(entry.model), state=infos(state),
                                         contiguous=infos(contiguous), skip_topk_layers=list(entry.pool.skip_topk_layers))

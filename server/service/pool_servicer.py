@@ -42,7 +42,8 @@ class PoolServicer(pool_pb2_grpc.PoolServiceServicer):
         entry = self.pools.create(caller, PoolRequest(
             pool_id=request.pool_id, preset=m.preset if source == "preset" else "",
             hf_config=parse_hf_config(m.hf_config_json) if source == "hf_config_json" else None,
-            model_name=m.name, num_layers=m.num_layers, kv_cache_dtype=m.kv_cache_dtype or "fp8",
+            model_name=m.name, num_layers=m.num_layers, start_layer=m.start_layer, end_layer=m.end_layer,
+            kv_cache_dtype=m.kv_cache_dtype or "fp8",
             page_size=m.page_size, role=request.role or "target", device=request.device,
             size_tokens=request.size_tokens, memory_budget_bytes=request.memory_budget_bytes))
         self.state.counters.add(caller, "pools_created")

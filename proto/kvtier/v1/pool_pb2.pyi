@@ -78,8 +78,10 @@ class PoolLayout(_message.Message):
     FINGERPRINT_DIGEST_FIELD_NUMBER: _builtins.int
     INDEX_TOKEN_BYTES_FIELD_NUMBER: _builtins.int
     KV_CACHE_DIM_FIELD_NUMBER: _builtins.int
+    START_LAYER_FIELD_NUMBER: _builtins.int
     model_name: _builtins.str
     num_layers: _builtins.int
+    """layers the pool holds (a stage's count for a pipeline stage)"""
     kv_lora_rank: _builtins.int
     qk_rope_head_dim: _builtins.int
     index_head_dim: _builtins.int
@@ -99,6 +101,8 @@ class PoolLayout(_message.Message):
     """indexer bytes a token on a live layer (132)"""
     kv_cache_dim: _builtins.int
     """elements of a latent row (656 uint8 or 576 bf16)"""
+    start_layer: _builtins.int
+    """model layer id of the pool's first layer (a pipeline stage's);"""
     def __init__(
         self,
         *,
@@ -115,10 +119,11 @@ class PoolLayout(_message.Message):
         fingerprint_digest: _builtins.str = ...,
         index_token_bytes: _builtins.int = ...,
         kv_cache_dim: _builtins.int = ...,
+        start_layer: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["fingerprint_digest", b"fingerprint_digest", "index_head_dim", b"index_head_dim", "index_page_bytes", b"index_page_bytes", "index_token_bytes", b"index_token_bytes", "kv_cache_dim", b"kv_cache_dim", "kv_cache_dtype", b"kv_cache_dtype", "kv_lora_rank", b"kv_lora_rank", "latent_row_bytes", b"latent_row_bytes", "model_name", b"model_name", "num_layers", b"num_layers", "page_size", b"page_size", "qk_rope_head_dim", b"qk_rope_head_dim", "skip_mask", b"skip_mask"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fingerprint_digest", b"fingerprint_digest", "index_head_dim", b"index_head_dim", "index_page_bytes", b"index_page_bytes", "index_token_bytes", b"index_token_bytes", "kv_cache_dim", b"kv_cache_dim", "kv_cache_dtype", b"kv_cache_dtype", "kv_lora_rank", b"kv_lora_rank", "latent_row_bytes", b"latent_row_bytes", "model_name", b"model_name", "num_layers", b"num_layers", "page_size", b"page_size", "qk_rope_head_dim", b"qk_rope_head_dim", "skip_mask", b"skip_mask", "start_layer", b"start_layer"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -139,18 +144,24 @@ class ModelSpec(_message.Message):
     KV_CACHE_DTYPE_FIELD_NUMBER: _builtins.int
     PAGE_SIZE_FIELD_NUMBER: _builtins.int
     NAME_FIELD_NUMBER: _builtins.int
+    START_LAYER_FIELD_NUMBER: _builtins.int
+    END_LAYER_FIELD_NUMBER: _builtins.int
     preset: _builtins.str
     """e.g. "glm-5.2", "deepseek-v3.2" """
     hf_config_json: _builtins.str
     """the text of an HF config.json"""
     num_layers: _builtins.int
-    """0: the model's own layer count; else the first N layers"""
+    """0: to end_layer (or the model's last); else N layers from start_layer"""
     kv_cache_dtype: _builtins.str
     """"" = "fp8" """
     page_size: _builtins.int
     """0 = 64"""
     name: _builtins.str
     """model name for an hf_config_json source ("" = its model_type)"""
+    start_layer: _builtins.int
+    """first model layer of the pool (a pipeline stage), default 0"""
+    end_layer: _builtins.int
+    """one past its last layer; 0 = the model's last (or start + num_layers)"""
     def __init__(
         self,
         *,
@@ -160,10 +171,12 @@ class ModelSpec(_message.Message):
         kv_cache_dtype: _builtins.str = ...,
         page_size: _builtins.int = ...,
         name: _builtins.str = ...,
+        start_layer: _builtins.int = ...,
+        end_layer: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["hf_config_json", b"hf_config_json", "preset", b"preset", "source", b"source"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["hf_config_json", b"hf_config_json", "kv_cache_dtype", b"kv_cache_dtype", "name", b"name", "num_layers", b"num_layers", "page_size", b"page_size", "preset", b"preset", "source", b"source"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["end_layer", b"end_layer", "hf_config_json", b"hf_config_json", "kv_cache_dtype", b"kv_cache_dtype", "name", b"name", "num_layers", b"num_layers", "page_size", b"page_size", "preset", b"preset", "source", b"source", "start_layer", b"start_layer"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_source: _TypeAlias = _typing.Literal["preset", "hf_config_json"]  # noqa: Y015
     _WhichOneofArgType_source: _TypeAlias = _typing.Literal["source", b"source"]  # noqa: Y015
