@@ -22,7 +22,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvtier.addresses import default_socket_path, is_loopback, is_unix, resolve_address, socket_path
+from kvtier.addresses import (
+    UnsafeSocketDirError, default_socket_path, is_loopback, is_unix, prepare_private_dir, resolve_address, socket_path,
+)
 from kvtier.server.service.config import DaemonConfig
 from kvtier.server.service.errors import DomainErrorInterceptor
 from kvtier.server.service.registry import SERVICES, ServiceEntry
@@ -37,8 +39,10 @@ class AddressError(ValueError):
 
 def _prepare_unix_socket(path: Path, *, default: bool) -> None:
     if default:
-        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        os.chmod(path.parent, 0o700)
+        try:
+            prepare_private_dir(path.parent)  # ours, not a symlink, 0700; another user's directory is refused
+        except (UnsafeSocketDirError, OSError) as e:
+            raise AddressError(str(e)) from None
     elif not path.parent.is_dir():
         raise AddressError(f"directory {path.parent} of unix socket {path} does not exist")
     if path.exists() or path.is_symlink():
