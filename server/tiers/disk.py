@@ -584,8 +584,8 @@ class DiskTier(Tier):
         need = max(self._largest, _MIN_PROBE_BYTES)
         free = free_bytes(self.config.path)
         if free < need:
-            raise OSError(errno.ENOSPC, f"{free} bytes free on the filesystem of {self.config.path}; "
-                                        f"a record needs {need}")
+            raise OSError(errno.ENOSPC, f"No space left on device: {free} bytes free on the filesystem of "
+                                        f"{self.config.path}, a record needs {need}")
         with self.index.lock:
             try:
                 env, _, _, _ = self._env()

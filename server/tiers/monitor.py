@@ -25,6 +25,8 @@ from kvtier.server.tiers.health import HealthSnapshot
 
 log = logging.getLogger(__name__)
 
+#: Joins the failure that made a tier unhealthy and the latest failed probe in its health reason.
+LAST_PROBE = "; last probe: "
 #: Called with a tier's new health after each change the monitor sees.
 HealthListener = Callable[[HealthSnapshot], None]
 
@@ -67,10 +69,11 @@ class TierMonitor:
             if not t.health.probe_due():
                 continue
             self.probes += 1
+            cause = t.health.snapshot().reason.split(LAST_PROBE)[0]
             try:
                 t.probe()
             except Exception as e:  # noqa: BLE001 - any failure keeps the tier unhealthy, with the reason
-                t.health.mark_unhealthy(f"probe failed: {' '.join(str(e).split()) or type(e).__name__}")
+                t.health.mark_unhealthy(f"{cause}{LAST_PROBE}{' '.join(str(e).split()) or type(e).__name__}")
             else:
                 t.health.mark_healthy()
         changed = []

@@ -167,7 +167,9 @@ def test_monitor_probes_with_backoff_and_reports_changes(tmp_path, pool, codec):
     clock.t = 1.0
     mon.run_once()  # probe due; the fault is still there
     assert mon.probes == 1 and not disk.health.healthy
-    assert disk.health.snapshot().reason.startswith("probe failed") and disk.health.snapshot().next_probe_in_s == 2.0
+    reason = disk.health.snapshot().reason  # the first failure, then the latest probe's
+    assert reason.startswith("write: ") and "; last probe: " in reason and reason.count("last probe") == 1
+    assert disk.health.snapshot().next_probe_in_s == 2.0
     mon.run_once()
     assert mon.probes == 1  # not due yet
     fault_file.unlink()
