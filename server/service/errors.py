@@ -42,6 +42,11 @@ class ResourceExhausted(KVTierError):
     """Not enough free pages, host budget or memory for the request (RESOURCE_EXHAUSTED)."""
 
 
+class Unavailable(KVTierError):
+    """A tier the request needs is unhealthy (its storage failed: ENOSPC, EIO); retry once its health
+    service (``kvtier.tier.<name>``) is SERVING again (UNAVAILABLE)."""
+
+
 class FailedPrecondition(KVTierError):
     """The request does not fit the current layout or state: a host copy or peer whose layout
     differs from the pool's, indexer data for a skip-topk layer, deleting a busy pool (FAILED_PRECONDITION)."""
@@ -55,6 +60,7 @@ STATUS_CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (AlreadyExists, grpc.StatusCode.ALREADY_EXISTS),
     (ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
+    (Unavailable, grpc.StatusCode.UNAVAILABLE),
     (LayoutMismatchError, grpc.StatusCode.FAILED_PRECONDITION),  # PD peers' layouts differ; nothing moved
     (TransferEngineUnavailable, grpc.StatusCode.FAILED_PRECONDITION),
     (TransferError, grpc.StatusCode.ABORTED),  # moving bytes failed; the destination pages were freed

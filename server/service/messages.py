@@ -89,8 +89,10 @@ def stats(state: DaemonState) -> pool_pb2.StatsResponse:
             pool_id=e.pool_id, model_name=e.model.name, role=e.role, device=str(e.pool.device),
             size_tokens=e.allocator.size, used_tokens=used, free_tokens=e.allocator.free_tokens,
             kv_size_bytes=e.pool.get_kv_size_bytes()))
-    tiers = [pool_pb2.TierStats(tier=t.tier, used_bytes=t.used_bytes, budget_bytes=t.budget_bytes, entries=t.entries)
+    tiers = [pool_pb2.TierStats(tier=t.tier, used_bytes=t.used_bytes, budget_bytes=t.budget_bytes, entries=t.entries,
+                                unhealthy=not t.healthy, unhealthy_reason=t.reason, next_probe_seconds=t.next_probe_in_s)
              for t in state.tier_usage()]
     return pool_pb2.StatsResponse(
         version=state.version, uptime_seconds=state.uptime_seconds, device=state.device, pools=pools, tiers=tiers,
-        counters=state.counters.snapshot(), max_message_bytes=state.config.max_message_bytes)
+        counters=state.counters.snapshot(), max_message_bytes=state.config.max_message_bytes,
+        metrics_address=getattr(state, "metrics_address", ""))

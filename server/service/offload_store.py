@@ -46,8 +46,9 @@ class CopyStore(Protocol):
     def check_room(self, key: str, nbytes: int) -> None:
         """Raise AlreadyExists if ``key`` is taken, ResourceExhausted if ``nbytes`` cannot fit."""
 
-    def put(self, key: str, copy: HostCopy) -> None:
-        """Store ``copy`` under ``key``; same errors as :meth:`check_room`; nothing stored on error."""
+    def put(self, key: str, copy: HostCopy) -> bool | None:
+        """Store ``copy`` under ``key``; same errors as :meth:`check_room`; nothing stored on error.
+        Returns True if the copy is durable (committed to persistent storage), else False/None."""
 
     def get(self, key: str) -> HostCopy:
         """The copy under ``key``; NotFound if none."""

@@ -114,7 +114,8 @@ class PoolServicer(pool_pb2_grpc.PoolServiceServicer):
                            free_slots=request.free_slots)
         self.state.counters.add("offloads")
         self.state.counters.add("offload_bytes", r.nbytes)
-        return pool_pb2.OffloadResponse(key=request.key, nbytes=r.nbytes, num_tokens=r.num_tokens, freed_pages=r.freed_pages)
+        return pool_pb2.OffloadResponse(key=request.key, nbytes=r.nbytes, num_tokens=r.num_tokens, freed_pages=r.freed_pages,
+                                        durable=r.durable)
 
     def Restore(self, request: pool_pb2.RestoreRequest, context: grpc.ServicerContext) -> pool_pb2.RestoreResponse:
         slots, nbytes = kv_ops.restore(self.pools, self.state.copy_store, request.pool_id, request.key,

@@ -87,6 +87,17 @@ def _bind(server: grpc.Server, config: DaemonConfig) -> str:
     return f"{host}:{port}"
 
 
+def _serve_tier_health(hs: health.HealthServicer, state: DaemonState) -> None:
+    """One health service per tier (``kvtier.tier.host``, ``kvtier.tier.disk``), kept in step with the
+    tier's health by the tier monitor (called from its thread, no lock of the daemon held)."""
+    def status(healthy: bool) -> int:
+        return health_pb2.HealthCheckResponse.SERVING if healthy else health_pb2.HealthCheckResponse.NOT_SERVING
+
+    for t in state.tiers.stack.tiers:
+        hs.set(t.health.service_name, status(t.health.healthy))
+    state.tiers.monitor.add_listener(lambda snap: hs.set(snap.service_name, status(snap.healthy)))
+
+
 def create_server(
     config: DaemonConfig,
     state: DaemonState | None = None,
@@ -123,6 +134,7 @@ def create_server(
     hs.set("", health_pb2.HealthCheckResponse.SERVING)
     for name in names:
         hs.set(name, health_pb2.HealthCheckResponse.SERVING)
+    _serve_tier_health(hs, state)
     reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     address = _bind(server, config)
     return server, address
@@ -152,6 +164,7 @@ def serve(config: DaemonConfig) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     server.start()
+    state.tiers.start_monitor()
     if config.ready_file:
         tmp = Path(config.ready_file + ".tmp")
         tmp.write_text(address)

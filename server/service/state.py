@@ -44,12 +44,16 @@ class Counters:
 
 @dataclass(frozen=True)
 class TierUsage:
-    """Bytes a tier holds (``tier``: ``device``, ``host``, ``disk``)."""
+    """Bytes a tier holds (``tier``: ``device``, ``host``, ``disk``) and its health (``reason``: why
+    it is unhealthy; ``next_probe_in_s``: when it is probed next)."""
 
     tier: str
     used_bytes: int
     budget_bytes: int
     entries: int
+    healthy: bool = True
+    reason: str = ""
+    next_probe_in_s: float = 0.0
 
 
 class DaemonState:

@@ -18,14 +18,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvtier.server.service.errors import InvalidArgument, NotFound, ResourceExhausted
+from kvtier.server.service.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from kvtier.server.service.pools import PoolEntry
 from kvtier.server.service.tier_settings import TierSettings
 from kvtier.server.service.tier_store import TieredCopyStore
 from kvtier.server.tiers import (
     DiskTierConfig, HostTierConfig, LeaseError, PrefixCache, PrefixLoad, PrefixLookup, RecordCodec, TierFullError,
-    TierStack,
+    TierStack, TierUnavailableError,
 )
+from kvtier.server.tiers.disk_faults import fault_file_from_env
+from kvtier.server.tiers.monitor import TierMonitor
 
 if TYPE_CHECKING:
     from kvtier.server.service.state import DaemonState
@@ -73,6 +75,8 @@ def tier_errors() -> Iterator[None]:
         yield
     except TierFullError as e:
         raise ResourceExhausted(str(e)) from None
+    except TierUnavailableError as e:
+        raise Unavailable(str(e)) from None
     except LeaseError as e:
         raise NotFound(str(e)) from None
 
@@ -86,7 +90,10 @@ def build_stack(host_bytes: int, settings: TierSettings, device: str = "cpu") ->
     if settings.disk_path:
         configs.append(DiskTierConfig(path=settings.disk_path, capacity_bytes=settings.disk_bytes,
                                       max_readers=settings.disk_max_readers, sync=settings.disk_sync,
-                                      reserve_fraction=settings.disk_reserve_fraction))
+                                      reserve_fraction=settings.disk_reserve_fraction,
+                                      probe_backoff_max_s=settings.disk_probe_backoff_max_seconds,
+                                      probe_backoff_initial_s=min(1.0, settings.disk_probe_backoff_max_seconds),
+                                      fault_file=fault_file_from_env()))
     return TierStack.from_configs(configs)
 
 
@@ -114,7 +121,17 @@ class TierRuntime:
         for t in self.stack.tiers:
             if hasattr(t, "open"):
                 t.open()  # the daemon never forks after this; the startup scrub runs now
+        self.monitor = TierMonitor(self.stack.tiers)  # probes unhealthy tiers; started by start_monitor()
         state.add_shutdown_hook(self.close)
+
+    def start_monitor(self) -> None:
+        """Start the thread that probes unhealthy tiers (the daemon does, once serving)."""
+        self.monitor.start()
+
+    def caches(self) -> list[PrefixCache]:
+        """The prefix caches of the pools (a copy of the list; for monitoring, no pool lock taken)."""
+        with self._lock:
+            return [c for _, c in self._caches.values()]
 
     def _cache(self, entry: PoolEntry) -> PrefixCache:
         with self._lock:
@@ -182,6 +199,7 @@ class TierRuntime:
         """At shutdown (no calls in flight): move unpinned device-tier pages and the host tier's
         records down to the disk tier (so a restart finds them there), then close the tiers (flush
         and close the LMDB environment). Without a disk tier nothing is moved."""
+        self.monitor.stop()
         try:
             if len(self.stack.tiers) > 1:
                 with self._lock:

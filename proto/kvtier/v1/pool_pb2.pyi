@@ -801,11 +801,14 @@ class OffloadResponse(_message.Message):
     NBYTES_FIELD_NUMBER: _builtins.int
     NUM_TOKENS_FIELD_NUMBER: _builtins.int
     FREED_PAGES_FIELD_NUMBER: _builtins.int
+    DURABLE_FIELD_NUMBER: _builtins.int
     key: _builtins.str
     nbytes: _builtins.int
     """host bytes the copy takes"""
     num_tokens: _builtins.int
     freed_pages: _builtins.int
+    durable: _builtins.bool
+    """committed to the disk tier's LMDB before this reply (write-through"""
     def __init__(
         self,
         *,
@@ -813,10 +816,11 @@ class OffloadResponse(_message.Message):
         nbytes: _builtins.int = ...,
         num_tokens: _builtins.int = ...,
         freed_pages: _builtins.int = ...,
+        durable: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["freed_pages", b"freed_pages", "key", b"key", "nbytes", b"nbytes", "num_tokens", b"num_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["durable", b"durable", "freed_pages", b"freed_pages", "key", b"key", "nbytes", b"nbytes", "num_tokens", b"num_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1072,11 +1076,20 @@ class TierStats(_message.Message):
     USED_BYTES_FIELD_NUMBER: _builtins.int
     BUDGET_BYTES_FIELD_NUMBER: _builtins.int
     ENTRIES_FIELD_NUMBER: _builtins.int
+    UNHEALTHY_FIELD_NUMBER: _builtins.int
+    UNHEALTHY_REASON_FIELD_NUMBER: _builtins.int
+    NEXT_PROBE_SECONDS_FIELD_NUMBER: _builtins.int
     tier: _builtins.str
     """"device", "host", "disk" """
     used_bytes: _builtins.int
     budget_bytes: _builtins.int
     entries: _builtins.int
+    unhealthy: _builtins.bool
+    """bypassed since its storage failed (health service kvtier.tier.<tier> NOT_SERVING)"""
+    unhealthy_reason: _builtins.str
+    """why, e.g. "write: mdb_txn_commit: Input/output error" """
+    next_probe_seconds: _builtins.float
+    """while unhealthy: seconds until it is probed again"""
     def __init__(
         self,
         *,
@@ -1084,10 +1097,13 @@ class TierStats(_message.Message):
         used_bytes: _builtins.int = ...,
         budget_bytes: _builtins.int = ...,
         entries: _builtins.int = ...,
+        unhealthy: _builtins.bool = ...,
+        unhealthy_reason: _builtins.str = ...,
+        next_probe_seconds: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["budget_bytes", b"budget_bytes", "entries", b"entries", "tier", b"tier", "used_bytes", b"used_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["budget_bytes", b"budget_bytes", "entries", b"entries", "next_probe_seconds", b"next_probe_seconds", "tier", b"tier", "unhealthy", b"unhealthy", "unhealthy_reason", b"unhealthy_reason", "used_bytes", b"used_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1124,10 +1140,13 @@ class StatsResponse(_message.Message):
     TIERS_FIELD_NUMBER: _builtins.int
     COUNTERS_FIELD_NUMBER: _builtins.int
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _builtins.int
+    METRICS_ADDRESS_FIELD_NUMBER: _builtins.int
     version: _builtins.str
     uptime_seconds: _builtins.float
     device: _builtins.str
     max_message_bytes: _builtins.int
+    metrics_address: _builtins.str
+    """http://HOST:PORT/metrics of the Prometheus endpoint ("" when off)"""
     @_builtins.property
     def pools(self) -> _containers.RepeatedCompositeFieldContainer[Global___PoolStats]: ...
     @_builtins.property
@@ -1144,10 +1163,11 @@ class StatsResponse(_message.Message):
         tiers: _abc.Iterable[Global___TierStats] | None = ...,
         counters: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
         max_message_bytes: _builtins.int = ...,
+        metrics_address: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["counters", b"counters", "device", b"device", "max_message_bytes", b"max_message_bytes", "pools", b"pools", "tiers", b"tiers", "uptime_seconds", b"uptime_seconds", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["counters", b"counters", "device", b"device", "max_message_bytes", b"max_message_bytes", "metrics_address", b"metrics_address", "pools", b"pools", "tiers", b"tiers", "uptime_seconds", b"uptime_seconds", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -365,6 +365,7 @@ class TierCounters(_message.Message):
     EVICTIONS_FIELD_NUMBER: _builtins.int
     BYTES_EVICTED_FIELD_NUMBER: _builtins.int
     FULL_ERRORS_FIELD_NUMBER: _builtins.int
+    IO_ERRORS_FIELD_NUMBER: _builtins.int
     tier: _builtins.str
     capacity_bytes: _builtins.int
     used_bytes: _builtins.int
@@ -380,6 +381,8 @@ class TierCounters(_message.Message):
     evictions: _builtins.int
     bytes_evicted: _builtins.int
     full_errors: _builtins.int
+    io_errors: _builtins.int
+    """storage failures (ENOSPC, EIO) that made the tier unhealthy"""
     def __init__(
         self,
         *,
@@ -397,10 +400,11 @@ class TierCounters(_message.Message):
         evictions: _builtins.int = ...,
         bytes_evicted: _builtins.int = ...,
         full_errors: _builtins.int = ...,
+        io_errors: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_evicted", b"bytes_evicted", "bytes_read", b"bytes_read", "bytes_written", b"bytes_written", "capacity_bytes", b"capacity_bytes", "damaged", b"damaged", "entries", b"entries", "evictions", b"evictions", "full_errors", b"full_errors", "hits", b"hits", "misses", b"misses", "pinned", b"pinned", "tier", b"tier", "used_bytes", b"used_bytes", "writes", b"writes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_evicted", b"bytes_evicted", "bytes_read", b"bytes_read", "bytes_written", b"bytes_written", "capacity_bytes", b"capacity_bytes", "damaged", b"damaged", "entries", b"entries", "evictions", b"evictions", "full_errors", b"full_errors", "hits", b"hits", "io_errors", b"io_errors", "misses", b"misses", "pinned", b"pinned", "tier", b"tier", "used_bytes", b"used_bytes", "writes", b"writes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
