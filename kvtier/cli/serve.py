@@ -55,6 +55,7 @@ def serve(config_file: str | None, pools: tuple[str, ...], pool_layers: int | No
     """
     from kvtier.server.service.errors import KVTierError
     from kvtier.server.service.server import AddressError, serve as run
+    from kvtier.server.transfer.errors import TransferEngineUnavailable
 
     try:
         cfg = DaemonConfig.from_toml(config_file) if config_file else DaemonConfig()
@@ -70,6 +71,7 @@ def serve(config_file: str | None, pools: tuple[str, ...], pool_layers: int | No
         raise click.UsageError(str(e)) from None
     try:
         code = run(cfg)
-    except (AddressError, KVTierError, ValueError) as e:  # bad address, device, or a configured pool that cannot be created
+    # bad address, device, disk path, a configured pool that cannot be created, a missing transfer engine
+    except (AddressError, KVTierError, ValueError, TransferEngineUnavailable) as e:
         raise click.ClickException(str(e)) from None
     sys.exit(code)

@@ -29,6 +29,7 @@ from kvtier.server.service.config import DaemonConfig
 from kvtier.server.service.errors import DomainErrorInterceptor
 from kvtier.server.service.registry import SERVICES, ServiceEntry
 from kvtier.server.service.state import DaemonState
+from kvtier.server.transfer.engine import check_engine_available
 
 log = logging.getLogger("kvtier.service")
 
@@ -57,17 +58,33 @@ def _prepare_unix_socket(path: Path, *, default: bool) -> None:
             probe.close()
 
 
-def _bind(server: grpc.Server, config: DaemonConfig) -> str:
-    address = resolve_address(config.listen)
-    creds = None
-    if config.tls_cert:
-        creds = grpc.ssl_server_credentials([(Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes())])
-    if not is_loopback(address) and creds is None:
+def check_listen_address(config: DaemonConfig) -> str:
+    """The resolved listen address, checked (loopback or TLS; a unix socket's directory private and no
+    daemon on it) and its socket directory prepared. ``serve`` runs it before allocating anything.
+
+    Raises:
+        AddressError: the address cannot be used.
+    """
+    try:
+        address = resolve_address(config.listen)
+    except ValueError as e:
+        raise AddressError(str(e)) from None
+    if not is_loopback(address) and not config.tls_cert:
         raise AddressError(f"refusing to listen on {address} without TLS: use a loopback host, a unix socket, "
                            f"or set tls_cert and tls_key")
     if is_unix(address):
         path = Path(socket_path(address))
         _prepare_unix_socket(path, default=not config.listen or path == default_socket_path())
+    return address
+
+
+def _bind(server: grpc.Server, config: DaemonConfig) -> str:
+    address = check_listen_address(config)
+    creds = None
+    if config.tls_cert:
+        creds = grpc.ssl_server_credentials([(Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes())])
+    if is_unix(address):
+        path = Path(socket_path(address))
         old = os.umask(0o177)  # the socket is created 0600
         try:
             port = server.add_secure_port(address, creds) if creds else server.add_insecure_port(address)
@@ -148,6 +165,9 @@ def serve(config: DaemonConfig) -> int:
     ``grace_seconds``, shutdown hooks run, the unix socket and ready file are removed.
     """
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    check_listen_address(config)  # before any pool or tier is allocated: a bad address is one line
+    if config.transfer_engine == "mooncake":
+        check_engine_available()  # likewise a missing library
     import torch
 
     torch.set_num_threads(config.torch_threads)
