@@ -44,6 +44,11 @@ def _bytes(_ctx: click.Context, param: click.Parameter, value: str | None) -> in
               help="Write the bound address here once serving.")
 @click.option("--transfer-engine", type=click.Choice(["mooncake", "none"]), default=None, help="PD transfer engine [none].")
 @click.option("--transfer-host", default=None, metavar="HOST", help="Address the transfer engine binds and publishes [127.0.0.1].")
+@click.option("--metrics-port", type=click.IntRange(0, 65535), default=None, metavar="PORT",
+              help="Serve Prometheus metrics on http://HOST:PORT/metrics (0: a free port; kvtier status shows it).")
+@click.option("--metrics-host", default=None, metavar="HOST", help="Address the metrics endpoint binds [127.0.0.1].")
+@click.option("--log-format", type=click.Choice(["text", "json"]), default=None,
+              help="Log lines as text or one JSON object a line [text].")
 @click.option("--pool", "pools", multiple=True, metavar="[ID=]MODEL:TOKENS|BYTES",
               help="Create a pool at start, e.g. glm-5.2:65536 or main=glm-5.2:2GiB (repeatable; replaces the file's pools).")
 @click.option("--pool-layers", type=click.IntRange(min=1), default=None,

@@ -95,4 +95,4 @@ def stats(state: DaemonState) -> pool_pb2.StatsResponse:
     return pool_pb2.StatsResponse(
         version=state.version, uptime_seconds=state.uptime_seconds, device=state.device, pools=pools, tiers=tiers,
         counters=state.counters.snapshot(), max_message_bytes=state.config.max_message_bytes,
-        metrics_address=getattr(state, "metrics_address", ""))
+        metrics_address=state.metrics_address)

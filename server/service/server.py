@@ -26,7 +26,9 @@ from kvtier.addresses import (
     UnsafeSocketDirError, default_socket_path, is_loopback, is_unix, prepare_private_dir, resolve_address, socket_path,
 )
 from kvtier.server.service.config import DaemonConfig
+from kvtier.server.observe.logs import configure_logging
 from kvtier.server.service.errors import DomainErrorInterceptor
+from kvtier.server.service.observability import build_metrics
 from kvtier.server.service.registry import SERVICES, ServiceEntry
 from kvtier.server.service.state import DaemonState
 from kvtier.server.transfer.engine import check_engine_available
@@ -138,9 +140,11 @@ def create_server(
     """
     state = state if state is not None else DaemonState(config)
     services = SERVICES if services is None else services
+    state.metrics = build_metrics(config, state)  # None unless metrics_port is set; served by serve()
+    interceptors = ([state.metrics.interceptor] if state.metrics else []) + [DomainErrorInterceptor()]
     server = grpc.server(
         ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="kvtier-rpc"),
-        interceptors=[DomainErrorInterceptor()],
+        interceptors=interceptors,
         options=config.grpc_options(),
     )
     for entry in services:
@@ -164,7 +168,7 @@ def serve(config: DaemonConfig) -> int:
     once serving, and on a signal: health NOT_SERVING, no new calls, in-flight calls get
     ``grace_seconds``, shutdown hooks run, the unix socket and ready file are removed.
     """
-    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(config.log_level, config.log_format)
     check_listen_address(config)  # before any pool or tier is allocated: a bad address is one line
     if config.transfer_engine == "mooncake":
         check_engine_available()  # likewise a missing library
@@ -185,6 +189,15 @@ def serve(config: DaemonConfig) -> int:
     signal.signal(signal.SIGINT, on_signal)
     server.start()
     state.tiers.start_monitor()
+    if state.metrics is not None:
+        try:
+            state.metrics_address = state.metrics.start()
+        except OSError as e:
+            server.stop(0)
+            state.close()
+            raise AddressError(f"could not serve metrics on {config.metrics_host}:{config.metrics_port}: {e}") from None
+        if not is_loopback(f"{config.metrics_host}:0"):
+            log.warning("metrics are served beyond loopback (%s): they name pools and tiers", state.metrics_address)
     if config.ready_file:
         tmp = Path(config.ready_file + ".tmp")
         tmp.write_text(address)
@@ -194,6 +207,8 @@ def serve(config: DaemonConfig) -> int:
         pass
     hs.enter_graceful_shutdown()
     server.stop(config.grace_seconds).wait()
+    if state.metrics is not None:
+        state.metrics.stop()
     state.close()
     if is_unix(address):
         with contextlib.suppress(FileNotFoundError):

@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from kvtier import __version__
 from kvtier.server.pool import resolve_device
@@ -75,6 +76,8 @@ class DaemonState:
         self.version = __version__
         self._started = time.monotonic()
         self._shutdown_hooks: list[Callable[[], None]] = []
+        self.metrics: Any = None  # DaemonMetrics when metrics are on (set by create_server)
+        self.metrics_address = ""  # http://HOST:PORT/metrics once served
         self.tiers = TierRuntime(self, replace_copy_store=copy_store is None)  # host/disk tiers, prefix caches
 
     @property

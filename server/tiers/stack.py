@@ -152,6 +152,11 @@ class TierStack:
                 return i
         return None
 
+    def moves_snapshot(self) -> dict[str, dict[str, int]]:
+        """A copy of :attr:`moves`, under the move counters' leaf lock only (for metrics)."""
+        with self._moves_lock:
+            return {k: dict(v) for k, v in self.moves.items()}
+
     def stats(self) -> dict[str, Any]:
         """``{"tiers": {name: TierStats dict}, "moves": {...}}``."""
         with self._moves_lock:

@@ -65,3 +65,18 @@ def verify_restored_page(client, pool_id: str, key: str, seed: int) -> None:
         verify_kv(client.read_kv(pool_id, slots), *random_kv(PAGE_SIZE, seed, layers=LAYERS4, live=LIVE4))
     finally:
         client.free_slots(pool_id, slots)
+
+
+def put_prefix_pages(client, pool_id: str, keys: list[bytes], seed: int) -> list[str]:
+    """One request over ``keys``: load what is cached, write seeded KV into the rest, store, release.
+    Returns the tier each loaded page came from."""
+    lease = client.load_prefix(pool_id, keys)
+    try:
+        fresh = lease.slots[lease.loaded_pages * PAGE_SIZE:]
+        if fresh.numel():
+            latent, index = random_kv(fresh.numel(), seed, layers=LAYERS4, live=LIVE4)
+            client.write_kv(pool_id, fresh, latent=latent, index=index)
+            client.store_prefix(lease, keys[lease.loaded_pages:], fresh)
+        return list(lease.tiers)
+    finally:
+        client.release_prefix(lease)

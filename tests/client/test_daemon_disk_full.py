@@ -18,8 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
-from kv_helpers import LAYERS4, LIVE4, PAGE_SIZE, offload_page, random_kv, verify_restored_page
+from kv_helpers import PAGE_SIZE, offload_page, put_prefix_pages, verify_restored_page
 from small_fs import small_tmpfs, write_ballast
 
 from kvtier.client import KVTierClient
@@ -45,19 +44,6 @@ def status_json(address: str) -> dict:
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout)
-
-
-def put_prefix_pages(c: KVTierClient, pool: str, keys: list[bytes], seed: int) -> None:
-    """One request over ``keys``: load what is cached, write seeded KV into the rest, store, release."""
-    lease = c.load_prefix(pool, keys)
-    try:
-        fresh = lease.slots[lease.loaded_pages * PAGE_SIZE:]
-        if fresh.numel():
-            latent, index = random_kv(fresh.numel(), seed, layers=LAYERS4, live=LIVE4)
-            c.write_kv(pool, fresh, latent=latent, index=index)
-            c.store_prefix(lease, keys[lease.loaded_pages:], fresh)
-    finally:
-        c.release_prefix(lease)
 
 
 def moves(c: KVTierClient, name: str) -> int:
