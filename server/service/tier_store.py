@@ -130,8 +130,8 @@ class TieredCopyStore:
 
     def drop(self, key: str) -> HostCopy | None:
         """Remove the copy under ``key`` from every tier; returns it (None if there was none). A copy on
-        an unhealthy tier is dropped too (it is deleted there when the tier recovers); its size is
-        then unknown and None is returned."""
+        an unhealthy tier is dropped too (deleted there when the tier recovers); it cannot be read
+        then, so what is returned names its source pool only (no tensors, ``nbytes`` 0)."""
         try:
             copy = self.get(key)
         except NotFound:
@@ -139,8 +139,8 @@ class TieredCopyStore:
         except Unavailable:
             self.stack.remove([self._key(key)])
             with self._lock:
-                self._sources.pop(key, None)
-            return None
+                source = self._sources.pop(key, "")
+            return HostCopy({}, 0, 0, {}, "", source)
         self.stack.remove([self._key(key)])
         with self._lock:
             self._sources.pop(key, None)

@@ -22,7 +22,7 @@ from kv_helpers import PAGE_SIZE, offload_page, put_prefix_pages, verify_restore
 from small_fs import small_tmpfs, write_ballast
 
 from kvtier.client import KVTierClient
-from kvtier.client.errors import UnavailableError
+from kvtier.client.errors import AlreadyExistsError, UnavailableError
 from kvtier.client.spawn import DaemonProcess
 from kvtier.page_keys import page_keys
 
@@ -102,6 +102,10 @@ def run_disk_full_story(tmp_path: Path, fs: Path, *, injected: bool) -> dict:
         # 3. a call that needs the disk gets a clear status: the first copy went to disk before the fault
         with pytest.raises(UnavailableError, match="disk tier is unhealthy.*kvtier.tier.disk"):
             c.restore(POOL, "c0")
+        with pytest.raises(AlreadyExistsError, match="unhealthy"):  # c1 is on the disk: its key stays taken
+            offload_page(c, POOL, "c1", seed=777)
+        assert c.drop("c1") is True  # dropped now, deleted from LMDB when the disk is back
+        offload_page(c, POOL, "c1", seed=777)  # the key is free: a new copy (host tier)
         # 4. space comes back; the daemon probes and the disk serves again with what it held
         if injected:
             fault_file.unlink()
@@ -116,6 +120,7 @@ def run_disk_full_story(tmp_path: Path, fs: Path, *, injected: bool) -> dict:
         for i in range(n + 4, n + 8):
             offload_page(c, POOL, f"c{i}", seed=i)
         assert moves(c, "host->disk") >= spilled + 4
+        verify_restored_page(c, POOL, "c1", seed=777)  # the new copy (now on disk), never the dropped one
         assert c.tier_stats().tiers["disk"]["damaged"] == 0
     assert d.returncode == 0, d.log_tail()
     return seen
