@@ -211,12 +211,16 @@ class DiskTier(Tier):
             self._count(damaged=len(bad))
 
     # ----- presence ---------------------------------------------------------------------------
+    # While unhealthy nothing below touches the environment: after a panic it is closed until a probe
+    # reopens it, and opening it again must not be tried (and fail) on the data path.
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
-        self._env()
+        if self.health.healthy:
+            self._env()
         return super().contains(keys)
 
     def lookup(self, keys: Sequence[bytes]) -> int:
-        self._env()
+        if self.health.healthy:
+            self._env()
         return super().lookup(keys)
 
     def nbytes(self, keys: Sequence[bytes]) -> list[int | None]:
@@ -374,13 +378,15 @@ class DiskTier(Tier):
     def remove(self, keys: Sequence[bytes]) -> int:
         """Drop records; while unhealthy (or when the delete fails on a storage fault) they leave the
         index at once and are deleted from LMDB when the tier recovers (tombstones)."""
-        env, _, _, _ = self._env()
+        if self.health.healthy:
+            self._env()  # opened (and the index loaded) before the index is asked
         with self.index.lock:
             present = [k for k in dict.fromkeys(keys) if k in self.index]
             if not present:
                 return 0
             if self.health.healthy:
                 try:
+                    env, _, _, _ = self._env()
                     with self._write_txn(env) as txn:
                         self._stamp_touched(txn)
                         for k in present:
@@ -461,7 +467,8 @@ class DiskTier(Tier):
                 "entries": entries}
 
     def stats(self):  # type: ignore[override]
-        self._env()
+        if self.health.healthy:
+            self._env()
         s = super().stats()
         s.extra = {"scrubbed": self._scrubbed, "map_size": self.config.capacity_bytes,
                    "tombstones": len(self._tombstones)}
