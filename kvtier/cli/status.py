@@ -17,6 +17,9 @@ def status(server: str | None, timeout: float, as_json: bool) -> None:
 
     A tier whose storage failed (e.g. the disk tier on a full filesystem) shows UNHEALTHY with the
     reason and when it is probed next; the daemon bypasses it meanwhile and brings it back by itself.
+
+    On a daemon with tenants, set KVTIER_TOKEN to your token: you see your pools and counters, and
+    each tier's use by all tenants beside your own bytes and quota.
     """
     from kvtier.client import KVTierClient
 
@@ -30,15 +33,17 @@ def status(server: str | None, timeout: float, as_json: bool) -> None:
 
     con = console()
     con.print(f"[bold]kvtier {stats.version}[/] at {c.address}: {health}, up {stats.uptime_seconds:.0f}s, "
-              f"device {stats.device}, {len(stats.pools)} pools, max message {stats.max_message_bytes:,} bytes")
+              f"device {stats.device}, tenant {stats.tenant}: {len(stats.pools)} pools, "
+              f"max message {stats.max_message_bytes:,} bytes")
     if stats.metrics_address:
         con.print(f"metrics: {stats.metrics_address}")
-    t = Table(title="tiers")
-    for col in ("tier", "health", "used bytes", "budget bytes", "entries"):
+    t = Table(title="tiers (all tenants; yours beside)")
+    for col in ("tier", "health", "used bytes", "budget bytes", "entries", "your bytes", "your quota"):
         t.add_column(col, justify="left" if col in ("tier", "health") else "right")
     for tier in stats.tiers:
+        quota = f"{tier.tenant_quota_bytes:,}" if tier.HasField("tenant_quota_bytes") else "-"
         t.add_row(tier.tier, _health(tier), f"{tier.used_bytes:,}", f"{tier.budget_bytes:,}" if tier.budget_bytes else "-",
-                  f"{tier.entries:,}")
+                  f"{tier.entries:,}", f"{tier.tenant_used_bytes:,}", quota)
     con.print(t)
     if stats.counters:
         ct = Table(title="counters")

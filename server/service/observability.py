@@ -17,8 +17,8 @@ from kvtier.server.observe.daemon_metrics import daemon_snapshot, pool_view
 from kvtier.server.observe.metrics import MetricsEndpoint, RpcMetrics, SnapshotCollector
 
 if TYPE_CHECKING:
-    from kvtier.server.service.config import DaemonConfig
-    from kvtier.server.service.state import DaemonState
+    from kvtier.server.daemon.config import DaemonConfig
+    from kvtier.server.daemon.core import Daemon
 
 
 def _code(context: grpc.ServicerContext, failed: bool) -> str:
@@ -78,7 +78,7 @@ class DaemonMetrics:
     """The metrics of one daemon: a registry with the snapshot collector over ``state`` and the RPC
     histogram; :meth:`start` serves them on ``config.metrics_host:config.metrics_port``."""
 
-    def __init__(self, config: DaemonConfig, state: DaemonState) -> None:
+    def __init__(self, config: DaemonConfig, state: Daemon) -> None:
         self.registry = CollectorRegistry()
         tiers = state.tiers
         self.registry.register(SnapshotCollector(lambda: daemon_snapshot(
@@ -95,6 +95,6 @@ class DaemonMetrics:
         self.endpoint.stop()
 
 
-def build_metrics(config: DaemonConfig, state: DaemonState) -> DaemonMetrics | None:
+def build_metrics(config: DaemonConfig, state: Daemon) -> DaemonMetrics | None:
     """The daemon's metrics when ``config.metrics_port`` is set (else None: no interceptor, no cost)."""
     return DaemonMetrics(config, state) if config.metrics_port is not None else None

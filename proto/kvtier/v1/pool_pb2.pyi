@@ -1076,14 +1076,21 @@ class TierStats(_message.Message):
     USED_BYTES_FIELD_NUMBER: _builtins.int
     BUDGET_BYTES_FIELD_NUMBER: _builtins.int
     ENTRIES_FIELD_NUMBER: _builtins.int
+    TENANT_USED_BYTES_FIELD_NUMBER: _builtins.int
+    TENANT_QUOTA_BYTES_FIELD_NUMBER: _builtins.int
     UNHEALTHY_FIELD_NUMBER: _builtins.int
     UNHEALTHY_REASON_FIELD_NUMBER: _builtins.int
     NEXT_PROBE_SECONDS_FIELD_NUMBER: _builtins.int
     tier: _builtins.str
     """"device", "host", "disk" """
     used_bytes: _builtins.int
+    """daemon-wide, all tenants"""
     budget_bytes: _builtins.int
     entries: _builtins.int
+    tenant_used_bytes: _builtins.int
+    """the caller's tenant's bytes there (device: its pools)"""
+    tenant_quota_bytes: _builtins.int
+    """the caller's tenant's quota there; unset: none"""
     unhealthy: _builtins.bool
     """bypassed since its storage failed (health service kvtier.tier.<tier> NOT_SERVING)"""
     unhealthy_reason: _builtins.str
@@ -1097,15 +1104,19 @@ class TierStats(_message.Message):
         used_bytes: _builtins.int = ...,
         budget_bytes: _builtins.int = ...,
         entries: _builtins.int = ...,
+        tenant_used_bytes: _builtins.int = ...,
+        tenant_quota_bytes: _builtins.int | None = ...,
         unhealthy: _builtins.bool = ...,
         unhealthy_reason: _builtins.str = ...,
         next_probe_seconds: _builtins.float = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_tenant_quota_bytes", b"_tenant_quota_bytes", "tenant_quota_bytes", b"tenant_quota_bytes"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["budget_bytes", b"budget_bytes", "entries", b"entries", "next_probe_seconds", b"next_probe_seconds", "tier", b"tier", "unhealthy", b"unhealthy", "unhealthy_reason", b"unhealthy_reason", "used_bytes", b"used_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_tenant_quota_bytes", b"_tenant_quota_bytes", "budget_bytes", b"budget_bytes", "entries", b"entries", "next_probe_seconds", b"next_probe_seconds", "tenant_quota_bytes", b"tenant_quota_bytes", "tenant_used_bytes", b"tenant_used_bytes", "tier", b"tier", "unhealthy", b"unhealthy", "unhealthy_reason", b"unhealthy_reason", "used_bytes", b"used_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__tenant_quota_bytes: _TypeAlias = _typing.Literal["tenant_quota_bytes"]  # noqa: Y015
+    _WhichOneofArgType__tenant_quota_bytes: _TypeAlias = _typing.Literal["_tenant_quota_bytes", b"_tenant_quota_bytes"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__tenant_quota_bytes) -> _WhichOneofReturnType__tenant_quota_bytes | None: ...
 
 Global___TierStats: _TypeAlias = TierStats  # noqa: Y015
 
@@ -1140,11 +1151,14 @@ class StatsResponse(_message.Message):
     TIERS_FIELD_NUMBER: _builtins.int
     COUNTERS_FIELD_NUMBER: _builtins.int
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _builtins.int
+    TENANT_FIELD_NUMBER: _builtins.int
     METRICS_ADDRESS_FIELD_NUMBER: _builtins.int
     version: _builtins.str
     uptime_seconds: _builtins.float
     device: _builtins.str
     max_message_bytes: _builtins.int
+    tenant: _builtins.str
+    """the tenant the call was made as ("default" without --auth-tokens)"""
     metrics_address: _builtins.str
     """http://HOST:PORT/metrics of the Prometheus endpoint ("" when off)"""
     @_builtins.property
@@ -1152,7 +1166,9 @@ class StatsResponse(_message.Message):
     @_builtins.property
     def tiers(self) -> _containers.RepeatedCompositeFieldContainer[Global___TierStats]: ...
     @_builtins.property
-    def counters(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]: ...
+    def counters(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """the caller's tenant's counters"""
+
     def __init__(
         self,
         *,
@@ -1163,11 +1179,12 @@ class StatsResponse(_message.Message):
         tiers: _abc.Iterable[Global___TierStats] | None = ...,
         counters: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
         max_message_bytes: _builtins.int = ...,
+        tenant: _builtins.str = ...,
         metrics_address: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["counters", b"counters", "device", b"device", "max_message_bytes", b"max_message_bytes", "metrics_address", b"metrics_address", "pools", b"pools", "tiers", b"tiers", "uptime_seconds", b"uptime_seconds", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["counters", b"counters", "device", b"device", "max_message_bytes", b"max_message_bytes", "metrics_address", b"metrics_address", "pools", b"pools", "tenant", b"tenant", "tiers", b"tiers", "uptime_seconds", b"uptime_seconds", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
