@@ -134,9 +134,10 @@ class TierRuntime:
         """Start the thread that probes unhealthy tiers (the daemon does, once serving)."""
         self.monitor.start()
 
-    def caches(self) -> list[PrefixCache]:
-        """The pools' prefix caches made so far (for monitoring: the registry's short lock only, no pool lock)."""
-        return [e.prefix_cache for e in self.pools.list() if e.prefix_cache is not None]
+    def caches(self) -> list[tuple[str, PrefixCache]]:
+        """``(tenant, prefix cache)`` of each pool whose cache was made (for monitoring: the registry's
+        short lock only, no pool or cache lock)."""
+        return [(e.tenant, e.prefix_cache) for e in self.pools.list() if e.prefix_cache is not None]
 
     def cache_of(self, entry: PoolEntry) -> PrefixCache:
         """``entry``'s prefix cache, made on first use (takes no pool lock)."""

@@ -40,8 +40,8 @@ METRICS: dict[str, MetricSpec] = {
                                                   "charged record bytes)."),
     "kvtier_tier_capacity_bytes": MetricSpec("gauge", "Byte budget of a tier (device: all pool pages)."),
     "kvtier_tier_healthy": MetricSpec("gauge", "1 while a tier serves, 0 while it is bypassed (storage failed)."),
-    "kvtier_hit_pages": MetricSpec("counter", "Prefix-cache pages loaded, by the tier they came from."),
-    "kvtier_miss_pages": MetricSpec("counter", "Prefix-cache pages asked for and found in no tier."),
+    "kvtier_hit_pages": MetricSpec("counter", "Prefix-cache pages loaded, by the tier they came from and tenant."),
+    "kvtier_miss_pages": MetricSpec("counter", "Prefix-cache pages asked for and found in no tier, by tenant."),
     "kvtier_moves": MetricSpec("counter", "Records moved between tiers (dst 'gone': dropped)."),
     "kvtier_moved_bytes": MetricSpec("counter", "Record bytes moved between tiers."),
     "kvtier_evictions": MetricSpec("counter", "Entries a tier evicted to stay in budget."),
@@ -49,8 +49,9 @@ METRICS: dict[str, MetricSpec] = {
     "kvtier_pool_free_pages": MetricSpec("gauge", "Free pages of a device pool."),
 }
 
-#: Labels of the RPC histogram (add ``tenant`` here and in :meth:`RpcMetrics.observe`'s caller).
-RPC_LABELS = ("method", "code")
+#: Labels of the RPC histogram (``tenant``: the authenticated caller's; "" for health, reflection and
+#: calls refused UNAUTHENTICATED).
+RPC_LABELS = ("method", "code", "tenant")
 #: Latency buckets, seconds: from a metadata call over a unix socket to a multi-GB stream.
 RPC_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -78,11 +79,11 @@ class SnapshotCollector(Collector):
 
 
 class RpcMetrics:
-    """The RPC latency histogram ``kvtier_rpc_duration_seconds{method,code}``."""
+    """The RPC latency histogram ``kvtier_rpc_duration_seconds{method,code,tenant}``."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.histogram = Histogram("kvtier_rpc_duration_seconds", "Wall time of an RPC from its start until its "
-                                   "last message was handled, by method and status code.", RPC_LABELS,
+                                   "last message was handled, by method, status code and tenant.", RPC_LABELS,
                                    registry=registry, buckets=RPC_BUCKETS)
 
     def observe(self, seconds: float, **labels: str) -> None:

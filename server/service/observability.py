@@ -14,6 +14,7 @@ import grpc
 from prometheus_client import CollectorRegistry
 
 from kvtier.server.observe.daemon_metrics import daemon_snapshot, pool_view
+from kvtier.server.daemon.tenants import Caller
 from kvtier.server.observe.metrics import MetricsEndpoint, RpcMetrics, SnapshotCollector
 
 if TYPE_CHECKING:
@@ -30,9 +31,20 @@ def _code(context: grpc.ServicerContext, failed: bool) -> str:
     return "OK"
 
 
+def _tenant(context: Any) -> str:
+    """The tenant of the call's authenticated caller (``auth.CallerContext``); "" for calls without
+    one (health, reflection, a refused token)."""
+    caller = getattr(context, "caller", None)
+    return caller.tenant if isinstance(caller, Caller) else ""
+
+
 class RpcMetricsInterceptor(grpc.ServerInterceptor):
     """Times every call (unary and streaming, until its last message) into ``kvtier_rpc_duration_seconds``
-    with the call's method (``kvtier.v1.PoolService/WriteKV``) and final status code."""
+    with the call's method (``kvtier.v1.PoolService/WriteKV``), final status code and tenant.
+
+    Installed inside ``auth.AuthInterceptor`` (which hands it the caller's context); the calls auth
+    refuses before they reach it are timed through :meth:`time_refusal` (tenant "").
+    """
 
     def __init__(self, rpc: RpcMetrics) -> None:
         self.rpc = rpc
@@ -45,7 +57,8 @@ class RpcMetricsInterceptor(grpc.ServerInterceptor):
                 failed = False
                 return out
             finally:
-                self.rpc.observe(time.perf_counter() - start, method=method, code=_code(context, failed))
+                self.rpc.observe(time.perf_counter() - start, method=method, code=_code(context, failed),
+                                 tenant=_tenant(context))
         return call
 
     def _wrap_stream(self, behavior: Callable[..., Iterator[Any]], method: str) -> Callable[..., Iterator[Any]]:
@@ -55,8 +68,13 @@ class RpcMetricsInterceptor(grpc.ServerInterceptor):
                 yield from behavior(request, context)
                 failed = False
             finally:
-                self.rpc.observe(time.perf_counter() - start, method=method, code=_code(context, failed))
+                self.rpc.observe(time.perf_counter() - start, method=method, code=_code(context, failed),
+                                 tenant=_tenant(context))
         return call
+
+    def time_refusal(self, refuse: Callable[..., Any], method: str) -> Callable[..., Any]:
+        """``refuse`` (a behavior that aborts the call, e.g. UNAUTHENTICATED) timed like any call."""
+        return self._wrap_unary(refuse, method.lstrip("/"))
 
     def intercept_service(self, continuation: Callable[..., Any], handler_call_details: Any) -> Any:
         handler = continuation(handler_call_details)

@@ -192,7 +192,10 @@ def create_server(
     state.metrics = build_metrics(config, state)  # None unless metrics_port is set; served by serve()
     calls = CallTracker()
     streams = StreamGuard(config.stream_slots, config.stream_idle_seconds)
-    interceptors = [calls, *([state.metrics.interceptor] if state.metrics else []), AuthInterceptor(state.tokens),
+    rpc_timer = state.metrics.interceptor if state.metrics else None
+    # the RPC timer sits inside auth, so it sees the authenticated caller's tenant; auth times its own
+    # refusals through it (UNAUTHENTICATED, no tenant)
+    interceptors = [calls, AuthInterceptor(state.tokens, timer=rpc_timer), *([rpc_timer] if rpc_timer else []),
                     DomainErrorInterceptor()]
     server = grpc.server(
         ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="kvtier-rpc"),

@@ -11,14 +11,17 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import resource
 import urllib.request
+
+import pytest
 
 from kv_helpers import PAGE_SIZE, put_prefix_pages
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvtier.client import KVTierClient
-from kvtier.client.errors import NotFoundError
+from kvtier.client.errors import NotFoundError, UnauthenticatedError
 from kvtier.client.spawn import DaemonProcess
 from kvtier.page_keys import page_keys
 
@@ -57,7 +60,7 @@ def test_metrics_hold_what_the_test_did(tmp_path):
         address = c.stats().metrics_address
         keys = page_keys(list(range(12 * PAGE_SIZE)), PAGE_SIZE)
         before = scrape(address)
-        assert value(before, "kvtier_pool_free_pages", pool="default") == 8
+        assert value(before, "kvtier_pool_free_pages", pool="default", tenant="default") == 8
         assert value(before, "kvtier_tier_healthy", tier="disk") == 1
         assert put_prefix_pages(c, "default", keys[0:4], seed=1) == []
         assert put_prefix_pages(c, "default", keys[0:4], seed=1) == ["device"] * 4
@@ -71,10 +74,10 @@ def test_metrics_hold_what_the_test_did(tmp_path):
             pass
         m = scrape(address)
 
-    assert value(m, "kvtier_miss_pages_total") == 12
-    assert value(m, "kvtier_hit_pages_total", tier="device") == 4
-    assert value(m, "kvtier_hit_pages_total", tier="host") == 2
-    assert value(m, "kvtier_hit_pages_total", tier="disk") == 0
+    assert value(m, "kvtier_miss_pages_total", tenant="default") == 12
+    assert value(m, "kvtier_hit_pages_total", tier="device", tenant="default") == 4
+    assert value(m, "kvtier_hit_pages_total", tier="host", tenant="default") == 2
+    assert value(m, "kvtier_hit_pages_total", tier="disk", tenant="default") == 0
     moves = {("device", "host"): 4, ("host", "disk"): 2, ("device", "disk"): 2, ("host", "device"): 2}
     for (src, dst), n in moves.items():
         assert value(m, "kvtier_moves_total", src=src, dst=dst) == n, (src, dst)
@@ -88,18 +91,62 @@ def test_metrics_hold_what_the_test_did(tmp_path):
     assert value(m, "kvtier_tier_used_bytes", tier="device") == 8 * POOL_PAGE
     assert value(m, "kvtier_tier_capacity_bytes", tier="device") == 8 * POOL_PAGE
     assert value(m, "kvtier_tier_capacity_bytes", tier="host") == 2 * RECORD + 1000
-    assert value(m, "kvtier_pool_free_pages", pool="default") == 0
+    assert value(m, "kvtier_pool_free_pages", pool="default", tenant="default") == 0
     assert value(m, "kvtier_checksum_failures_total", tier="disk") == 0
     for tier in ("device", "host", "disk"):
         assert value(m, "kvtier_tier_healthy", tier=tier) == 1
     rpc = "kvtier_rpc_duration_seconds_count"
-    assert value(m, rpc, method="kvtier.v1.TierService/LoadPrefix", code="OK") == 5
-    assert value(m, rpc, method="kvtier.v1.TierService/StorePrefix", code="OK") == 3
-    assert value(m, rpc, method="kvtier.v1.PoolService/WriteKV", code="OK") == 3
-    assert value(m, rpc, method="kvtier.v1.PoolService/DescribePool", code="NOT_FOUND") == 1
+    assert value(m, rpc, method="kvtier.v1.TierService/LoadPrefix", code="OK", tenant="default") == 5
+    assert value(m, rpc, method="kvtier.v1.TierService/StorePrefix", code="OK", tenant="default") == 3
+    assert value(m, rpc, method="kvtier.v1.PoolService/WriteKV", code="OK", tenant="default") == 3
+    assert value(m, rpc, method="kvtier.v1.PoolService/DescribePool", code="NOT_FOUND", tenant="default") == 1
     assert value(m, "kvtier_rpc_duration_seconds_bucket", method="kvtier.v1.TierService/LoadPrefix", code="OK",
-                 le="+Inf") == 5
-    assert not [k for k in m if "tenant" in dict(k[1])]  # the tenants branch adds that label
+                 tenant="default", le="+Inf") == 5
+    # tenant on the rows of one tenant only (pools, prefix caches, calls); tier rows are daemon-wide
+    with_tenant = {k[0] for k in m if "tenant" in dict(k[1]) and not k[0].endswith("_created")}
+    assert with_tenant == {"kvtier_pool_free_pages", "kvtier_hit_pages_total", "kvtier_miss_pages_total",
+                           "kvtier_rpc_duration_seconds_count", "kvtier_rpc_duration_seconds_sum",
+                           "kvtier_rpc_duration_seconds_bucket"}, with_tenant
+
+
+TOKEN_A = "metrics-team-a-0123456789abcdef"
+TOKEN_B = "metrics-team-b-0123456789abcdef"
+
+
+def test_tenant_label_on_pools_prefix_caches_and_calls(tmp_path):
+    """Two tenants (bearer tokens) each create a pool named ``p`` (8 and 16 pages) and ask for the
+    same 4 page keys: team-a twice (4 misses, then 4 device hits), team-b once (4 misses: tenants
+    never share pages). A call without a token is refused. The rows carry the tenant of the pool, the
+    cache and the authenticated caller; the refused call is timed with tenant "" and its code."""
+    tokens = tmp_path / "tokens.toml"
+    tokens.write_text(f'[tokens]\n"{TOKEN_A}" = "team-a"\n"{TOKEN_B}" = "team-b"\n')
+    os.chmod(tokens, 0o600)
+    args = ["--device", "cpu", "--auth-tokens", str(tokens), "--metrics-port", "0", "--host-memory", "16MiB"]
+    keys = page_keys(list(range(4 * PAGE_SIZE)), PAGE_SIZE)
+    with DaemonProcess(extra_args=args) as d, KVTierClient(d.address, token=TOKEN_A, timeout=60) as a, \
+            KVTierClient(d.address, token=TOKEN_B, timeout=60) as b:
+        a.create_pool("glm-5.2", num_layers=4, size_tokens=8 * PAGE_SIZE, pool_id="p")
+        b.create_pool("glm-5.2", num_layers=4, size_tokens=16 * PAGE_SIZE, pool_id="p")
+        assert put_prefix_pages(a, "p", keys, seed=1) == []
+        assert put_prefix_pages(a, "p", keys, seed=1) == ["device"] * 4
+        assert put_prefix_pages(b, "p", keys, seed=2) == []
+        with KVTierClient(d.address, token="", timeout=60) as anon, pytest.raises(UnauthenticatedError):
+            anon.list_pools()
+        m = scrape(a.stats().metrics_address)
+
+    assert value(m, "kvtier_pool_free_pages", pool="p", tenant="team-a") == 8 - 4
+    assert value(m, "kvtier_pool_free_pages", pool="p", tenant="team-b") == 16 - 4
+    assert value(m, "kvtier_hit_pages_total", tier="device", tenant="team-a") == 4
+    assert ("kvtier_hit_pages_total", (("tenant", "team-b"), ("tier", "device"))) in m
+    assert value(m, "kvtier_hit_pages_total", tier="device", tenant="team-b") == 0
+    assert value(m, "kvtier_miss_pages_total", tenant="team-a") == 4
+    assert value(m, "kvtier_miss_pages_total", tenant="team-b") == 4
+    rpc = "kvtier_rpc_duration_seconds_count"
+    assert value(m, rpc, method="kvtier.v1.TierService/LoadPrefix", code="OK", tenant="team-a") == 2
+    assert value(m, rpc, method="kvtier.v1.TierService/LoadPrefix", code="OK", tenant="team-b") == 1
+    assert value(m, rpc, method="kvtier.v1.PoolService/CreatePool", code="OK", tenant="team-b") == 1
+    assert value(m, rpc, method="kvtier.v1.PoolService/ListPools", code="UNAUTHENTICATED", tenant="") == 1
+    assert not [k for k in m if k[0] == rpc and dict(k[1]).get("tenant") == "default"]  # no such tenant here
 
 
 def test_json_logs_and_no_secret_in_them(capsys):

@@ -39,7 +39,7 @@ def test_a_snapshot_never_waits_for_a_tier_index_lock():
     t.start()
     held.wait(10)
     done: list[dict] = []
-    scraper = threading.Thread(target=lambda: done.append(daemon_snapshot(stack, lambda: [], lambda: [PoolView("p", 3, 8, 100)])))
+    scraper = threading.Thread(target=lambda: done.append(daemon_snapshot(stack, lambda: [], lambda: [PoolView("p", 3, 8, 100, "team-a")])))
     scraper.start()
     scraper.join(30)
     finished = not scraper.is_alive()
@@ -50,5 +50,5 @@ def test_a_snapshot_never_waits_for_a_tier_index_lock():
     snap = done[0]
     assert set(snap) == set(METRICS)
     assert ({"tier": "host"}, 1000) in snap["kvtier_tier_used_bytes"]
-    assert snap["kvtier_pool_free_pages"] == [({"pool": "p"}, 3)]
+    assert snap["kvtier_pool_free_pages"] == [({"pool": "p", "tenant": "team-a"}, 3)]
     assert ({"tier": "device"}, 500) in snap["kvtier_tier_used_bytes"]
