@@ -46,7 +46,8 @@ class FailedPreconditionError(KVTierError):
 
 
 class UnavailableError(KVTierError):
-    """The daemon could not be reached (after the retries allowed for the call)."""
+    """The daemon could not be reached (after the retries allowed for the call), or a tier the call
+    needs is unhealthy (e.g. the disk tier on a full filesystem; the message names it): retry later."""
     code = grpc.StatusCode.UNAVAILABLE
 
 

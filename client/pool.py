@@ -58,12 +58,15 @@ class KVData:
 
 @dataclass(frozen=True)
 class OffloadResult:
-    """``nbytes`` host bytes stored for ``num_tokens`` tokens; ``freed_pages`` pages freed."""
+    """``nbytes`` host bytes stored for ``num_tokens`` tokens; ``freed_pages`` pages freed; ``durable``:
+    the copy was committed to the disk tier's LMDB before the call returned (write-through with a
+    healthy disk tier): it survives the daemon being killed (power loss too with ``--disk-sync``)."""
 
     key: str
     nbytes: int
     num_tokens: int
     freed_pages: int
+    durable: bool = False
 
 
 class PoolMixin(BaseClient):
@@ -277,15 +280,17 @@ class PoolMixin(BaseClient):
     # ----- offload / restore --------------------------------------------------------------------
     def offload(self, pool_id: str, key: str, slots: Slots, *, free_slots: bool = False, timeout: float | None = None) -> OffloadResult:
         """Copy ``slots`` (latent + live indexer) to the host tier under ``key``; optionally free their pages.
-        Raises AlreadyExistsError (key taken), ResourceExhaustedError (host tier full), InvalidArgumentError."""
+        Raises AlreadyExistsError (key taken), ResourceExhaustedError (host tier full), InvalidArgumentError,
+        UnavailableError (only an unhealthy tier could take it)."""
         req = pool_pb2.OffloadRequest(pool_id=pool_id, key=key, slots=slot_list(slots), free_slots=free_slots)
         r = self.unary(self._pool.Offload, req, idempotent=False, timeout=timeout)
-        return OffloadResult(r.key, r.nbytes, r.num_tokens, r.freed_pages)
+        return OffloadResult(r.key, r.nbytes, r.num_tokens, r.freed_pages, r.durable)
 
     def restore(self, pool_id: str, key: str, slots: Slots | None = None, *, drop: bool = False,
                 timeout: float | None = None) -> torch.Tensor:
         """Load the copy under ``key`` into ``slots`` (None: newly allocated); returns the ``(n,)`` slots.
-        Raises NotFoundError, FailedPreconditionError (layout differs), ResourceExhaustedError."""
+        Raises NotFoundError, FailedPreconditionError (layout differs), ResourceExhaustedError,
+        UnavailableError (the copy is on a tier that is unhealthy now; retry later)."""
         req = pool_pb2.RestoreRequest(pool_id=pool_id, key=key, slots=slot_list(slots) if slots is not None else [], drop=drop)
         return torch.tensor(list(self.unary(self._pool.Restore, req, idempotent=False, timeout=timeout).slots), dtype=torch.int64)
 

@@ -69,6 +69,11 @@ def _layers(_ctx: click.Context, _param: click.Parameter, value: str | None) -> 
               help="Write the bound address here once serving.")
 @click.option("--transfer-engine", type=click.Choice(["mooncake", "none"]), default=None, help="PD transfer engine [none].")
 @click.option("--transfer-host", default=None, metavar="HOST", help="Address the transfer engine binds and publishes [127.0.0.1].")
+@click.option("--metrics-port", type=click.IntRange(0, 65535), default=None, metavar="PORT",
+              help="Serve Prometheus metrics on http://HOST:PORT/metrics (0: a free port; kvtier status shows it).")
+@click.option("--metrics-host", default=None, metavar="HOST", help="Address the metrics endpoint binds [127.0.0.1].")
+@click.option("--log-format", type=click.Choice(["text", "json"]), default=None,
+              help="Log lines as text or one JSON object a line [text].")
 @click.option("--pool", "pools", multiple=True, metavar="[ID=]MODEL:TOKENS|BYTES",
               help="Create a pool at start, e.g. glm-5.2:65536 or main=glm-5.2:2GiB (repeatable; replaces the file's pools).")
 @click.option("--pool-layers", callback=_layers, default=None, metavar="N|START:END",
@@ -81,6 +86,7 @@ def serve(config_file: str | None, pools: tuple[str, ...], pool_layers: dict[str
     """
     from kvtier.server.daemon.errors import KVTierError
     from kvtier.server.service.server import AddressError, serve as run
+    from kvtier.server.transfer.errors import TransferEngineUnavailable
 
     try:
         cfg = DaemonConfig.from_toml(config_file) if config_file else DaemonConfig()
@@ -96,6 +102,7 @@ def serve(config_file: str | None, pools: tuple[str, ...], pool_layers: dict[str
         raise click.UsageError(str(e)) from None
     try:
         code = run(cfg)
-    except (AddressError, KVTierError, ValueError) as e:  # bad address, device, or a configured pool that cannot be created
+    # bad address, device, disk path, a configured pool that cannot be created, a missing transfer engine
+    except (AddressError, KVTierError, ValueError, TransferEngineUnavailable) as e:
         raise click.ClickException(str(e)) from None
     sys.exit(code)

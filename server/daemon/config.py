@@ -37,6 +37,7 @@ DEFAULT_MAX_MESSAGE_BYTES = 4 * MiB
 CHUNK_OVERHEAD_BYTES = 1024  # room a KV chunk message needs beside its data (field tags, lengths)
 MIN_CHUNK_BYTES = 4096  # smallest data piece of a KV stream (but the last piece of a segment)
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+LOG_FORMATS = ("text", "json")
 DEVICES = ("auto", "cpu", "cuda")
 TRANSFER_ENGINES = ("none", "mooncake")
 
@@ -174,6 +175,13 @@ class DaemonConfig:
     """PD transfer engine: ``mooncake`` (Mooncake Transfer Engine, registers pool buffers) or ``none`` (gRPC fallback only)."""
     transfer_host: str = "127.0.0.1"
     """Address the transfer engine binds and publishes to peers."""
+    metrics_port: int | None = None
+    """Serve Prometheus metrics on ``http://metrics_host:metrics_port/metrics`` (0: a free port, shown by
+    ``kvtier status``); unset: no metrics endpoint and no RPC timing."""
+    metrics_host: str = "127.0.0.1"
+    """Address the metrics endpoint binds (loopback by default: it names pools)."""
+    log_format: str = "text"
+    """``text`` or ``json`` (one JSON object a line: ts, level, logger, message, thread, exception)."""
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
@@ -204,6 +212,11 @@ class DaemonConfig:
             raise ValueError("quotas must be a Quotas object (a [quotas.<tenant>] table in TOML)")
         if self.transfer_engine not in TRANSFER_ENGINES:
             raise ValueError(f"transfer_engine must be one of {TRANSFER_ENGINES}, got {self.transfer_engine!r}")
+        if self.metrics_port is not None and (isinstance(self.metrics_port, bool) or not isinstance(self.metrics_port, int)
+                                              or not 0 <= self.metrics_port <= 65535):
+            raise ValueError(f"metrics_port must be 0..65535, got {self.metrics_port!r}")
+        if self.log_format not in LOG_FORMATS:
+            raise ValueError(f"log_format must be one of {LOG_FORMATS}, got {self.log_format!r}")
         if self.grace_seconds < 0:
             raise ValueError(f"grace_seconds must be >= 0, got {self.grace_seconds}")
         ids = [p.pool_id for p in self.pools]

@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from kvtier import __version__
 from kvtier.server.daemon.config import DaemonConfig
@@ -63,7 +64,9 @@ class Counters:
 
 @dataclass(frozen=True)
 class TierUsage:
-    """Bytes a tier holds (``tier``: ``device``, ``host``, ``disk``): daemon-wide, and the caller's tenant's."""
+    """Bytes a tier holds (``tier``: ``device``, ``host``, ``disk``): daemon-wide, and the caller's
+    tenant's; and the tier's health (``reason``: why it is unhealthy; ``next_probe_in_s``: when it is
+    probed next)."""
 
     tier: str
     used_bytes: int
@@ -71,11 +74,15 @@ class TierUsage:
     entries: int
     tenant_used_bytes: int = 0
     tenant_quota_bytes: int | None = None
+    healthy: bool = True
+    reason: str = ""
+    next_probe_in_s: float = 0.0
 
 
 @dataclass(frozen=True)
 class DaemonStats:
-    """What GetStats answers: the caller's pools and counters, every tier's use (daemon-wide and the tenant's)."""
+    """What GetStats answers: the caller's pools and counters, every tier's use (daemon-wide and the
+    tenant's) and health, and the metrics endpoint's URL ("" when off)."""
 
     tenant: str
     version: str
@@ -84,6 +91,7 @@ class DaemonStats:
     pools: list[PoolEntry]
     tiers: list[TierUsage]
     counters: dict[str, int] = field(default_factory=dict)
+    metrics_address: str = ""
 
 
 class Daemon:
@@ -94,9 +102,11 @@ class Daemon:
 
     Attributes:
         tokens: the bearer-token table (None without ``auth_tokens``: one tenant, ``default``).
-        pools: the pool registry. tiers: the host/disk stack and the pools' prefix caches.
+        pools: the pool registry. tiers: the host/disk stack, the pools' prefix caches and the tier monitor.
         offload_store: the one store of offloaded copies, in ``tiers.stack``.
         transfer: PD transfer (layouts, pulls, page streams).
+        metrics: the Prometheus metrics (``DaemonMetrics``) when ``metrics_port`` is set, else None;
+            ``metrics_address`` is their URL once served ("" before or without).
 
     Raises:
         ValueError: bad config values (device, ``[tiers]``); AuthConfigError (a ValueError) for an
@@ -113,6 +123,8 @@ class Daemon:
         self.version = __version__
         self._started = time.monotonic()
         self._shutdown_hooks: list[Callable[[], None]] = []
+        self.metrics: Any = None  # DaemonMetrics when metrics are on (set by the server)
+        self.metrics_address = ""  # http://HOST:PORT/metrics once served
         self.tiers = TierRuntime(self)  # host/disk tiers, prefix caches
         self.offload_store = OffloadStore(self.tiers.stack, self.config.quotas)
         self.transfer = TransferState(self)  # PD transfer: the engine (if configured) and its registrations
@@ -139,20 +151,24 @@ class Daemon:
 
     def tier_usage(self, caller: Caller) -> list[TierUsage]:
         """Usage of the device pools and of each tier below (prefix pages and copies together):
-        daemon-wide and ``caller``'s tenant's. Reads plain integers only: takes no pool, cache, store
-        or index lock."""
+        daemon-wide and ``caller``'s tenant's, with each tier's health. Reads plain integers and the
+        health's leaf lock only: takes no pool, cache, store or index lock."""
         pools = self.pools.list()
         q = self.config.quotas.of(caller.tenant)
         device = TierUsage("device", sum(e.pool.get_kv_size_bytes() for e in pools), self.config.pool_memory_bytes,
                            len(pools), sum(e.pool.get_kv_size_bytes() for e in pools if e.tenant == caller.tenant),
                            q.pool_bytes)
-        return [device, *(TierUsage(t.name, t.index.used, t.index.capacity, len(t.index), t.index.group_used(caller.tenant),
-                                    q.tier_bytes(t.name)) for t in self.tiers.stack.tiers)]
+        out = [device]
+        for t in self.tiers.stack.tiers:
+            h = t.health.snapshot()
+            out.append(TierUsage(t.name, t.index.used, t.index.capacity, len(t.index), t.index.group_used(caller.tenant),
+                                 q.tier_bytes(t.name), h.healthy, h.reason, h.next_probe_in_s))
+        return out
 
     def stats(self, caller: Caller) -> DaemonStats:
         """GetStats: monitoring, so only the registry's short lock and the counters' leaf lock."""
         return DaemonStats(caller.tenant, self.version, self.uptime_seconds, self.device, self.pools.list(caller),
-                           self.tier_usage(caller), self.counters.snapshot(caller))
+                           self.tier_usage(caller), self.counters.snapshot(caller), self.metrics_address)
 
     def add_shutdown_hook(self, hook: Callable[[], None]) -> None:
         """Run ``hook`` in :meth:`close` (hooks run last-added first; errors are logged, not raised)."""

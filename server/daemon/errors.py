@@ -29,6 +29,11 @@ class ResourceExhausted(KVTierError):
     """Not enough free pages, tier room, memory, quota or stream slots for the request (RESOURCE_EXHAUSTED)."""
 
 
+class Unavailable(KVTierError):
+    """A tier the request needs is unhealthy (its storage failed: ENOSPC, EIO); retry once its health
+    service (``kvtier.tier.<name>``) is SERVING again (UNAVAILABLE)."""
+
+
 class FailedPrecondition(KVTierError):
     """The request does not fit the current layout or state: a host copy or peer whose layout
     differs from the pool's, indexer data for a skip-topk layer, deleting a busy pool (FAILED_PRECONDITION)."""

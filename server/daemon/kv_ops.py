@@ -246,11 +246,13 @@ def move_kv(registry: PoolRegistry, caller: Caller, pool_id: str, tgt: Any, src:
 
 @dataclass(frozen=True)
 class OffloadResult:
-    """What :func:`offload` did: bytes stored, tokens copied, pages freed."""
+    """What :func:`offload` did: bytes stored, tokens copied, pages freed, and whether the copy is
+    durable (committed to the disk tier's LMDB before the call returned)."""
 
     nbytes: int
     num_tokens: int
     freed_pages: int
+    durable: bool = False
 
 
 def offload(registry: PoolRegistry, store: OffloadStore, caller: Caller, pool_id: str, key: str, slots: Any, *,
@@ -272,10 +274,10 @@ def offload(registry: PoolRegistry, store: OffloadStore, caller: Caller, pool_id
         nbytes = entry.pool.cpu_copy_nbytes(t)
         store.check_room(caller, key, nbytes)
         copy = entry.pool.get_cpu_copy(t)
-        store.put(caller, key, HostCopy(copy, nbytes, t.numel(), entry.model.fingerprint(),
-                                        entry.model.fingerprint_digest(), entry.pool_id))
+        durable = bool(store.put(caller, key, HostCopy(copy, nbytes, t.numel(), entry.model.fingerprint(),
+                                                       entry.model.fingerprint_digest(), entry.pool_id)))
         freed = entry.free(t) if free_slots else 0
-        return OffloadResult(nbytes, t.numel(), freed)
+        return OffloadResult(nbytes, t.numel(), freed, durable)
 
 
 def _layout_difference(a: dict[str, Any], b: dict[str, Any]) -> str:

@@ -14,6 +14,12 @@ drops nothing, exactly as for an absent key). A tenant's ``host_bytes``/``disk_b
 in the tiers (``kvtier.server.daemon.quotas``): a copy that fits no tier within them is refused with
 RESOURCE_EXHAUSTED naming them.
 
+An unhealthy tier (its storage failed: ENOSPC, EIO) is bypassed: a copy it holds cannot be restored
+until it recovers (UNAVAILABLE, not NOT_FOUND: the copy exists), its key stays taken (ALREADY_EXISTS)
+unless dropped, and a copy that only that tier could take is UNAVAILABLE. :meth:`OffloadStore.put`
+returns whether the copy is durable (it reached a persistent tier: write-through, or straight to the
+disk tier when the host tier could not take it).
+
 Locking: the store's lock (one put at a time: the room check and the write go together) is taken
 after the pool's lock and before the tier index locks; reads take no store lock.
 """
@@ -27,7 +33,7 @@ from typing import Any
 
 import torch
 
-from kvtier.server.daemon.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
+from kvtier.server.daemon.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from kvtier.server.daemon.quotas import Quotas
 from kvtier.server.daemon.tenants import Caller, tenant_key
 from kvtier.server.tiers import RecordCodec, RecordError, TierStack, disk_charge
@@ -87,13 +93,24 @@ class OffloadStore:
     def _key(self, caller: Caller, key: str) -> bytes:
         return tenant_key(caller.tenant, OFFLOAD_PREFIX + self.check_key(key))
 
-    def _fits_somewhere(self, tenant: str, nbytes: int) -> bool:
+    def _fitting_tiers(self, tenant: str, nbytes: int) -> list[Any]:
+        """The tiers whose budget (and the tenant's quota there) can take ``nbytes``, healthy or not."""
+        out = []
         for t in self.stack.tiers:
             charge = disk_charge(nbytes) if t.name == "disk" else nbytes
             quota = self.quotas.tier_bytes(tenant, t.name)
             if charge <= t.index.capacity and (quota is None or charge <= quota):
-                return True
-        return False
+                out.append(t)
+        return out
+
+    def _unhealthy_holder(self, tkey: bytes) -> Any:
+        """The unhealthy tier whose storage holds ``tkey``'s record (unreachable until it recovers), or None."""
+        return next((t for t in self.stack.tiers if t.held_while_unhealthy(tkey)), None)
+
+    @staticmethod
+    def _retry_hint(tier: Any) -> str:
+        return (f"the {tier.name} tier is unhealthy ({tier.health.snapshot().reason}); retry when health "
+                f"service {tier.health.service_name} is SERVING")
 
     def _refusal(self, tenant: str, key: str, nbytes: int) -> ResourceExhausted:
         if not self.stack.tiers:
@@ -109,16 +126,34 @@ class OffloadStore:
                                  f"{top.index.capacity} bytes and no tier below can take it")
 
     def check_room(self, caller: Caller, key: str, nbytes: int) -> None:
-        """AlreadyExists if the tenant's ``key`` holds a copy; ResourceExhausted if ``nbytes`` (+ record
-        header) fits no tier's budget (within the tenant's quotas)."""
+        """AlreadyExists if the tenant's ``key`` holds a copy (also one on an unhealthy tier);
+        ResourceExhausted if ``nbytes`` (+ record header) fits no tier's budget (within the tenant's
+        quotas); Unavailable if only unhealthy tiers could take it."""
         if self.contains(caller, key):
             raise AlreadyExists(f"offload key {key!r} already holds a copy; drop it first")
-        if not self._fits_somewhere(caller.tenant, nbytes + RECORD_OVERHEAD_BYTES):
+        held = self._unhealthy_holder(self._key(caller, key))
+        if held is not None:
+            raise AlreadyExists(f"offload key {key!r} already holds a copy on the {held.name} tier, which is "
+                                f"unhealthy; drop it first")
+        fitting = self._fitting_tiers(caller.tenant, nbytes + RECORD_OVERHEAD_BYTES)
+        if not fitting:
             raise self._refusal(caller.tenant, key, nbytes)
+        if not any(t.health.healthy for t in fitting):
+            raise Unavailable(f"the copy needs {nbytes} bytes, more than the {self.stack.tiers[0].name} tier "
+                              f"holds; {self._retry_hint(fitting[0])}")
 
-    def put(self, caller: Caller, key: str, copy: HostCopy) -> None:
+    def put(self, caller: Caller, key: str, copy: HostCopy) -> bool:
         """Store ``copy`` as one record (latent + indexer + src_loc) in the top tier (older records,
-        the tenant's own first when over a quota, move down to make room)."""
+        the tenant's own first when over a quota, move down to make room).
+
+        Returns:
+            True if the copy is durable: committed to a persistent tier (LMDB) before this returned.
+
+        Raises:
+            AlreadyExists, ResourceExhausted, Unavailable: as :meth:`check_room` (also when no tier
+                could take the record because a tier it needed is unhealthy). InvalidArgument: the
+                copy does not encode. Nothing is stored on error.
+        """
         tkey = self._key(caller, key)
         with self._lock:
             self.check_room(caller, key, copy.nbytes)
@@ -128,12 +163,18 @@ class OffloadStore:
                 rec = codec.encode_copy(dict(copy.copy), pin_memory=pin)
             except ValueError as e:
                 raise InvalidArgument(f"copy {key!r}: {e}") from None
-            if not self.stack.put(tkey, rec, source="device"):
+            placed = self.stack.put(tkey, rec, source="device")
+            if not placed:
+                sick = next((t for t in self.stack.tiers if not t.health.healthy), None)
+                if sick is not None:
+                    raise Unavailable(f"no tier could take the {rec.numel()}-byte copy {key!r}; {self._retry_hint(sick)}")
                 raise self._refusal(caller.tenant, key, int(rec.numel()))
             self._sources[(caller.tenant, key)] = copy.source_pool
+            return any(t.persistent for t in self.stack.tiers if t.name in placed)
 
     def get(self, caller: Caller, key: str) -> HostCopy:
-        """The tenant's copy under ``key``, checked (a damaged record is dropped and NOT_FOUND)."""
+        """The tenant's copy under ``key``, checked (a damaged record is dropped and NOT_FOUND; one on
+        an unhealthy tier is UNAVAILABLE)."""
         tkey = self._key(caller, key)
         for tier in self.stack.tiers:
             with tier.borrow([tkey]) as (rec,):
@@ -148,10 +189,15 @@ class OffloadStore:
                     continue
             return HostCopy(copy, info.latent_nbytes + info.index_nbytes, info.n_tokens, model.fingerprint(),
                             model.fingerprint_digest(), self._sources.get((caller.tenant, key), ""))
+        held = self._unhealthy_holder(tkey)
+        if held is not None:
+            raise Unavailable(f"the offloaded copy under key {key!r} is on the {held.name} tier; {self._retry_hint(held)}")
         raise NotFound(f"no offloaded copy under key {key!r}")
 
     def drop(self, caller: Caller, key: str) -> int | None:
-        """Remove the tenant's copy under ``key`` from every tier; returns its bytes (None if there was none)."""
+        """Remove the tenant's copy under ``key`` from every tier; returns its bytes (None if there was
+        none). A copy on an unhealthy tier is dropped too (deleted there when the tier recovers); it
+        cannot be read then, so its bytes are unknown and 0 is returned."""
         tkey = self._key(caller, key)
         nbytes = None
         for tier in self.stack.tiers:
@@ -163,7 +209,9 @@ class OffloadStore:
                     except RecordError as e:
                         tier.report_damaged(tkey, e)
         if nbytes is None:
-            return None
+            if self._unhealthy_holder(tkey) is None:
+                return None
+            nbytes = 0
         self.stack.remove([tkey])
         with self._lock:
             self._sources.pop((caller.tenant, key), None)

@@ -27,6 +27,7 @@ import torch
 from kvtier.server.model_config import DEFAULT_PAGE_SIZE, DSAModelConfig
 from kvtier.server.pool import DSATokenToKVPool, PagedTokenAllocator, create_pool, resolve_device
 from kvtier.server.pool.factory import POOL_ROLES, skip_mask_for_role
+from kvtier.server.pool.memory import device_memory, shortfall_message
 from kvtier.server.pool.validation import as_slots
 from kvtier.server.pool_configurator import PoolPlan, exact_pool_bytes, plan_pool
 from kvtier.server.daemon.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
@@ -273,6 +274,9 @@ class PoolRegistry:
             raise InvalidArgument(f"size_tokens must be a multiple of page_size={model.page_size}, got {size}")
         nbytes = exact_pool_bytes(model, size, role=req.role)
         pool_id = req.pool_id or f"pool-{uuid.uuid4().hex[:8]}"
+        short = shortfall_message(nbytes, device_memory(device), f"pool {pool_id!r}")
+        if short:
+            raise ResourceExhausted(short)
         key = (caller.tenant, pool_id)
         with self._lock:
             if key in self._pools or key in self._reserved:
@@ -282,8 +286,12 @@ class PoolRegistry:
         try:
             try:
                 pool = create_pool(model, size, role=req.role, device=device)
-            except (RuntimeError, MemoryError) as e:
-                raise ResourceExhausted(f"could not allocate {nbytes} bytes for pool {pool_id!r} on {device}: {e}") from None
+            except (RuntimeError, MemoryError):
+                mem = device_memory(device)  # the allocator's own text is long and names its C++ source
+                raise ResourceExhausted(
+                    shortfall_message(nbytes, mem, f"pool {pool_id!r}")
+                    or f"could not allocate {nbytes:,} bytes for pool {pool_id!r} on {mem.device} ({mem.available:,} bytes "
+                       f"available); plan a smaller pool with `kvtier plan --available-bytes {mem.available}`") from None
             entry = PoolEntry(pool_id, layout_model(model, req.role), req.role, pool,
                               PagedTokenAllocator(size, model.page_size), plan, tenant=caller.tenant)
             with self._lock:

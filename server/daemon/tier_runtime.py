@@ -25,15 +25,17 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvtier.server.daemon.errors import InvalidArgument, NotFound, ResourceExhausted
+from kvtier.server.daemon.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from kvtier.server.daemon.pools import PoolEntry
 from kvtier.server.daemon.quotas import Quotas
 from kvtier.server.daemon.tenants import Caller, tenant_key, tenant_of_key
 from kvtier.server.daemon.tier_settings import TierSettings
 from kvtier.server.tiers import (
     DiskTierConfig, HostTierConfig, LeaseError, PrefixCache, PrefixLoad, PrefixLookup, RecordCodec, TierFullError,
-    TierStack,
+    TierStack, TierUnavailableError,
 )
+from kvtier.server.tiers.disk_faults import fault_file_from_env
+from kvtier.server.tiers.monitor import TierMonitor
 
 if TYPE_CHECKING:
     from kvtier.server.daemon.core import Daemon
@@ -81,6 +83,8 @@ def tier_errors() -> Iterator[None]:
         yield
     except TierFullError as e:
         raise ResourceExhausted(str(e)) from None
+    except TierUnavailableError as e:
+        raise Unavailable(str(e)) from None
     except LeaseError as e:
         raise NotFound(str(e)) from None
     except ValueError as e:  # bad or repeated page keys, slots that are not the lease's fresh pages
@@ -96,7 +100,10 @@ def build_stack(host_bytes: int, settings: TierSettings, device: str = "cpu") ->
     if settings.disk_path:
         configs.append(DiskTierConfig(path=settings.disk_path, capacity_bytes=settings.disk_bytes,
                                       max_readers=settings.disk_max_readers, sync=settings.disk_sync,
-                                      reserve_fraction=settings.disk_reserve_fraction))
+                                      reserve_fraction=settings.disk_reserve_fraction,
+                                      probe_backoff_max_s=settings.disk_probe_backoff_max_seconds,
+                                      probe_backoff_initial_s=min(1.0, settings.disk_probe_backoff_max_seconds),
+                                      fault_file=fault_file_from_env()))
     return TierStack.from_configs(configs)
 
 
@@ -120,7 +127,17 @@ class TierRuntime:
             t.index.set_groups(tenant_of_key, lambda tenant, tier=t.name: self.quotas.tier_bytes(tenant, tier))
             if hasattr(t, "open"):
                 t.open()  # the daemon never forks after this; the startup scrub runs now
+        self.monitor = TierMonitor(self.stack.tiers)  # probes unhealthy tiers; started by start_monitor()
         state.add_shutdown_hook(self.close)
+
+    def start_monitor(self) -> None:
+        """Start the thread that probes unhealthy tiers (the daemon does, once serving)."""
+        self.monitor.start()
+
+    def caches(self) -> list[tuple[str, PrefixCache]]:
+        """``(tenant, prefix cache)`` of each pool whose cache was made (for monitoring: the registry's
+        short lock only, no pool or cache lock)."""
+        return [(e.tenant, e.prefix_cache) for e in self.pools.list() if e.prefix_cache is not None]
 
     def cache_of(self, entry: PoolEntry) -> PrefixCache:
         """``entry``'s prefix cache, made on first use (takes no pool lock)."""
@@ -197,6 +214,7 @@ class TierRuntime:
         """At shutdown (no calls in flight): move unpinned device-tier pages and the host tier's
         records down to the disk tier (so a restart finds them there), then close the tiers (flush
         and close the LMDB environment). Without a disk tier nothing is moved."""
+        self.monitor.stop()
         try:
             if len(self.stack.tiers) > 1:
                 for entry in self.pools.list():

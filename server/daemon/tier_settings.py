@@ -28,6 +28,8 @@ class TierSettings:
         host_pin_memory: page-locked host records: True, False, or None = when the daemon device is CUDA.
         lease_ttl_seconds: a prefix lease (LoadPrefix) not released this long is released by the
             daemon, so a client that vanished mid-request cannot pin pages forever (0: never).
+        disk_probe_backoff_max_seconds: an unhealthy disk tier (ENOSPC, EIO) is probed 1 s after the
+            failure, then at doubling intervals up to this many seconds.
     """
 
     disk_path: str = ""
@@ -38,8 +40,11 @@ class TierSettings:
     write_through: bool = False
     host_pin_memory: bool | None = None
     lease_ttl_seconds: float = 600.0
+    disk_probe_backoff_max_seconds: float = 30.0
 
     def __post_init__(self) -> None:
+        if not isinstance(self.disk_probe_backoff_max_seconds, (int, float)) or self.disk_probe_backoff_max_seconds <= 0:
+            raise ValueError(f"tiers.disk_probe_backoff_max_seconds must be > 0, got {self.disk_probe_backoff_max_seconds!r}")
         if not isinstance(self.disk_bytes, int) or self.disk_bytes <= 0:
             raise ValueError(f"tiers.disk_bytes must be a positive byte count, got {self.disk_bytes!r}")
         if not isinstance(self.disk_max_readers, int) or self.disk_max_readers <= 0:

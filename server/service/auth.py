@@ -77,10 +77,14 @@ class AuthInterceptor(grpc.ServerInterceptor):
 
     Args:
         tokens: the daemon's token table; None: no auth, every call is tenant ``default``.
+        timer: the RPC latency interceptor (``observability.RpcMetricsInterceptor``) installed inside
+            this one, if any: a call refused here never reaches it, so the refusal is timed through
+            its ``time_refusal``.
     """
 
-    def __init__(self, tokens: TokenTable | None) -> None:
+    def __init__(self, tokens: TokenTable | None, *, timer: Any = None) -> None:
         self.tokens = tokens
+        self.timer = timer
 
     def intercept_service(self, continuation: Callable[..., Any], handler_call_details: Any) -> Any:
         handler = continuation(handler_call_details)
@@ -96,5 +100,8 @@ class AuthInterceptor(grpc.ServerInterceptor):
             log.info("%s -> UNAUTHENTICATED: %s", method, why)
             message = (f"{why}: this daemon serves tenants; send `authorization: Bearer <token>` metadata "
                        f"(KVTierClient(token=...) or KVTIER_TOKEN) with a token from its --auth-tokens file")
-            return handler_like(handler, lambda _b: _refuse(message))
+            refuse = _refuse(message)
+            if self.timer is not None:
+                refuse = self.timer.time_refusal(refuse, method)
+            return handler_like(handler, lambda _b: refuse)
         return handler_like(handler, lambda b: _wrap(b, Caller(tenant, token)))

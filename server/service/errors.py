@@ -20,15 +20,17 @@ import grpc
 
 from kvtier.server.daemon.errors import (
     AlreadyExists, FailedPrecondition, InvalidArgument, KVTierError, NotFound, ResourceExhausted, Unauthenticated,
+    Unavailable,
 )
 from kvtier.server.service.interceptors import handler_like
+from kvtier.server.tiers.errors import TierUnavailableError
 from kvtier.server.transfer.errors import LayoutMismatchError, TransferEngineUnavailable, TransferError
 
 log = logging.getLogger("kvtier.service")
 
 __all__ = [
     "AlreadyExists", "DomainErrorInterceptor", "FailedPrecondition", "InvalidArgument", "KVTierError", "NotFound",
-    "ResourceExhausted", "STATUS_CODES", "Unauthenticated", "status_code_for",
+    "ResourceExhausted", "STATUS_CODES", "Unauthenticated", "Unavailable", "status_code_for",
 ]
 
 
@@ -40,6 +42,8 @@ STATUS_CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (AlreadyExists, grpc.StatusCode.ALREADY_EXISTS),
     (ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
+    (Unavailable, grpc.StatusCode.UNAVAILABLE),
+    (TierUnavailableError, grpc.StatusCode.UNAVAILABLE),  # a tier that went unhealthy mid-call; retry later
     (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
     (LayoutMismatchError, grpc.StatusCode.FAILED_PRECONDITION),  # PD peers' layouts differ; nothing moved
     (TransferEngineUnavailable, grpc.StatusCode.FAILED_PRECONDITION),

@@ -97,7 +97,8 @@ def buffer_infos(entry: PoolEntry, state: BufInfos, contiguous: BufInfos) -> poo
 
 
 def stats(s: DaemonStats, max_message_bytes: int) -> pool_pb2.StatsResponse:
-    """The caller's pools and counters, every tier's usage (daemon-wide and the caller's tenant's)."""
+    """The caller's pools and counters, every tier's usage (daemon-wide and the caller's tenant's) and
+    health, the metrics endpoint's URL."""
     pools = []
     for e in s.pools:
         used = e.allocator.used_pages * e.page_size
@@ -106,8 +107,9 @@ def stats(s: DaemonStats, max_message_bytes: int) -> pool_pb2.StatsResponse:
             size_tokens=e.allocator.size, used_tokens=used, free_tokens=e.allocator.free_tokens,
             kv_size_bytes=e.pool.get_kv_size_bytes()))
     tiers = [pool_pb2.TierStats(tier=t.tier, used_bytes=t.used_bytes, budget_bytes=t.budget_bytes, entries=t.entries,
-                                tenant_used_bytes=t.tenant_used_bytes, tenant_quota_bytes=t.tenant_quota_bytes)
+                                tenant_used_bytes=t.tenant_used_bytes, tenant_quota_bytes=t.tenant_quota_bytes,
+                                unhealthy=not t.healthy, unhealthy_reason=t.reason, next_probe_seconds=t.next_probe_in_s)
              for t in s.tiers]
     return pool_pb2.StatsResponse(
         version=s.version, uptime_seconds=s.uptime_seconds, device=s.device, pools=pools, tiers=tiers,
-        counters=s.counters, max_message_bytes=max_message_bytes, tenant=s.tenant)
+        counters=s.counters, max_message_bytes=max_message_bytes, tenant=s.tenant, metrics_address=s.metrics_address)

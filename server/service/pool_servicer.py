@@ -124,7 +124,8 @@ class PoolServicer(pool_pb2_grpc.PoolServiceServicer):
                            list(request.slots), free_slots=request.free_slots)
         self.state.counters.add(caller, "offloads")
         self.state.counters.add(caller, "offload_bytes", r.nbytes)
-        return pool_pb2.OffloadResponse(key=request.key, nbytes=r.nbytes, num_tokens=r.num_tokens, freed_pages=r.freed_pages)
+        return pool_pb2.OffloadResponse(key=request.key, nbytes=r.nbytes, num_tokens=r.num_tokens, freed_pages=r.freed_pages,
+                                        durable=r.durable)
 
     def Restore(self, request: pool_pb2.RestoreRequest, context: grpc.ServicerContext) -> pool_pb2.RestoreResponse:
         caller = caller_of(context)

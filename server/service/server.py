@@ -9,6 +9,10 @@ calls, lets in-flight calls finish within ``grace_seconds``, runs the daemon's s
 Where it listens: without ``auth_tokens`` (one tenant) only on a unix socket or a loopback host,
 TLS or not; with tokens, any host, but only with TLS (a bearer token never crosses a network in the
 clear). ``tls_client_ca`` makes TLS mutual (clients must present a certificate that CA signed).
+
+Besides the daemon's services it serves one health service per tier (``kvtier.tier.<name>``, kept in
+step by the tier monitor thread, which :func:`serve` starts once serving) and, with
+``metrics_port``, Prometheus metrics and the RPC latency histogram (``observability``).
 """
 
 from __future__ import annotations
@@ -28,14 +32,19 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvtier.addresses import default_socket_path, is_loopback, is_unix, resolve_address, socket_path
+from kvtier.addresses import (
+    UnsafeSocketDirError, default_socket_path, is_loopback, is_unix, prepare_private_dir, resolve_address, socket_path,
+)
 from kvtier.server.daemon.config import DaemonConfig
 from kvtier.server.daemon.core import Daemon
+from kvtier.server.observe.logs import configure_logging
 from kvtier.server.service.auth import AuthInterceptor
 from kvtier.server.service.errors import DomainErrorInterceptor
 from kvtier.server.service.interceptors import CallTracker
+from kvtier.server.service.observability import build_metrics
 from kvtier.server.service.registry import SERVICES, ServiceEntry
 from kvtier.server.service.streams import StreamGuard
+from kvtier.server.transfer.engine import check_engine_available
 
 log = logging.getLogger("kvtier.service")
 
@@ -67,8 +76,10 @@ class DaemonServer:
 
 def _prepare_unix_socket(path: Path, *, default: bool) -> None:
     if default:
-        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        os.chmod(path.parent, 0o700)
+        try:
+            prepare_private_dir(path.parent)  # ours, not a symlink, 0700; another user's directory is refused
+        except (UnsafeSocketDirError, OSError) as e:
+            raise AddressError(str(e)) from None
     elif not path.parent.is_dir():
         raise AddressError(f"directory {path.parent} of unix socket {path} does not exist")
     if path.exists() or path.is_symlink():
@@ -93,11 +104,20 @@ def _credentials(config: DaemonConfig) -> grpc.ServerCredentials | None:
     return grpc.ssl_server_credentials(pair)
 
 
-def _bind(server: grpc.Server, config: DaemonConfig) -> str:
-    address = resolve_address(config.listen)
-    creds = _credentials(config)
+def check_listen_address(config: DaemonConfig) -> str:
+    """The resolved listen address, checked (loopback, or TLS and tokens; a unix socket's directory
+    private and no daemon on it) and its socket directory prepared. ``serve`` runs it before
+    allocating anything.
+
+    Raises:
+        AddressError: the address cannot be used.
+    """
+    try:
+        address = resolve_address(config.listen)
+    except ValueError as e:
+        raise AddressError(str(e)) from None
     if not is_loopback(address):
-        if creds is None:
+        if not config.tls_cert:
             raise AddressError(f"refusing to listen on {address} without TLS: use a loopback host, a unix socket, "
                                f"or set tls_cert and tls_key (and auth_tokens)")
         if not config.auth_tokens:
@@ -107,6 +127,14 @@ def _bind(server: grpc.Server, config: DaemonConfig) -> str:
     if is_unix(address):
         path = Path(socket_path(address))
         _prepare_unix_socket(path, default=not config.listen or path == default_socket_path())
+    return address
+
+
+def _bind(server: grpc.Server, config: DaemonConfig) -> str:
+    address = check_listen_address(config)
+    creds = _credentials(config)
+    if is_unix(address):
+        path = Path(socket_path(address))
         old = os.umask(0o177)  # the socket is created 0600
         try:
             port = server.add_secure_port(address, creds) if creds else server.add_insecure_port(address)
@@ -124,6 +152,17 @@ def _bind(server: grpc.Server, config: DaemonConfig) -> str:
         raise AddressError(f"could not bind {address}")
     host = address.rpartition(":")[0]
     return f"{host}:{port}"
+
+
+def _serve_tier_health(hs: health.HealthServicer, state: Daemon) -> None:
+    """One health service per tier (``kvtier.tier.host``, ``kvtier.tier.disk``), kept in step with the
+    tier's health by the tier monitor (called from its thread, no lock of the daemon held)."""
+    def status(healthy: bool) -> int:
+        return health_pb2.HealthCheckResponse.SERVING if healthy else health_pb2.HealthCheckResponse.NOT_SERVING
+
+    for t in state.tiers.stack.tiers:
+        hs.set(t.health.service_name, status(t.health.healthy))
+    state.tiers.monitor.add_listener(lambda snap: hs.set(snap.service_name, status(snap.healthy)))
 
 
 def create_server(
@@ -150,11 +189,17 @@ def create_server(
     """
     state = state if state is not None else Daemon(config)
     services = SERVICES if services is None else services
+    state.metrics = build_metrics(config, state)  # None unless metrics_port is set; served by serve()
     calls = CallTracker()
     streams = StreamGuard(config.stream_slots, config.stream_idle_seconds)
+    rpc_timer = state.metrics.interceptor if state.metrics else None
+    # the RPC timer sits inside auth, so it sees the authenticated caller's tenant; auth times its own
+    # refusals through it (UNAUTHENTICATED, no tenant)
+    interceptors = [calls, AuthInterceptor(state.tokens, timer=rpc_timer), *([rpc_timer] if rpc_timer else []),
+                    DomainErrorInterceptor()]
     server = grpc.server(
         ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="kvtier-rpc"),
-        interceptors=[calls, AuthInterceptor(state.tokens), DomainErrorInterceptor()],
+        interceptors=interceptors,
         options=config.grpc_options(),
     )
     for entry in services:
@@ -165,6 +210,7 @@ def create_server(
     hs.set("", health_pb2.HealthCheckResponse.SERVING)
     for name in names:
         hs.set(name, health_pb2.HealthCheckResponse.SERVING)
+    _serve_tier_health(hs, state)
     reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     try:
         address = _bind(server, config)
@@ -200,7 +246,10 @@ def serve(config: DaemonConfig) -> int:
     socket and ready file are removed. Never waits forever: with a call still stuck in a worker
     after all that, it logs it and exits at once (0 if the shutdown hooks finished, else 1).
     """
-    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(config.log_level, config.log_format)
+    check_listen_address(config)  # before any pool or tier is allocated: a bad address is one line
+    if config.transfer_engine == "mooncake":
+        check_engine_available()  # likewise a missing library
     import torch
 
     torch.set_num_threads(config.torch_threads)
@@ -218,6 +267,17 @@ def serve(config: DaemonConfig) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     server.start()
+    state.tiers.start_monitor()
+    if state.metrics is not None:
+        try:
+            state.metrics_address = state.metrics.start()
+        except OSError as e:
+            server.stop(0)
+            built.streams.close()
+            state.close()
+            raise AddressError(f"could not serve metrics on {config.metrics_host}:{config.metrics_port}: {e}") from None
+        if not is_loopback(f"{config.metrics_host}:0"):
+            log.warning("metrics are served beyond loopback (%s): they name pools and tiers", state.metrics_address)
     if config.ready_file:
         tmp = Path(config.ready_file + ".tmp")
         tmp.write_text(address)
@@ -231,6 +291,8 @@ def serve(config: DaemonConfig) -> int:
     stopped = server.stop(config.grace_seconds)
     stopped.wait(config.grace_seconds + STOP_SLACK_SECONDS)
     built.streams.close()
+    if state.metrics is not None:
+        state.metrics.stop()
     stuck = built.calls.in_flight
     if stuck:
         log.error("%d calls are still running in worker threads after the %.1f s grace period; closing without them",

@@ -14,7 +14,7 @@ from kvtier.server.service.streams import StreamGuard
 from kvtier.v1 import tier_pb2, tier_pb2_grpc
 
 _COUNTER_FIELDS = ("hits", "misses", "damaged", "writes", "bytes_written", "bytes_read", "evictions",
-                   "bytes_evicted", "full_errors")
+                   "bytes_evicted", "full_errors", "io_errors")
 
 
 class TierServicer(tier_pb2_grpc.TierServiceServicer):

@@ -26,3 +26,23 @@ class LeaseError(TierError, KeyError):
 
 class EnvironmentInUseError(TierError):
     """A second LMDB Environment for a file this process already has open."""
+
+
+class DiskPathError(TierError, ValueError):
+    """The disk tier's directory cannot hold an LMDB environment (a file, a pseudo or read-only
+    filesystem, not writable). Raised when the daemon starts; the message says what to do."""
+
+
+class TierUnavailableError(TierError):
+    """The tier is unhealthy (its storage failed: ENOSPC, EIO, ...) and bypassed until a probe
+    succeeds. Nothing of the failed call is visible in the tier.
+
+    Attributes:
+        tier: the tier's name.
+        reason: why it is unhealthy.
+    """
+
+    def __init__(self, tier: str, reason: str) -> None:
+        super().__init__(f"the {tier} tier is unhealthy ({reason}); it is bypassed until a probe succeeds")
+        self.tier = tier
+        self.reason = reason

@@ -130,7 +130,8 @@ class PrefixCache:
         self.lease_ttl_seconds = lease_ttl_seconds
         self.counters: dict[str, int] = {"lookups": 0, "loads": 0, "stores": 0, "releases": 0,
                                          "hit_pages_device": 0, "hit_pages_host": 0, "hit_pages_disk": 0,
-                                         "fresh_pages": 0, "failed_loads": 0, "expired_leases": 0}
+                                         "miss_pages": 0, "fresh_pages": 0, "failed_loads": 0, "expired_leases": 0,
+                                         "evicted_pages": 0}
         for name in stack.names:  # every key exists from the start: snapshot() copies a dict of fixed size
             self.counters.setdefault(f"hit_pages_{name}", 0)
 
@@ -231,6 +232,7 @@ class PrefixCache:
         del self._pages[key]
         self._device.remove(key)
         self.allocator.free_pages_by_id([page])
+        self.counters["evicted_pages"] += 1
 
     def _page_record(self, page: int) -> RecordLike:
         if self.pool is None:
@@ -324,6 +326,7 @@ class PrefixCache:
             self.counters["loads"] += 1
             for t in tiers:
                 self.counters[f"hit_pages_{t}"] += 1
+            self.counters["miss_pages"] += min(len(keys), total // self.page_size) - loaded
             self.counters["fresh_pages"] += len(fresh_pages)
             return PrefixLoad(lease_id, slots, tiers)
 

@@ -2,8 +2,13 @@
 
 Built from a list of typed configs by a loop (:func:`build_tier` looks the class up by config type).
 An eviction from tier ``i`` writes the record to tier ``i + 1`` when tier ``i`` is write-back; when it
-is write-through the record went down when it entered, and eviction just drops it. The last tier's
+is write-through the record went down when it entered, and eviction just drops it (unless the tier
+below does not hold it: a copy skipped while that tier was unhealthy goes down now). The last tier's
 victims are gone.
+
+Unhealthy tiers (:mod:`kvtier.server.tiers.health`) are bypassed: a record that would go to one is
+passed on to the next tier, and past the last one it is dropped and counted (``host->gone``); a tier
+whose storage fails during a write (``TierUnavailableError``) is bypassed the same way.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from typing import Any
 
 from kvtier.server.tiers.base import RecordLike, Tier, TierConfig, record_nbytes
 from kvtier.server.tiers.disk import DiskTier, DiskTierConfig
-from kvtier.server.tiers.errors import TierFullError
+from kvtier.server.tiers.errors import TierFullError, TierUnavailableError
 from kvtier.server.tiers.host import HostTier, HostTierConfig
 from kvtier.server.tiers.sim import SimTier, SimTierConfig
 
@@ -85,20 +90,30 @@ class TierStack:
             m["count"] += 1
             m["bytes"] += nbytes
 
+    def _held_below(self, key: bytes, level: int) -> bool:
+        return any(t.contains([key])[0] for t in self.tiers[level + 1:])
+
     # ----- writes and the cascade ---------------------------------------------------------------
-    def put(self, key: bytes, rec: RecordLike, *, source: str, level: int = 0) -> bool:
+    def put(self, key: bytes, rec: RecordLike, *, source: str, level: int = 0, count_gone: bool = True) -> list[str]:
         """Store ``rec`` under ``key`` in tier ``level`` (and below it when that tier is
-        write-through), cascading evictions down. Returns False if it fit nowhere (counted as
-        ``source->gone``)."""
+        write-through), cascading evictions down; unhealthy tiers are passed over.
+
+        Returns:
+            Names of the tiers that now hold the record (empty: it fit nowhere and was counted
+            ``source->gone``, unless ``count_gone`` is False).
+        """
         if level >= len(self.tiers):
-            self.count_move(source, "gone", record_nbytes(rec))
-            return False
+            if count_gone:
+                self.count_move(source, "gone", record_nbytes(rec))
+            return []
         tier = self.tiers[level]
+        if not tier.health.healthy:
+            return self.put(key, rec, source=source, level=level + 1, count_gone=count_gone)
         below = level + 1 < len(self.tiers)
 
         def on_evict(victim: bytes, vrec: RecordLike | None) -> None:
             n = record_nbytes(vrec) if vrec is not None else 0
-            if _write_back(tier) and below and vrec is not None:
+            if below and vrec is not None and (_write_back(tier) or not self._held_below(victim, level)):
                 self.put(victim, vrec, source=tier.name, level=level + 1)
             else:
                 self.count_move(tier.name, "gone", n)
@@ -107,12 +122,18 @@ class TierStack:
             written = tier.write([(key, rec)], on_evict=on_evict)
         except TierFullError as e:
             log.info("%s tier: no room for %s (%s); passing it down", tier.name, key.hex(), e)
-            return self.put(key, rec, source=source, level=level + 1)
+            return self.put(key, rec, source=source, level=level + 1, count_gone=count_gone)
+        except TierUnavailableError as e:
+            log.debug("%s", e)
+            return self.put(key, rec, source=source, level=level + 1, count_gone=count_gone)
         if written:
             self.count_move(source, tier.name, record_nbytes(rec))
+        placed = [tier.name]
         if not _write_back(tier) and below:
-            self.put(key, rec, source=tier.name, level=level + 1)
-        return True
+            # write-through: a copy below that cannot be made now (tier full or unhealthy) is not
+            # "gone" (the record is here); eviction writes it down later if the tier below lacks it
+            placed += self.put(key, rec, source=tier.name, level=level + 1, count_gone=False)
+        return placed
 
     def remove(self, keys: Sequence[bytes]) -> int:
         """Drop ``keys`` from every tier; returns records dropped."""
@@ -131,6 +152,11 @@ class TierStack:
                 return i
         return None
 
+    def moves_snapshot(self) -> dict[str, dict[str, int]]:
+        """A copy of :attr:`moves`, under the move counters' leaf lock only (for metrics)."""
+        with self._moves_lock:
+            return {k: dict(v) for k, v in self.moves.items()}
+
     def stats(self) -> dict[str, Any]:
         """``{"tiers": {name: TierStats dict}, "moves": {...}}``."""
         with self._moves_lock:
@@ -138,13 +164,17 @@ class TierStack:
         return {"tiers": {t.name: t.stats().to_dict() for t in self.tiers}, "moves": moves}
 
     def spill_down(self) -> int:
-        """Write every record of each write-back tier to the tier below it (oldest first), e.g. before
-        shutdown, so a restart finds in the last tier what the faster tiers held. Returns records moved."""
+        """Write every record of each tier that the tier below lacks to it (oldest first), e.g. before
+        shutdown, so a restart finds in the last tier what the faster tiers held; an unhealthy tier
+        below is skipped. Returns records moved."""
         moved = 0
         for level, tier in enumerate(self.tiers[:-1]):
-            if not _write_back(tier):
-                continue  # write-through: everything is below already
             below = self.tiers[level + 1]
+            if not below.health.healthy:
+                log.warning("%s tier is unhealthy: %d records of the %s tier are not moved down",
+                            below.name, len(tier.index), tier.name)
+                continue
+            # write-through tiers too: a copy skipped while the tier below was unhealthy goes down now
             for key in tier.index.keys():
                 if below.contains([key])[0]:
                     continue

@@ -814,11 +814,14 @@ class OffloadResponse(_message.Message):
     NBYTES_FIELD_NUMBER: _builtins.int
     NUM_TOKENS_FIELD_NUMBER: _builtins.int
     FREED_PAGES_FIELD_NUMBER: _builtins.int
+    DURABLE_FIELD_NUMBER: _builtins.int
     key: _builtins.str
     nbytes: _builtins.int
     """host bytes the copy takes"""
     num_tokens: _builtins.int
     freed_pages: _builtins.int
+    durable: _builtins.bool
+    """committed to the disk tier's LMDB before this reply (write-through"""
     def __init__(
         self,
         *,
@@ -826,10 +829,11 @@ class OffloadResponse(_message.Message):
         nbytes: _builtins.int = ...,
         num_tokens: _builtins.int = ...,
         freed_pages: _builtins.int = ...,
+        durable: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["freed_pages", b"freed_pages", "key", b"key", "nbytes", b"nbytes", "num_tokens", b"num_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["durable", b"durable", "freed_pages", b"freed_pages", "key", b"key", "nbytes", b"nbytes", "num_tokens", b"num_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1087,6 +1091,9 @@ class TierStats(_message.Message):
     ENTRIES_FIELD_NUMBER: _builtins.int
     TENANT_USED_BYTES_FIELD_NUMBER: _builtins.int
     TENANT_QUOTA_BYTES_FIELD_NUMBER: _builtins.int
+    UNHEALTHY_FIELD_NUMBER: _builtins.int
+    UNHEALTHY_REASON_FIELD_NUMBER: _builtins.int
+    NEXT_PROBE_SECONDS_FIELD_NUMBER: _builtins.int
     tier: _builtins.str
     """"device", "host", "disk" """
     used_bytes: _builtins.int
@@ -1097,6 +1104,12 @@ class TierStats(_message.Message):
     """the caller's tenant's bytes there (device: its pools)"""
     tenant_quota_bytes: _builtins.int
     """the caller's tenant's quota there; unset: none"""
+    unhealthy: _builtins.bool
+    """bypassed since its storage failed (health service kvtier.tier.<tier> NOT_SERVING)"""
+    unhealthy_reason: _builtins.str
+    """why, e.g. "write: mdb_txn_commit: Input/output error" """
+    next_probe_seconds: _builtins.float
+    """while unhealthy: seconds until it is probed again"""
     def __init__(
         self,
         *,
@@ -1106,10 +1119,13 @@ class TierStats(_message.Message):
         entries: _builtins.int = ...,
         tenant_used_bytes: _builtins.int = ...,
         tenant_quota_bytes: _builtins.int | None = ...,
+        unhealthy: _builtins.bool = ...,
+        unhealthy_reason: _builtins.str = ...,
+        next_probe_seconds: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_tenant_quota_bytes", b"_tenant_quota_bytes", "tenant_quota_bytes", b"tenant_quota_bytes"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_tenant_quota_bytes", b"_tenant_quota_bytes", "budget_bytes", b"budget_bytes", "entries", b"entries", "tenant_quota_bytes", b"tenant_quota_bytes", "tenant_used_bytes", b"tenant_used_bytes", "tier", b"tier", "used_bytes", b"used_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_tenant_quota_bytes", b"_tenant_quota_bytes", "budget_bytes", b"budget_bytes", "entries", b"entries", "next_probe_seconds", b"next_probe_seconds", "tenant_quota_bytes", b"tenant_quota_bytes", "tenant_used_bytes", b"tenant_used_bytes", "tier", b"tier", "unhealthy", b"unhealthy", "unhealthy_reason", b"unhealthy_reason", "used_bytes", b"used_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__tenant_quota_bytes: _TypeAlias = _typing.Literal["tenant_quota_bytes"]  # noqa: Y015
     _WhichOneofArgType__tenant_quota_bytes: _TypeAlias = _typing.Literal["_tenant_quota_bytes", b"_tenant_quota_bytes"]  # noqa: Y015
@@ -1149,12 +1165,15 @@ class StatsResponse(_message.Message):
     COUNTERS_FIELD_NUMBER: _builtins.int
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _builtins.int
     TENANT_FIELD_NUMBER: _builtins.int
+    METRICS_ADDRESS_FIELD_NUMBER: _builtins.int
     version: _builtins.str
     uptime_seconds: _builtins.float
     device: _builtins.str
     max_message_bytes: _builtins.int
     tenant: _builtins.str
     """the tenant the call was made as ("default" without --auth-tokens)"""
+    metrics_address: _builtins.str
+    """http://HOST:PORT/metrics of the Prometheus endpoint ("" when off)"""
     @_builtins.property
     def pools(self) -> _containers.RepeatedCompositeFieldContainer[Global___PoolStats]: ...
     @_builtins.property
@@ -1174,10 +1193,11 @@ class StatsResponse(_message.Message):
         counters: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
         max_message_bytes: _builtins.int = ...,
         tenant: _builtins.str = ...,
+        metrics_address: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["counters", b"counters", "device", b"device", "max_message_bytes", b"max_message_bytes", "pools", b"pools", "tenant", b"tenant", "tiers", b"tiers", "uptime_seconds", b"uptime_seconds", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["counters", b"counters", "device", b"device", "max_message_bytes", b"max_message_bytes", "metrics_address", b"metrics_address", "pools", b"pools", "tenant", b"tenant", "tiers", b"tiers", "uptime_seconds", b"uptime_seconds", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

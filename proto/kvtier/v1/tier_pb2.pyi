@@ -371,6 +371,7 @@ class TierCounters(_message.Message):
     FULL_ERRORS_FIELD_NUMBER: _builtins.int
     TENANT_USED_BYTES_FIELD_NUMBER: _builtins.int
     TENANT_QUOTA_BYTES_FIELD_NUMBER: _builtins.int
+    IO_ERRORS_FIELD_NUMBER: _builtins.int
     tier: _builtins.str
     capacity_bytes: _builtins.int
     used_bytes: _builtins.int
@@ -390,6 +391,8 @@ class TierCounters(_message.Message):
     """bytes of the caller's tenant's records in this tier"""
     tenant_quota_bytes: _builtins.int
     """the caller's tenant's quota in this tier; unset: none"""
+    io_errors: _builtins.int
+    """storage failures (ENOSPC, EIO) that made the tier unhealthy"""
     def __init__(
         self,
         *,
@@ -409,10 +412,11 @@ class TierCounters(_message.Message):
         full_errors: _builtins.int = ...,
         tenant_used_bytes: _builtins.int = ...,
         tenant_quota_bytes: _builtins.int | None = ...,
+        io_errors: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_tenant_quota_bytes", b"_tenant_quota_bytes", "tenant_quota_bytes", b"tenant_quota_bytes"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_tenant_quota_bytes", b"_tenant_quota_bytes", "bytes_evicted", b"bytes_evicted", "bytes_read", b"bytes_read", "bytes_written", b"bytes_written", "capacity_bytes", b"capacity_bytes", "damaged", b"damaged", "entries", b"entries", "evictions", b"evictions", "full_errors", b"full_errors", "hits", b"hits", "misses", b"misses", "pinned", b"pinned", "tenant_quota_bytes", b"tenant_quota_bytes", "tenant_used_bytes", b"tenant_used_bytes", "tier", b"tier", "used_bytes", b"used_bytes", "writes", b"writes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_tenant_quota_bytes", b"_tenant_quota_bytes", "bytes_evicted", b"bytes_evicted", "bytes_read", b"bytes_read", "bytes_written", b"bytes_written", "capacity_bytes", b"capacity_bytes", "damaged", b"damaged", "entries", b"entries", "evictions", b"evictions", "full_errors", b"full_errors", "hits", b"hits", "io_errors", b"io_errors", "misses", b"misses", "pinned", b"pinned", "tenant_quota_bytes", b"tenant_quota_bytes", "tenant_used_bytes", b"tenant_used_bytes", "tier", b"tier", "used_bytes", b"used_bytes", "writes", b"writes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__tenant_quota_bytes: _TypeAlias = _typing.Literal["tenant_quota_bytes"]  # noqa: Y015
     _WhichOneofArgType__tenant_quota_bytes: _TypeAlias = _typing.Literal["_tenant_quota_bytes", b"_tenant_quota_bytes"]  # noqa: Y015
