@@ -30,6 +30,7 @@ from kvtier.server.daemon.config_keys import check_known_keys
 from kvtier.server.daemon.quotas import Quotas
 from kvtier.server.daemon.tenants import DEFAULT_TENANT, check_tenant_name
 from kvtier.server.daemon.tier_settings import TierSettings
+from kvtier.server.daemon.unit_settings import UnitSettings
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -171,6 +172,7 @@ class DaemonConfig:
     pools: tuple[PoolSpec, ...] = field(default=())
     """Pools created at start."""
     tiers: TierSettings = field(default_factory=TierSettings)  # [tiers] table / --disk-* flags (kvtier.server.daemon.tier_settings)
+    units: UnitSettings = field(default_factory=UnitSettings)  # [units] table: the unit store (kvtier.server.daemon.unit_settings)
     transfer_engine: str = "none"
     """PD transfer engine: ``mooncake`` (Mooncake Transfer Engine, registers pool buffers) or ``none`` (gRPC fallback only)."""
     transfer_host: str = "127.0.0.1"

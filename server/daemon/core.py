@@ -35,6 +35,8 @@ from kvtier.server.daemon.pools import PoolEntry, PoolRegistry, PoolRequest
 from kvtier.server.daemon.tenants import Caller, TokenTable
 from kvtier.server.daemon.tier_runtime import TierRuntime
 from kvtier.server.daemon.transfer import TransferState
+from kvtier.server.daemon.unit_settings import UnitSettings
+from kvtier.server.daemon.unit_store import UnitStore
 from kvtier.server.pool import resolve_device
 
 log = logging.getLogger("kvtier.daemon")
@@ -104,6 +106,7 @@ class Daemon:
         tokens: the bearer-token table (None without ``auth_tokens``: one tenant, ``default``).
         pools: the pool registry. tiers: the host/disk stack, the pools' prefix caches and the tier monitor.
         offload_store: the one store of offloaded copies, in ``tiers.stack``.
+        units: the unit store (an engine's pages, KV + indexer as one record each), in ``tiers.stack``.
         transfer: PD transfer (layouts, pulls, page streams).
         metrics: the Prometheus metrics (``DaemonMetrics``) when ``metrics_port`` is set, else None;
             ``metrics_address`` is their URL once served ("" before or without).
@@ -127,6 +130,7 @@ class Daemon:
         self.metrics_address = ""  # http://HOST:PORT/metrics once served
         self.tiers = TierRuntime(self)  # host/disk tiers, prefix caches
         self.offload_store = OffloadStore(self.tiers.stack, self.config.quotas)
+        self.units = UnitStore(self.tiers.stack, UnitSettings.coerce(getattr(self.config, "units", None)))
         self.transfer = TransferState(self)  # PD transfer: the engine (if configured) and its registrations
         self.add_shutdown_hook(self.transfer.close)
 

@@ -1,0 +1,281 @@
+"""The unit store: an engine's pages (KV part + indexer part) as ONE record each in the tier stack.
+
+What SGLang's HiCache calls its L3 storage (``kvtier.integrations.sglang`` is the adapter): put, get
+and longest-prefix exists of *units* under the engine's page keys, over the daemon's host -> disk
+tiers (the same tiers, budgets, quotas and health rules as the prefix caches and offloaded copies).
+
+* One unit, one record (:mod:`~kvtier.server.daemon.unit_space`): a unit is stored only when both
+  parts are there, so exists never counts a page whose indexer is missing (or the reverse), a read
+  returns both parts of one record, and eviction removes both.
+* Parts that arrive apart wait in the :class:`~kvtier.server.daemon.unit_pending.PendingTable`,
+  invisible, until the other part comes or they time out.
+* Keys: ``tenant_key(tenant, b"u:" + space digest + page key)``: tenant, model fingerprint with its
+  layer range (the pipeline stage), indexer or not, and shard scope, above the tiers.
+* A part for a unit that is already whole and present is accepted and dropped (the engine re-sends
+  pages it wrote before), as SGLang's file backend skips existing pages.
+
+Locking: the pending table's lock (level 4, a dict); the tier index locks are taken by the tier calls
+(level 5) with no store lock held. Nothing here imports grpc.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvtier.server.daemon.errors import InvalidArgument
+from kvtier.server.daemon.tenants import Caller, tenant_key
+from kvtier.server.daemon.unit_pending import PendingTable
+from kvtier.server.daemon.unit_settings import UnitSettings
+from kvtier.server.daemon.unit_space import BOTH, INDEX, KV, SpaceRequest, UnitSpace, resolve_space
+from kvtier.server.tiers import RecordError, TierStack
+
+log = logging.getLogger("kvtier.daemon")
+
+UNIT_PREFIX = b"u:"
+MAX_KEYS = 4096
+MAX_KEY_BYTES = 256
+_SPACE_CACHE = 256
+
+
+@dataclass(frozen=True)
+class PutResult:
+    """Per key whether the part was accepted (stored, waiting, or the unit was already whole), how
+    many units this call completed, how many parts now wait."""
+
+    accepted: list[bool]
+    completed: int
+    pending: int
+
+
+class UnitPut:
+    """A put being received: one destination view per key, filled in key order by :meth:`add`.
+
+    Sizes are checked and the buffers allocated at creation (before any data is read). KV and
+    both-part puts are received straight into record-sized tensors (no second copy), index parts into
+    their own small tensors.
+    """
+
+    def __init__(self, store: UnitStore, caller: Caller, space: UnitSpace, keys: list[bytes], part: str) -> None:
+        self.store, self.caller, self.space, self.keys, self.part = store, caller, space, keys, part
+        n_part = space.part_nbytes(part)
+        self.total = n_part * len(keys)
+        if self.total > store.settings.max_call_bytes:
+            raise InvalidArgument(f"{len(keys)} units of {n_part} bytes are {self.total} bytes, more than one call "
+                                  f"may carry ({store.settings.max_call_bytes}, units.max_call_bytes); split the batch")
+        codec, h = space.codec, space.codec.header_nbytes
+        self.bufs: list[torch.Tensor] = []
+        self.views: list[torch.Tensor] = []
+        for _ in keys:
+            if part == INDEX:
+                buf = torch.empty(n_part, dtype=torch.uint8)
+                self.bufs.append(buf)
+                self.views.append(buf)
+            else:
+                rec = torch.empty(codec.page_nbytes(), dtype=torch.uint8)
+                self.bufs.append(rec)
+                self.views.append(rec[h:h + n_part])
+        self.filled = 0
+        self._unit, self._at = 0, 0
+
+    def add(self, data: bytes | memoryview | torch.Tensor) -> None:
+        """Copy the next ``data`` bytes in. Raises InvalidArgument past the announced total."""
+        src = data.reshape(-1).view(torch.uint8).numpy() if isinstance(data, torch.Tensor) else np.frombuffer(data, np.uint8)
+        n = int(src.size)
+        if self.filled + n > self.total:
+            raise InvalidArgument(f"PutUnits carries more than the {self.total} bytes its keys and part announce")
+        done = 0
+        while done < n:
+            view = self.views[self._unit].numpy()
+            take = min(n - done, view.size - self._at)
+            view[self._at:self._at + take] = src[done:done + take]
+            done += take
+            self._at += take
+            if self._at == view.size:
+                self._unit, self._at = self._unit + 1, 0
+        self.filled += n
+
+    def ends_a_part(self) -> bool:
+        """True when the bytes so far end exactly at a unit's part boundary."""
+        return self._at == 0
+
+    def commit(self) -> PutResult:
+        """Store what arrived. Raises InvalidArgument if fewer bytes came than announced."""
+        if self.filled != self.total:
+            raise InvalidArgument(f"PutUnits carried {self.filled} of the {self.total} bytes its keys and part announce")
+        return self.store._commit(self)
+
+
+class UnitStore:
+    """Units of every tenant in the daemon's tier stack.
+
+    Args:
+        stack: the daemon's host/disk tiers (with no tier every put is refused: ``accepted`` False).
+        settings: the pending table's budget and timeout, the largest call.
+    """
+
+    def __init__(self, stack: TierStack, settings: UnitSettings | None = None) -> None:
+        self.stack = stack
+        self.settings = settings or UnitSettings()
+        self.pending = PendingTable(self.settings.pending_bytes, self.settings.pending_seconds)
+        self._spaces: dict[SpaceRequest, UnitSpace] = {}
+        self._lock = threading.Lock()  # leaf: the counters and the space cache (dict operations only)
+        self._counters: dict[str, dict[str, int]] = {}
+
+    # ----- names --------------------------------------------------------------------------------
+    def space(self, req: SpaceRequest) -> UnitSpace:
+        """The checked space of ``req`` (cached). Raises InvalidArgument."""
+        with self._lock:
+            got = self._spaces.get(req)
+        if got is None:
+            got = resolve_space(req)
+            with self._lock:
+                if len(self._spaces) >= _SPACE_CACHE:
+                    self._spaces.clear()
+                self._spaces[req] = got
+        return got
+
+    @staticmethod
+    def check_keys(keys: Sequence[bytes]) -> list[bytes]:
+        """Raise InvalidArgument unless there are at most 4096 keys of 1..256 bytes each."""
+        if len(keys) > MAX_KEYS:
+            raise InvalidArgument(f"at most {MAX_KEYS} unit keys a call, got {len(keys)}")
+        keys = [bytes(k) for k in keys]
+        if any(not 1 <= len(k) <= MAX_KEY_BYTES for k in keys):
+            raise InvalidArgument(f"unit keys must be 1..{MAX_KEY_BYTES} bytes each")
+        return keys
+
+    @staticmethod
+    def _space_prefix(caller: Caller, space: UnitSpace) -> bytes:
+        return tenant_key(caller.tenant, UNIT_PREFIX + space.digest)
+
+    def _count(self, caller: Caller, **deltas: int) -> None:
+        with self._lock:
+            mine = self._counters.setdefault(caller.tenant, {})
+            for k, v in deltas.items():
+                mine[k] = mine.get(k, 0) + v
+
+    def _present(self, tkey: bytes) -> bool:
+        return any(t.contains([tkey])[0] for t in self.stack.tiers)
+
+    # ----- presence -----------------------------------------------------------------------------
+    def exists(self, caller: Caller, space: UnitSpace, keys: Sequence[bytes]) -> int:
+        """Length of the longest prefix of ``keys`` whose units are whole and present in a healthy
+        tier (a waiting part is never counted). Raises InvalidArgument (bad keys)."""
+        keys = self.check_keys(keys)
+        prefix = self._space_prefix(caller, space)
+        n = 0
+        for k in keys:
+            if not self._present(prefix + k):
+                break
+            n += 1
+        self._count(caller, exists_calls=1)
+        return n
+
+    # ----- put ----------------------------------------------------------------------------------
+    def begin_put(self, caller: Caller, space: UnitSpace, keys: Sequence[bytes], part: str) -> UnitPut:
+        """Start a put of ``part`` for ``keys``; feed it with :meth:`UnitPut.add`, end with
+        :meth:`UnitPut.commit`. Keys must not repeat. Raises InvalidArgument (keys, part, size)."""
+        keys = self.check_keys(keys)
+        if len(set(keys)) != len(keys):
+            raise InvalidArgument("unit keys of one put must not repeat")
+        return UnitPut(self, caller, space, keys, space.check_part(part))
+
+    def put(self, caller: Caller, space: UnitSpace, keys: Sequence[bytes], part: str,
+            data: bytes | memoryview | torch.Tensor) -> PutResult:
+        """:meth:`begin_put`, one :meth:`UnitPut.add` of all ``data``, :meth:`UnitPut.commit`."""
+        p = self.begin_put(caller, space, keys, part)
+        p.add(data)
+        return p.commit()
+
+    def _commit(self, p: UnitPut) -> PutResult:
+        space, codec, ps = p.space, p.space.codec, p.space.model.page_size
+        prefix = self._space_prefix(p.caller, space)
+        accepted, completed, stored_before = [], 0, 0
+        for key, buf in zip(p.keys, p.bufs):
+            tkey = prefix + key
+            if self._present(tkey):
+                accepted.append(True)
+                stored_before += 1
+                continue
+            rec, index = None, None
+            if p.part == BOTH or not space.with_index:
+                rec = buf
+            else:
+                m = self.pending.offer(tkey, kv_rec=buf) if p.part == KV else self.pending.offer(tkey, index=buf)
+                if m is None:
+                    accepted.append(tkey in self.pending)
+                    continue
+                rec, index = m.kv_rec, m.index
+            if index is not None:
+                h, lat = codec.header_nbytes, space.kv_nbytes
+                rec[h + lat:h + lat + space.index_nbytes].copy_(index)
+            _, _, src = codec.payload(rec, ps, 1)
+            torch.arange(ps, dtype=torch.int64, out=src)
+            codec.seal(rec, ps, 1)
+            placed = self.stack.put(tkey, rec, source="client")
+            accepted.append(bool(placed))
+            completed += bool(placed)
+        n_pending = sum(1 for k in p.keys if prefix + k in self.pending)
+        self._count(p.caller, units_stored=completed, parts_already_stored=stored_before,
+                    units_dropped_no_room=sum(1 for a in accepted if not a), put_bytes=p.total)
+        return PutResult(accepted, completed, n_pending)
+
+    # ----- get ----------------------------------------------------------------------------------
+    def read(self, caller: Caller, space: UnitSpace, keys: Sequence[bytes], part: str) -> Iterator[tuple[int, torch.Tensor]]:
+        """Yield ``(position, bytes of part)`` for each key whose unit is whole and present, in key
+        order. Each view lies in one record (the host tier's own tensor, pinned, or a verified copy
+        from disk) and is valid until the next item is asked for: copy it out before. A record that
+        fails its checks is dropped, counted and read as a miss. Raises InvalidArgument (keys, part)."""
+        keys = self.check_keys(keys)
+        space.check_part(part)
+        prefix = self._space_prefix(caller, space)
+        codec, h = space.codec, space.codec.header_nbytes
+        start = h + (space.kv_nbytes if part == INDEX else 0)
+        end = start + space.part_nbytes(part)
+        hits = 0
+        for i, key in enumerate(keys):
+            tkey = prefix + key
+            for tier in self.stack.tiers:
+                with tier.borrow([tkey]) as (rec,):
+                    if rec is None:
+                        continue
+                    assert isinstance(rec, torch.Tensor)
+                    try:
+                        info = codec.check(rec)
+                        if info.n_tokens != space.model.page_size or info.n_pages != 1:
+                            raise RecordError("not a one-page unit record")
+                    except RecordError as e:
+                        tier.report_damaged(tkey, e)
+                        continue
+                    hits += 1
+                    yield i, rec[start:end]
+                    break
+        self._count(caller, hits=hits, misses=len(keys) - hits, get_bytes=hits * (end - start))
+
+    # ----- housekeeping -------------------------------------------------------------------------
+    def clear(self, caller: Caller, space: UnitSpace) -> int:
+        """Remove the caller's units of ``space`` from every tier and its waiting parts; returns how many."""
+        prefix = self._space_prefix(caller, space)
+        removed = self.pending.drop_prefix(prefix)
+        for tier in self.stack.tiers:
+            mine = [k for k in tier.index.keys() if isinstance(k, bytes) and k.startswith(prefix)]
+            removed += tier.remove(mine)
+        self._count(caller, cleared=removed)
+        return removed
+
+    def stats(self, caller: Caller) -> dict[str, int]:
+        """The caller's tenant's counters, its waiting parts and their bytes, and the daemon-wide
+        ``partial_expired``/``partial_evicted`` (monitoring: the table's and counters' leaf locks only)."""
+        self.pending.sweep()
+        parts, nbytes = self.pending.count_prefix(tenant_key(caller.tenant, UNIT_PREFIX))
+        with self._lock:
+            out = dict(self._counters.get(caller.tenant, {}))
+        out.update(parts_pending=parts, pending_bytes=nbytes, partial_expired=self.pending.expired,
+                   partial_evicted=self.pending.evicted)
+        return out

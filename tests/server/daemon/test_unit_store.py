@@ -1,0 +1,160 @@
+"""The unit store in process: a page's KV part and indexer part are one record, whatever order they come in.
+
+Geometry: GLM-5.2's pipeline stage of layers 20-23 (fp8, 656-byte rows; layer 20 skips top-k, 22
+runs it, so one live indexer layer of 8448 bytes a page). Expected bytes are built here from seeds,
+and the record's layout is checked against an independent slice of the record format.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtier.server.daemon.errors import InvalidArgument
+from kvtier.server.daemon.tenants import Caller
+from kvtier.server.daemon.unit_settings import UnitSettings
+from kvtier.server.daemon.unit_space import SpaceRequest
+from kvtier.server.daemon.unit_store import UnitStore
+from kvtier.server.model_config import DSAModelConfig
+from kvtier.server.tiers import HostTierConfig, TierStack
+
+PS = 64
+MODEL = DSAModelConfig.from_preset("glm-5.2", start_layer=20, end_layer=24)
+LIVE = [i for i, s in enumerate(MODEL.skip_topk_layers) if not s]
+KV_BYTES = 4 * PS * 656
+IDX_BYTES = len(LIVE) * 8448
+ME, OTHER = Caller("team-a"), Caller("team-b")
+
+
+def space_req(**over):
+    fp = MODEL.fingerprint()
+    fields = dict(model_name=fp["name"], num_layers=4, start_layer=20, kv_lora_rank=512, qk_rope_head_dim=64,
+                  index_head_dim=128, kv_cache_dtype="fp8", page_size=PS, latent_row_bytes=656,
+                  skip_mask=fp["skip_mask"], with_index=True, scope="")
+    fields.update(over)
+    return SpaceRequest(**fields)
+
+
+def parts(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randint(0, 256, (KV_BYTES,), dtype=torch.uint8, generator=g),
+            torch.randint(0, 256, (IDX_BYTES,), dtype=torch.uint8, generator=g))
+
+
+def store(host_pages: int = 16, **settings) -> UnitStore:
+    page_rec = 4096 + KV_BYTES + IDX_BYTES + 8 * PS
+    return UnitStore(TierStack.from_configs([HostTierConfig(capacity_bytes=host_pages * page_rec)]), UnitSettings(**settings))
+
+
+def read_all(s, caller, space, keys, part):
+    return {i: v.clone() for i, v in s.read(caller, space, keys, part)}
+
+
+def test_parts_in_either_order_make_one_record_visible_only_when_whole():
+    s = store()
+    sp = s.space(space_req())
+    assert MODEL.fingerprint()["skip_mask"] == "SSFS" and LIVE == [2]  # GLM-5.2 runs top-k on 22 only, of 20-23
+    keys = [b"k0", b"k1", b"k2"]
+    data = [parts(i) for i in range(3)]
+    # k0: index first (as SGLang writes), k1: KV first, k2: both in one call
+    r = s.put(ME, sp, keys[:2], "index", torch.cat([data[0][1], data[1][1]]))
+    assert r.accepted == [True, True] and r.completed == 0 and r.pending == 2
+    assert s.exists(ME, sp, keys) == 0 and read_all(s, ME, sp, keys, "both") == {}
+    r = s.put(ME, sp, [b"k1", b"k0"], "kv", torch.cat([data[1][0], data[0][0]]))
+    assert r.completed == 2 and r.pending == 0
+    assert s.exists(ME, sp, keys) == 2
+    s.put(ME, sp, [b"k2"], "both", torch.cat(data[2]))
+    assert s.exists(ME, sp, keys) == 3
+    got = read_all(s, ME, sp, keys, "both")
+    for i in range(3):
+        assert torch.equal(got[i], torch.cat(data[i]))
+    assert torch.equal(read_all(s, ME, sp, [b"k1"], "index")[0], data[1][1])
+    assert torch.equal(read_all(s, ME, sp, [b"k1"], "kv")[0], data[1][0])
+    # the stored record is kvtier's one-page record: latent (layers, 64, 656) then index (live, 1, 8448)
+    (tier,) = s.stack.tiers
+    with tier.borrow([list(tier.index.keys())[0]]) as (rec,):
+        latent, index, src = sp.codec.payload(rec, PS, 1)
+        assert tuple(latent.shape) == (4, PS, 656) and tuple(index.shape) == (len(LIVE), 1, 8448)
+        assert torch.equal(src, torch.arange(PS))
+
+
+def test_other_tenant_and_other_stage_see_nothing():
+    s = store()
+    sp = s.space(space_req())
+    s.put(ME, sp, [b"k"], "both", torch.cat(parts(1)))
+    assert s.exists(ME, sp, [b"k"]) == 1
+    assert s.exists(OTHER, sp, [b"k"]) == 0 and read_all(s, OTHER, sp, [b"k"], "both") == {}
+    other_stage = s.space(space_req(start_layer=24, skip_mask=DSAModelConfig.from_preset(
+        "glm-5.2", start_layer=24, end_layer=28).fingerprint()["skip_mask"]))
+    assert s.exists(ME, other_stage, [b"k"]) == 0
+    assert s.exists(ME, s.space(space_req(scope="tp1/2")), [b"k"]) == 0
+
+
+def test_half_units_time_out_and_are_never_counted():
+    s = store(pending_seconds=0.5)
+    now = [0.0]
+    s.pending._clock = lambda: now[0]
+    sp = s.space(space_req())
+    kv, idx = parts(3)
+    s.put(ME, sp, [b"a"], "kv", kv)
+    assert s.stats(ME)["parts_pending"] == 1
+    now[0] = 1.0                      # past the timeout: the KV part is dropped
+    s.put(ME, sp, [b"a"], "index", idx)
+    assert s.exists(ME, sp, [b"a"]) == 0
+    st = s.stats(ME)
+    assert st["partial_expired"] == 1 and st["parts_pending"] == 1 and st["pending_bytes"] == IDX_BYTES
+
+
+def test_pending_budget_drops_oldest():
+    rec_bytes = UnitStore(TierStack([])).space(space_req()).codec.page_nbytes()
+    s = store(pending_bytes=2 * rec_bytes + 3 * IDX_BYTES)  # two waiting KV parts (and index parts)
+    sp = s.space(space_req())
+    for k in (b"a", b"b", b"c"):
+        s.put(ME, sp, [k], "kv", parts(0)[0])
+    st = s.stats(ME)
+    assert st["partial_evicted"] == 1 and st["parts_pending"] == 2
+    s.put(ME, sp, [b"a", b"b", b"c"], "index", torch.cat([parts(0)[1]] * 3))
+    assert [s.exists(ME, sp, [k]) for k in (b"a", b"b", b"c")] == [0, 1, 1]
+
+
+def test_eviction_removes_both_parts():
+    s = store(host_pages=2)
+    sp = s.space(space_req())
+    for k in (b"a", b"b", b"c"):   # the host tier holds two units: "a" is evicted (no tier below)
+        s.put(ME, sp, [k], "both", torch.cat(parts(ord(k))))
+    assert s.exists(ME, sp, [b"a"]) == 0 and read_all(s, ME, sp, [b"a"], "index") == {}
+    assert read_all(s, ME, sp, [b"a"], "kv") == {}
+    assert s.exists(ME, sp, [b"b", b"c"]) == 2
+
+
+def test_bad_input_changes_nothing():
+    s = store()
+    sp = s.space(space_req())
+    with pytest.raises(InvalidArgument):
+        s.space(space_req(latent_row_bytes=576))
+    with pytest.raises(InvalidArgument):
+        s.space(space_req(skip_mask="FFF"))
+    with pytest.raises(InvalidArgument):
+        s.space(space_req(kv_cache_dtype="fp4"))
+    with pytest.raises(InvalidArgument):
+        s.put(ME, sp, [b"a"], "kv", torch.zeros(KV_BYTES + 1, dtype=torch.uint8))
+    p = s.begin_put(ME, sp, [b"a"], "kv")
+    p.add(torch.zeros(KV_BYTES - 1, dtype=torch.uint8))
+    with pytest.raises(InvalidArgument):
+        p.commit()
+    for keys in ([b""], [b"x" * 257], [b"a", b"a"]):
+        with pytest.raises(InvalidArgument):
+            s.begin_put(ME, sp, keys, "kv")
+    with pytest.raises(InvalidArgument):
+        s.space(space_req(with_index=False)).check_part("index")
+    assert s.stats(ME)["parts_pending"] == 0 and len(s.stack.tiers[0].index) == 0
+
+
+def test_clear_removes_units_and_waiting_parts_of_one_space():
+    s = store()
+    sp, other = s.space(space_req()), s.space(space_req(scope="tp1/2"))
+    s.put(ME, sp, [b"a"], "both", torch.cat(parts(1)))
+    s.put(ME, sp, [b"b"], "kv", parts(2)[0])
+    s.put(ME, other, [b"a"], "both", torch.cat(parts(1)))
+    assert s.clear(ME, sp) == 2
+    assert s.exists(ME, sp, [b"a"]) == 0 and s.exists(ME, other, [b"a"]) == 1
