@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from kvtier.client.base import BaseClient
 from kvtier.client.pool import PoolMixin
+from kvtier.client.storage import StorageMixin
 from kvtier.client.tiers import TierMixin
 from kvtier.client.transfer import TransferMixin
 
 
-class KVTierClient(PoolMixin, TierMixin, TransferMixin, BaseClient):
+class KVTierClient(PoolMixin, TierMixin, TransferMixin, StorageMixin, BaseClient):
     """Client of a kvtier daemon; see :class:`~kvtier.client.base.BaseClient` for the arguments.
 
     Example::

@@ -111,6 +111,9 @@ def resolve_space(req: SpaceRequest) -> UnitSpace:
     if req.latent_row_bytes != model.latent_row_bytes:
         raise InvalidArgument(f"unit space latent_row_bytes {req.latent_row_bytes} differs from the "
                               f"{model.latent_row_bytes} bytes a {model.kv_cache_dtype} row of this geometry has")
+    if req.with_index and not model.live_indexer_layers:
+        raise InvalidArgument("unit space with_index is true but every layer of the stage skips top-k (no indexer "
+                              "rows to store); use with_index false")
     mask = tuple(not s for s in model.skip_topk_layers) if req.with_index else (False,) * model.num_layers
     codec = RecordCodec(model, mask)
     blob = json.dumps({"fp": model.fingerprint(), "with_index": req.with_index, "scope": req.scope}, sort_keys=True)

@@ -56,9 +56,9 @@ class PutResult:
 class UnitPut:
     """A put being received: one destination view per key, filled in key order by :meth:`add`.
 
-    Sizes are checked and the buffers allocated at creation (before any data is read). KV and
-    both-part puts are received straight into record-sized tensors (no second copy), index parts into
-    their own small tensors.
+    Sizes are checked at creation (before any data is read); each unit's buffer is allocated when its
+    first byte arrives, so memory follows the bytes really sent. KV and both-part puts are received
+    straight into record-sized tensors (no second copy), index parts into their own small tensors.
     """
 
     def __init__(self, store: UnitStore, caller: Caller, space: UnitSpace, keys: list[bytes], part: str) -> None:
@@ -68,20 +68,23 @@ class UnitPut:
         if self.total > store.settings.max_call_bytes:
             raise InvalidArgument(f"{len(keys)} units of {n_part} bytes are {self.total} bytes, more than one call "
                                   f"may carry ({store.settings.max_call_bytes}, units.max_call_bytes); split the batch")
-        codec, h = space.codec, space.codec.header_nbytes
-        self.bufs: list[torch.Tensor] = []
-        self.views: list[torch.Tensor] = []
-        for _ in keys:
-            if part == INDEX:
-                buf = torch.empty(n_part, dtype=torch.uint8)
-                self.bufs.append(buf)
-                self.views.append(buf)
-            else:
-                rec = torch.empty(codec.page_nbytes(), dtype=torch.uint8)
-                self.bufs.append(rec)
-                self.views.append(rec[h:h + n_part])
+        self.n_part = n_part
+        self.bufs: list[torch.Tensor] = []    # allocated as each unit's first byte arrives
+        self.views: list[np.ndarray] = []
         self.filled = 0
-        self._unit, self._at = 0, 0
+        self._at = 0
+
+    def _next_view(self) -> np.ndarray:
+        if self.part == INDEX:
+            buf = torch.empty(self.n_part, dtype=torch.uint8)
+            view = buf
+        else:
+            h = self.space.codec.header_nbytes
+            buf = torch.empty(self.space.codec.page_nbytes(), dtype=torch.uint8)
+            view = buf[h:h + self.n_part]
+        self.bufs.append(buf)
+        self.views.append(view.numpy())
+        return self.views[-1]
 
     def add(self, data: bytes | memoryview | torch.Tensor) -> None:
         """Copy the next ``data`` bytes in. Raises InvalidArgument past the announced total."""
@@ -91,13 +94,11 @@ class UnitPut:
             raise InvalidArgument(f"PutUnits carries more than the {self.total} bytes its keys and part announce")
         done = 0
         while done < n:
-            view = self.views[self._unit].numpy()
+            view = self.views[-1] if self._at else self._next_view()
             take = min(n - done, view.size - self._at)
             view[self._at:self._at + take] = src[done:done + take]
             done += take
-            self._at += take
-            if self._at == view.size:
-                self._unit, self._at = self._unit + 1, 0
+            self._at = 0 if self._at + take == view.size else self._at + take
         self.filled += n
 
     def ends_a_part(self) -> bool:

@@ -19,10 +19,13 @@ import grpc
 
 from kvtier.server.daemon.core import Daemon
 from kvtier.server.service.pool_servicer import PoolServicer
+from kvtier.server.service.storage_servicer import StorageServicer
 from kvtier.server.service.streams import StreamGuard
 from kvtier.server.service.tier_servicer import TierServicer
 from kvtier.server.service.transfer_servicer import TransferServicer
-from kvtier.v1 import pool_pb2, pool_pb2_grpc, tier_pb2, tier_pb2_grpc, transfer_pb2, transfer_pb2_grpc
+from kvtier.v1 import (
+    pool_pb2, pool_pb2_grpc, storage_pb2, storage_pb2_grpc, tier_pb2, tier_pb2_grpc, transfer_pb2, transfer_pb2_grpc,
+)
 
 
 @dataclass(frozen=True)
@@ -50,4 +53,5 @@ SERVICES: list[ServiceEntry] = [
     ServiceEntry.of(pool_pb2, "PoolService", pool_pb2_grpc.add_PoolServiceServicer_to_server, PoolServicer),
     ServiceEntry.of(tier_pb2, "TierService", tier_pb2_grpc.add_TierServiceServicer_to_server, TierServicer),
     ServiceEntry.of(transfer_pb2, "TransferService", transfer_pb2_grpc.add_TransferServiceServicer_to_server, TransferServicer),
+    ServiceEntry.of(storage_pb2, "StorageService", storage_pb2_grpc.add_StorageServiceServicer_to_server, StorageServicer),
 ]

@@ -30,13 +30,15 @@ from hypothesis import strategies as st
 from kvtier.client import KVTierClient, KVTierError
 from kvtier.client.spawn import DaemonProcess
 from kvtier.page_keys import page_keys
-from kvtier.v1 import pool_pb2, pool_pb2_grpc, tier_pb2, tier_pb2_grpc, transfer_pb2, transfer_pb2_grpc
+from kvtier.v1 import (
+    pool_pb2, pool_pb2_grpc, storage_pb2, storage_pb2_grpc, tier_pb2, tier_pb2_grpc, transfer_pb2, transfer_pb2_grpc,
+)
 
 EXAMPLES_PER_RPC = int(os.environ.get("KVTIER_FUZZ_EXAMPLES", "160"))
 PS = 64
 KEYS = page_keys(list(range(3 * PS)), PS)
 SERVICES = [(pool_pb2, pool_pb2_grpc, "PoolService"), (tier_pb2, tier_pb2_grpc, "TierService"),
-            (transfer_pb2, transfer_pb2_grpc, "TransferService")]
+            (transfer_pb2, transfer_pb2_grpc, "TransferService"), (storage_pb2, storage_pb2_grpc, "StorageService")]
 RPCS = [(mod, grpc_mod, svc, m) for mod, grpc_mod, svc in SERVICES for m in mod.DESCRIPTOR.services_by_name[svc].methods]
 BAD_STATUS = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.DEADLINE_EXCEEDED}
 
@@ -49,7 +51,7 @@ UINT32 = st.one_of(st.sampled_from([0, 1, 2, 3, 4, 7, 8, 64, 78, 4096, 2**31, 2*
 INT32 = st.one_of(st.sampled_from([0, 1, -1, 2**31 - 1, -2**31]), st.integers(-2**31, 2**31 - 1))
 POOL_IDS = st.sampled_from(["victim"] * 4 + ["scratch"] * 2 + ["", "nothere", "x" * 300, "victim\x00", "vïctim"])
 # fields that reach deeper checks when set: set three times in four
-MOSTLY_SET = {"pool_id", "peer_pool_id", "header", "model", "key", "lease_id", "page_keys", "slots", "runs", "data",
+MOSTLY_SET = {"space", "layout", "keys", "pool_id", "peer_pool_id", "header", "model", "key", "lease_id", "page_keys", "slots", "runs", "data",
               "latent_layers", "index_layers", "src_pages", "dst_pages", "preset", "size_tokens"}
 
 
@@ -75,6 +77,9 @@ STRINGS = {
     "device": st.sampled_from(["", "cpu", "auto", "cuda", "tpu"]),
     "layout_digest": st.sampled_from(["", "0" * 16, "deadbeef"]),
     "name": st.text(max_size=300),
+    "model_name": st.sampled_from(["GLM-5.2", "", "x" * 300, "glm\x00"]),
+    "skip_mask": st.sampled_from(["SSFS", "FFFF", "F", "", "XXXX", "F" * 5000]),
+    "scope": st.sampled_from(["", "tp0/2", "x" * 100]),
 }
 
 

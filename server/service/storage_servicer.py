@@ -1,0 +1,82 @@
+"""``kvtier.v1.StorageService``: the unit store (:mod:`kvtier.server.daemon.unit_store`), translated.
+
+Every call runs as the caller the auth interceptor resolved; errors are the store's typed errors,
+mapped to status codes in one place (``errors``). The two KV streams hold a stream slot and report
+each message moved (:class:`~kvtier.server.service.streams.StreamGuard`), like WriteKV and ReadKV.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import grpc
+
+from kvtier.server.daemon.core import Daemon
+from kvtier.server.daemon.errors import InvalidArgument
+from kvtier.server.daemon.kv_ops import MIN_CHUNK_BYTES, chunk_size
+from kvtier.server.daemon.unit_space import BOTH, INDEX, KV, SpaceRequest, UnitSpace
+from kvtier.server.service import messages
+from kvtier.server.service.auth import caller_of
+from kvtier.server.service.streams import StreamGuard
+from kvtier.v1 import storage_pb2, storage_pb2_grpc
+
+_PARTS = {storage_pb2.UNIT_PART_KV: KV, storage_pb2.UNIT_PART_INDEX: INDEX, storage_pb2.UNIT_PART_BOTH: BOTH}
+
+
+def _part(value: int) -> str:
+    if value not in _PARTS:
+        raise InvalidArgument(f"unknown unit part {value}: give UNIT_PART_KV, UNIT_PART_INDEX or UNIT_PART_BOTH")
+    return _PARTS[value]
+
+
+class StorageServicer(storage_pb2_grpc.StorageServiceServicer):
+    """Serves :class:`Daemon`'s unit store; see ``storage.proto`` for each RPC's contract."""
+
+    def __init__(self, state: Daemon, streams: StreamGuard) -> None:
+        self.state = state
+        self.units = state.units
+        self.streams = streams
+
+    def _space(self, s: storage_pb2.UnitSpace) -> UnitSpace:
+        lay = s.layout
+        return self.units.space(SpaceRequest(
+            lay.model_name, lay.num_layers, lay.start_layer, lay.kv_lora_rank, lay.qk_rope_head_dim, lay.index_head_dim,
+            lay.kv_cache_dtype, lay.page_size, lay.latent_row_bytes, lay.skip_mask, s.with_index, s.scope))
+
+    def ExistUnits(self, request: storage_pb2.ExistUnitsRequest, context: grpc.ServicerContext) -> storage_pb2.ExistUnitsResponse:
+        n = self.units.exists(caller_of(context), self._space(request.space), request.keys)
+        return storage_pb2.ExistUnitsResponse(prefix_units=n)
+
+    def PutUnits(self, request_iterator: Iterator[storage_pb2.PutUnitsRequest], context: grpc.ServicerContext) -> storage_pb2.PutUnitsResponse:
+        caller = caller_of(context)
+        with self.streams.stream(context, "PutUnits") as touch:
+            first = next(request_iterator, None)
+            if first is None or not first.HasField("space"):
+                raise InvalidArgument("PutUnits must start with a message carrying the unit space, keys and part")
+            put = self.units.begin_put(caller, self._space(first.space), first.keys, _part(first.part))
+            for msg in messages.chained(first, request_iterator, touch):
+                if msg is not first and (msg.HasField("space") or msg.keys):
+                    raise InvalidArgument("PutUnits takes the space and keys once, in its first message")
+                if msg.data:
+                    put.add(msg.data)
+                    if len(msg.data) < MIN_CHUNK_BYTES and not put.ends_a_part():
+                        raise InvalidArgument(f"a PutUnits piece must carry at least {MIN_CHUNK_BYTES} bytes unless "
+                                              f"it ends a unit's part")
+            r = put.commit()
+        return storage_pb2.PutUnitsResponse(accepted=r.accepted, completed=r.completed, pending=r.pending)
+
+    def GetUnits(self, request: storage_pb2.GetUnitsRequest, context: grpc.ServicerContext) -> Iterator[storage_pb2.GetUnitsResponse]:
+        caller, cfg = caller_of(context), self.state.config
+        chunk = chunk_size(request.chunk_bytes, cfg.chunk_bytes, cfg.max_chunk_bytes)
+        with self.streams.stream(context, "GetUnits") as touch:
+            for i, view in self.units.read(caller, self._space(request.space), request.keys, _part(request.part)):
+                mv = memoryview(view.numpy())
+                for off in range(0, len(mv), chunk):
+                    touch()
+                    yield storage_pb2.GetUnitsResponse(unit=i, offset=off, data=bytes(mv[off:off + chunk]))
+
+    def ClearUnits(self, request: storage_pb2.ClearUnitsRequest, context: grpc.ServicerContext) -> storage_pb2.ClearUnitsResponse:
+        return storage_pb2.ClearUnitsResponse(removed=self.units.clear(caller_of(context), self._space(request.space)))
+
+    def GetUnitStats(self, request: storage_pb2.UnitStatsRequest, context: grpc.ServicerContext) -> storage_pb2.UnitStatsResponse:
+        return storage_pb2.UnitStatsResponse(counters=self.units.stats(caller_of(context)))
