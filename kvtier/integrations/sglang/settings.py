@@ -1,0 +1,69 @@
+"""The backend's settings: every key of SGLang's ``--hicache-storage-backend-extra-config`` it reads.
+
+SGLang's dynamic loader hands the whole extra-config JSON to the backend as
+``storage_config.extra_config`` (after taking out its own prefetch keys). The keys it uses to find
+the class (``backend_name``, ``module_path``, ``class_name``) and ``interface_v1`` (which makes SGLang
+call the zero-copy ``batch_get_v1``/``batch_set_v1``) are SGLang's; the rest are fields here, and an
+unknown key is an error naming the known ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+SGLANG_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface_v1"})
+TRANSPORTS = ("auto", "grpc", "shm")
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class BackendSettings:
+    """How the backend reaches its daemon.
+
+    Attributes:
+        address: the daemon's address (``unix:///path``, a bare socket path, or ``HOST:PORT``); empty:
+            kvtier's default unix socket (where ``kvtier serve`` listens by default).
+        token: bearer token of a daemon with tenants (``--auth-tokens``); empty: ``$KVTIER_TOKEN``.
+        timeout_s: deadline of each daemon call, seconds (a call past it is a miss or a False).
+        transport: ``grpc`` (the parts travel as gRPC streams, any daemon), ``shm`` (same machine,
+            through a shared-memory staging buffer), ``auto`` (shm where possible, else grpc).
+        chunk_bytes: data bytes per gRPC message; max_message_bytes: the daemon's message limit.
+        staging_bytes: the most bytes one daemon call moves; bigger batches are split.
+        model_name: the name units are stored under; empty: SGLang's ``model_name``.
+        tls_root_cert, tls_client_cert, tls_client_key: PEM files for a daemon that serves TLS.
+    """
+
+    address: str = ""
+    token: str = ""
+    timeout_s: float = 30.0
+    transport: str = "auto"
+    chunk_bytes: int = 1 * MiB
+    max_message_bytes: int = 4 * MiB
+    staging_bytes: int = 256 * MiB
+    model_name: str = ""
+    tls_root_cert: str = ""
+    tls_client_cert: str = ""
+    tls_client_key: str = ""
+
+    def __post_init__(self) -> None:
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"kvtier backend: transport must be one of {TRANSPORTS}, got {self.transport!r}")
+        if not isinstance(self.timeout_s, (int, float)) or isinstance(self.timeout_s, bool) or self.timeout_s <= 0:
+            raise ValueError(f"kvtier backend: timeout_s must be > 0, got {self.timeout_s!r}")
+        for name in ("chunk_bytes", "max_message_bytes", "staging_bytes"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"kvtier backend: {name} must be a positive integer, got {v!r}")
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> BackendSettings:
+        """Settings from SGLang's extra config. Raises ValueError: unknown keys, bad values."""
+        extra = dict(extra or {})
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(extra) - known - SGLANG_KEYS)
+        if unknown:
+            raise ValueError(f"kvtier backend: unknown extra-config keys {unknown}; known: {sorted(known)}")
+        return cls(**{k: v for k, v in extra.items() if k in known})
