@@ -15,8 +15,9 @@ from kvtier.bench.case import BenchContext, Case, CaseResult, Comparison, Figure
 def all_cases() -> list[Case]:
     """Every case, in run order (imported here so that ``kvtier --help`` stays fast)."""
     from kvtier.bench.copies import CopiesCase
+    from kvtier.bench.disk import DiskCase
 
-    return [CopiesCase()]
+    return [CopiesCase(), DiskCase()]
 
 
 def run_cases(cases: list[Case], ctx_for: Callable[[Case], BenchContext], *, console: object = None) -> list[CaseResult]:

@@ -55,6 +55,9 @@ class Comparison:
         kvtier, baseline: the two figures.
         higher_is_better: True for throughputs and capacities; False for times and bytes.
         target: the ratio an issue asks for (None: informational).
+        paired: the two figures' samples come from the same interleaved rounds, so the ratio is the
+            median of the per-round ratios (robust to load that changes between rounds on a shared
+            machine); otherwise, and when the sample counts differ, the ratio of the medians.
     """
 
     key: str
@@ -65,10 +68,19 @@ class Comparison:
     higher_is_better: bool = True
     target: float | None = None
     note: str = ""
+    paired: bool = True
 
     @property
     def ratio(self) -> float:
         """kvtier / baseline when higher is better, baseline / kvtier otherwise (>1: kvtier better)."""
+        k, b = self.kvtier, self.baseline
+        if self.paired and k.samples and len(k.samples) == len(b.samples) and all(k.samples) and all(b.samples):
+            pairs = zip(k.samples, b.samples)
+            return statistics.median(x / y if self.higher_is_better else y / x for x, y in pairs)
+        num, den = (k.value, b.value) if self.higher_is_better else (b.value, k.value)
+        return num / den if den else math.inf
+
+    def _ratio_of_medians(self) -> float:
         num, den = (self.kvtier.value, self.baseline.value) if self.higher_is_better else (self.baseline.value, self.kvtier.value)
         return num / den if den else math.inf
 
@@ -80,7 +92,7 @@ class Comparison:
     def to_dict(self) -> dict[str, Any]:
         return {"key": self.key, "title": self.title, "unit": self.unit, "kvtier": self.kvtier.to_dict(),
                 "baseline": self.baseline.to_dict(), "higher_is_better": self.higher_is_better,
-                "ratio": self.ratio, "target": self.target, "meets_target": self.meets_target, "note": self.note}
+                "ratio": self.ratio, "ratio_of_medians": self._ratio_of_medians(), "paired": self.paired, "target": self.target, "meets_target": self.meets_target, "note": self.note}
 
 
 @dataclass

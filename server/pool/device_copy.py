@@ -41,6 +41,19 @@ def host_views(flat: torch.Tensor, parts: Sequence[Part]) -> list[torch.Tensor]:
     return views
 
 
+def scatter_rows(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst[index[i]] = src[i]`` along dim 0 (``index`` distinct, checked by the caller).
+
+    On the CPU through numpy's fancy assignment, which copies each row as one block: 1.5-1.7x
+    torch's element-wise ``index_copy_`` on the same int64 rows (measured, BENCHMARKS.md). On a
+    device, ``index_copy_``.
+    """
+    if dst.device.type == "cpu":
+        dst.numpy()[index.numpy()] = src.numpy()
+    else:
+        dst.index_copy_(0, index, src)
+
+
 def contiguous_span(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
     """One uint8 view covering ``tensors`` when they are contiguous, on the CPU, in one storage and
     back to back in this order; else None."""

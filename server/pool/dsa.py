@@ -23,7 +23,7 @@ from kvtier.server.hostmem import HostArena
 from kvtier.server.model_config import index_token_bytes
 from kvtier.server.pool.arena import alloc_arena, as_words, word_dtype
 from kvtier.server.pool.buffer_info import BufferRange, BufInfos, live_ranges
-from kvtier.server.pool.device_copy import Part
+from kvtier.server.pool.device_copy import Part, scatter_rows
 from kvtier.server.pool.mla import MLATokenToKVPool, _check_out, _chunk_rows, whole_pages
 from kvtier.server.pool.validation import check_layer, check_unique
 
@@ -419,7 +419,7 @@ class DSATokenToKVPool(MLATokenToKVPool):
         if self.live_layers:
             if whole is not None:
                 for pos, words in enumerate(idx_words):
-                    self._page_words[pos].index_copy_(0, whole, words)
+                    scatter_rows(self._page_words[pos], whole, words)
             else:
                 tp, to = slots // self.page_size, slots % self.page_size
                 page_idx, offset = page_idx.to(self.device), offset.to(self.device)

@@ -23,7 +23,7 @@ from kvtier.server.hostmem import HostArena
 from kvtier.server.model_config import KV_CACHE_DTYPES, latent_row_bytes
 from kvtier.server.pool.arena import alloc_arena, as_words, host_buffer, resolve_device, word_dtype
 from kvtier.server.pool.buffer_info import BufInfos
-from kvtier.server.pool.device_copy import CopyEngine, Part
+from kvtier.server.pool.device_copy import CopyEngine, Part, scatter_rows
 from kvtier.server.pool.validation import as_slots, check_layer, check_rows, check_unique
 
 KV_CHUNK_SLOTS = 8192  # get_cpu_copy: latent chunks hold at most this many slots
@@ -294,9 +294,9 @@ class MLATokenToKVPool:
             for data in chunks:
                 rows = data.shape[0]
                 if pages is not None:
-                    self._lat_pages[layer].index_copy_(0, pages[start // ps:(start + rows) // ps], data.reshape(rows // ps, -1))
+                    scatter_rows(self._lat_pages[layer], pages[start // ps:(start + rows) // ps], data.reshape(rows // ps, -1))
                 else:
-                    self._lat_words[layer].index_copy_(0, slots[start:start + rows], data)
+                    scatter_rows(self._lat_words[layer], slots[start:start + rows], data)
                 start += rows
 
     def _upload(self, sources: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
