@@ -147,7 +147,7 @@ class Case(ABC):
 
 
 def interleaved(fns: dict[str, Callable[[], Any]], reps: int, *, warmup: int = 1,
-                tick: Callable[[], None] | None = None) -> dict[str, list[float]]:
+                tick: Callable[[], None] | None = None, setup: Callable[[], None] | None = None) -> dict[str, list[float]]:
     """Seconds of each call of each function, repetitions interleaved (a, b, c, a, b, c, ...) so that
     load from other processes hits every path alike; ``warmup`` untimed rounds first.
 
@@ -155,12 +155,15 @@ def interleaved(fns: dict[str, Callable[[], Any]], reps: int, *, warmup: int = 1
         fns: name -> a call to time (its result is dropped at once, as a caller would drop it).
         reps: timed rounds.
         tick: called after each round (warm-up rounds included), e.g. to advance a progress bar.
+        setup: called, untimed, before each round (e.g. fresh files for the round).
 
     Returns:
         name -> ``reps`` durations in seconds.
     """
     times: dict[str, list[float]] = {name: [] for name in fns}
     for rnd in range(warmup + reps):
+        if setup is not None:
+            setup()
         for name, fn in fns.items():
             t0 = time.perf_counter()
             fn()

@@ -56,19 +56,24 @@ class DiskRound:
         self.path: Path | None = None
         self.offsets: list[tuple[int, int]] = []
 
-    def lmdb_spill(self) -> None:
+    def setup(self) -> None:
+        """Untimed, before each round: the last round's files removed, a fresh environment opened."""
         self.rounds += 1
         self.close()
+        if self.path is not None:
+            self.path.unlink(missing_ok=True)
         d = self.workdir / f"lmdb-{self.sync}-{self.rounds}"
         self.disk = DiskTier(DiskTierConfig(path=str(d), capacity_bytes=2 * self.total + (64 << 20), sync=self.sync))
         self.disk.open()
+        self.path = self.workdir / f"plain-{self.sync}-{self.rounds}.bin"
+
+    def lmdb_spill(self) -> None:
+        assert self.disk is not None
         for k, r in zip(self.keys, self.records):
             self.disk.write([(k, r)])
 
     def file_spill(self) -> None:
-        if self.path is not None:
-            self.path.unlink(missing_ok=True)
-        self.path = self.workdir / f"plain-{self.sync}-{self.rounds}.bin"
+        assert self.path is not None
         self.offsets = []
         with open(self.path, "wb", buffering=0) as f:
             pos = 0
@@ -117,6 +122,8 @@ class DiskRound:
             self.disk.close()
             shutil.rmtree(self.disk.config.path, ignore_errors=True)
             self.disk = None
+        if self.path is not None:
+            self.path.unlink(missing_ok=True)
 
 
 class DiskCase(Case):
@@ -142,14 +149,15 @@ class DiskCase(Case):
         try:
             t = interleaved({"lmdb_spill": nosync.lmdb_spill, "file_spill": nosync.file_spill,
                              "lmdb_borrow": nosync.lmdb_borrow, "lmdb_read_into": nosync.lmdb_read_into,
-                             "file_read": nosync.file_read}, s["reps"], warmup=s["warmup"], tick=lambda: ctx.advance(1))
+                             "file_read": nosync.file_read}, s["reps"], warmup=s["warmup"], tick=lambda: ctx.advance(1),
+                            setup=nosync.setup)
             nosync.verify()
         finally:
             nosync.close()
         synced = DiskRound(records, ctx.workdir, sync=True)
         try:
             ts = interleaved({"lmdb_spill": synced.lmdb_spill, "file_spill": synced.file_spill},
-                             s["sync_reps"], warmup=s["warmup"], tick=lambda: ctx.advance(1))
+                             s["sync_reps"], warmup=s["warmup"], tick=lambda: ctx.advance(1), setup=synced.setup)
         finally:
             synced.close()
         gb = lambda label, secs: throughput(label, total, secs)  # noqa: E731
