@@ -8,9 +8,10 @@ indexer layers and one skip layer). Each round, interleaved, on the file system 
   plain file; with fsync (``sync=True``: LMDB syncs every commit; the file is fsynced after every
   record) and without;
 * restore: each record read back the way kvtier's callers read it -- ``DiskTier.borrow([key])`` (what
-  the prefix cache's load and ``Restore`` call: a verified copy in a host buffer) and
-  ``read_into`` a reused buffer -- checksum verified, vs ``readinto`` of the same bytes from the plain
-  file into a reused buffer. Both read from the page cache (the files were just written).
+  ``Restore`` and the prefix cache's load call: a verified copy in a host buffer), ``borrow`` of 8
+  keys a call (one read transaction) and ``read_into`` a reused buffer -- checksum verified, vs
+  ``readinto`` of the same bytes from the plain file into a reused buffer. Both read from the page
+  cache (the files were just written).
 """
 
 from __future__ import annotations
@@ -90,6 +91,15 @@ class DiskRound:
             with self.disk.borrow([k]) as (rec,):
                 if rec is None:
                     raise RuntimeError(f"disk tier lost record {k!r}")
+            del rec
+
+    def lmdb_borrow_batch(self, per_call: int = 8) -> None:
+        assert self.disk is not None
+        for i in range(0, len(self.keys), per_call):
+            with self.disk.borrow(self.keys[i:i + per_call]) as recs:
+                if any(r is None for r in recs):
+                    raise RuntimeError("disk tier lost a record")
+            del recs
 
     def lmdb_read_into(self) -> None:
         assert self.disk is not None
@@ -148,7 +158,8 @@ class DiskCase(Case):
         nosync = DiskRound(records, ctx.workdir, sync=False)
         try:
             t = interleaved({"lmdb_spill": nosync.lmdb_spill, "file_spill": nosync.file_spill,
-                             "lmdb_borrow": nosync.lmdb_borrow, "lmdb_read_into": nosync.lmdb_read_into,
+                             "lmdb_borrow": nosync.lmdb_borrow, "lmdb_borrow_batch": nosync.lmdb_borrow_batch,
+                             "lmdb_read_into": nosync.lmdb_read_into,
                              "file_read": nosync.file_read}, s["reps"], warmup=s["warmup"], tick=lambda: ctx.advance(1),
                             setup=nosync.setup)
             nosync.verify()
@@ -169,6 +180,9 @@ class DiskCase(Case):
                             target=0.9))
         c.append(Comparison("disk.restore_borrow_vs_file", "restore disk->host as the prefix cache reads (borrow, checksum verified) vs plain file readinto",
                             "GB/s", gb("LMDB tier borrow()", t["lmdb_borrow"]), gb("plain file readinto()", t["file_read"]), target=0.8))
+        c.append(Comparison("disk.restore_borrow_batch_vs_file", "restore 8 records a call (one read transaction, checksums verified) vs plain file readinto",
+                            "GB/s", gb("LMDB tier borrow(8 keys)", t["lmdb_borrow_batch"]), gb("plain file readinto()", t["file_read"]),
+                            target=0.8))
         c.append(Comparison("disk.restore_read_into_vs_file", "restore into a reused buffer (read_into, checksum verified) vs plain file readinto",
                             "GB/s", gb("LMDB tier read_into()", t["lmdb_read_into"]), gb("plain file readinto()", t["file_read"]),
                             target=0.8))

@@ -67,12 +67,14 @@ def _parse_fixed(buf: np.ndarray) -> tuple[Any, ...]:
     return fields
 
 
+_ZERO_CHECKSUM = bytes(8)
+
+
 def _checksum(buf: np.ndarray, header_nbytes: int, end: int) -> int:
-    h = xxhash.xxh3_64()
-    fixed = bytearray(buf[:_FIXED.size].tobytes())
-    fixed[_CHECKSUM_AT:_FIXED.size] = b"\0" * 8
-    h.update(bytes(fixed))
-    h.update(memoryview(buf[_FIXED.size:end]))
+    """xxh3_64 of ``buf[:end]`` with the checksum field read as zeros (streamed: no copy)."""
+    h = xxhash.xxh3_64(buf[:_CHECKSUM_AT])
+    h.update(_ZERO_CHECKSUM)
+    h.update(buf[_FIXED.size:end])
     return h.intdigest()
 
 
