@@ -14,10 +14,14 @@ from kvtier.bench.case import BenchContext, Case, CaseResult, Comparison, Figure
 
 def all_cases() -> list[Case]:
     """Every case, in run order (imported here so that ``kvtier --help`` stays fast)."""
+    from kvtier.bench.capacity import CapacityCase
     from kvtier.bench.copies import CopiesCase
+    from kvtier.bench.daemon_io import DaemonIOCase
     from kvtier.bench.disk import DiskCase
+    from kvtier.bench.pd_transfer import PDTransferCase
+    from kvtier.bench.replay import ReplayCase
 
-    return [CopiesCase(), DiskCase()]
+    return [CapacityCase(), CopiesCase(), DiskCase(), DaemonIOCase(), PDTransferCase(), ReplayCase()]
 
 
 def run_cases(cases: list[Case], ctx_for: Callable[[Case], BenchContext], *, console: object = None) -> list[CaseResult]:

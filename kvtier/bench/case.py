@@ -74,6 +74,8 @@ class Comparison:
     def ratio(self) -> float:
         """kvtier / baseline when higher is better, baseline / kvtier otherwise (>1: kvtier better)."""
         k, b = self.kvtier, self.baseline
+        if k.value == b.value:
+            return 1.0  # equal figures (also both zero: "equal to the simulation" holds)
         if self.paired and k.samples and len(k.samples) == len(b.samples) and all(k.samples) and all(b.samples):
             pairs = zip(k.samples, b.samples)
             return statistics.median(x / y if self.higher_is_better else y / x for x, y in pairs)

@@ -107,7 +107,7 @@ class CopiesCase(Case):
     title = "get_cpu_copy / load_cpu_copy of one request (GLM-5.2, fp8, CPU pool)"
 
     def settings(self, ctx: BenchContext) -> dict[str, Any]:
-        return {"model": "glm-5.2", "kv_cache_dtype": "fp8", "pool_tokens": 16384 if ctx.quick else 32768,
+        return {"model": "glm-5.2", "kv_cache_dtype": "fp8", "pool_tokens": 12288 if ctx.quick else 32768,
                 "request_tokens": 4096, "reps": 5 if ctx.quick else 15, "warmup": 1, "seed": 0,
                 "torch_threads": torch.get_num_threads()}
 

@@ -141,3 +141,7 @@ def print_table(cases: list[CaseResult], console: Any) -> None:
         for key, why in case.left_out.items():
             t.add_row(f"[bold]{case.name}[/bold] [dim]{key}: left out ({why})[/dim]", "", "", "", "", "")
     console.print(t)
+    for case in cases:
+        head = case.figures.get("headline")
+        if head:
+            console.print(f"[bold]{case.name}[/bold]: " + ", ".join(f"{k} {v}" for k, v in head.items()))
