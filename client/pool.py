@@ -245,8 +245,9 @@ class PoolMixin(BaseClient):
                     filled[key] = 0
                 if c.offset != filled[key]:
                     raise RuntimeError(f"daemon sent layer {c.layer_id} component {c.component} out of order")
-                bufs[key][c.offset:c.offset + len(c.data)] = np.frombuffer(c.data, dtype=np.uint8)
-                filled[key] += len(c.data)
+                data = c.data  # each read of a bytes field copies it out of the message: read it once
+                bufs[key][c.offset:c.offset + len(data)] = np.frombuffer(data, dtype=np.uint8)
+                filled[key] += len(data)
             out = KVData()
             store_dtype = torch.bfloat16 if lay.kv_cache_dtype == "bf16" else torch.uint8
             for (layer, comp), buf in bufs.items():

@@ -68,9 +68,10 @@ class TieredCopyStore:
         with self._lock:
             self.check_room(key, copy.nbytes)
             codec = RecordCodec(model_from_fingerprint(dict(copy.layout)))
-            pin = bool(getattr(self.stack.tiers[0], "pin_memory", False))
             try:
-                rec = codec.encode_copy(dict(copy.copy), pin_memory=pin)
+                src = torch.as_tensor(copy.copy.get("src_loc"), dtype=torch.int64).reshape(-1)
+                pages = int(torch.unique(src // codec.page_size).numel())
+                rec = codec.encode_copy(dict(copy.copy), out=self.stack.tiers[0].record_buffer(codec.nbytes(src.numel(), pages)))
             except ValueError as e:
                 raise InvalidArgument(f"copy {key!r}: {e}") from None
             if not self.stack.put(tkey, rec, source="device"):
