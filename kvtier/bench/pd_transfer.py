@@ -57,7 +57,7 @@ class PDTransferCase(Case):
     title = "PullKV over the Mooncake Transfer Engine vs raw engine reads of the same bytes"
 
     def settings(self, ctx: BenchContext) -> dict[str, Any]:
-        return {"model": "glm-5.2", "pages": 16 if ctx.quick else 32, "pool_tokens": 4096, "reps": 3 if ctx.quick else 9,
+        return {"model": "glm-5.2", "pages": 32, "pool_tokens": 4096, "reps": 3 if ctx.quick else 9,
                 "warmup": 1, "draft_pool": not ctx.quick, "protocol": "tcp", "host": "127.0.0.1"}
 
     def steps(self, ctx: BenchContext) -> int:

@@ -168,6 +168,8 @@ class TransferState:
             self.engine = MooncakeTransferEngine(TransferEngineConfig(host=cfg.transfer_host, fail_batch=self.fail_batch))
             log.info("Mooncake Transfer Engine at %s", self.engine.endpoint)
         self._registered: dict[str, tuple[PoolEntry, list[tuple[int, int]]]] = {}
+        self._channels: dict[str, grpc.Channel] = {}
+        self._channels_lock = threading.Lock()  # a dict lock only (level 1 of the daemon's order)
         self._lock = threading.Lock()
 
     # ----- registrations and layouts ------------------------------------------------------------
@@ -237,34 +239,43 @@ class TransferState:
             address = resolve_address(spec.peer_address)
         except ValueError as e:
             raise InvalidArgument(f"peer_address: {e}") from None
-        with grpc.insecure_channel(address, options=self.grpc_options) as channel:
-            stub = transfer_pb2_grpc.TransferServiceStub(channel)
-            remote = self._peer_layout(stub, address, spec.peer_pool_id, src, spec)
-            if spec.transport == "mooncake" and not remote.endpoint:
-                raise FailedPrecondition(f"peer {address} runs without a transfer engine; use transport 'grpc'")
-            with self.pools.locked(spec.pool_id, exclusive=True) as entry:
-                _check_allocated(entry, dst, "destination pages")
-                # a failed pull frees its destination pages: they must be the caller's to free
-                entry.check_client_owned(dst, "destination pages")
-                local = self.layout(entry)
-                if local.latent[0] == remote.latent[0]:
-                    raise InvalidArgument(f"pool {spec.pool_id!r} would pull from itself; use MoveKV to copy pages within a pool")
-                plan = plan_pull(local, remote, src, dst, max_batch_items=batch_items)
-                transport = (MooncakeTransport(self.engine) if spec.transport == "mooncake" and self.engine
-                             else GrpcPageTransport(stub, address, spec.peer_pool_id, entry, self.chunk_bytes,
-                                                    self.fail_batch, spec))
-                start = time.perf_counter()
-                try:
-                    stats = pull_pages(transport, remote, plan)
-                except Exception as e:
-                    freed = entry.free(slots_of_pages(torch.from_numpy(dst), entry.page_size))
-                    self.counters.add("pulls_failed")
-                    raise TransferError(f"pull from {address} pool {spec.peer_pool_id!r} failed; the {freed} destination "
-                                        f"pages {dst.tolist()[:16]} were freed: {e}") from e
-                seconds = time.perf_counter() - start
+        # one channel per peer, kept (a new connection per pull cost more than the layout call)
+        stub = transfer_pb2_grpc.TransferServiceStub(self._channel(address))
+        remote = self._peer_layout(stub, address, spec.peer_pool_id, src, spec)
+        if spec.transport == "mooncake" and not remote.endpoint:
+            raise FailedPrecondition(f"peer {address} runs without a transfer engine; use transport 'grpc'")
+        with self.pools.locked(spec.pool_id, exclusive=True) as entry:
+            _check_allocated(entry, dst, "destination pages")
+            # a failed pull frees its destination pages: they must be the caller's to free
+            entry.check_client_owned(dst, "destination pages")
+            local = self.layout(entry)
+            if local.latent[0] == remote.latent[0]:
+                raise InvalidArgument(f"pool {spec.pool_id!r} would pull from itself; use MoveKV to copy pages within a pool")
+            plan = plan_pull(local, remote, src, dst, max_batch_items=batch_items)
+            transport = (MooncakeTransport(self.engine) if spec.transport == "mooncake" and self.engine
+                         else GrpcPageTransport(stub, address, spec.peer_pool_id, entry, self.chunk_bytes,
+                                                self.fail_batch, spec))
+            start = time.perf_counter()
+            try:
+                stats = pull_pages(transport, remote, plan)
+            except Exception as e:
+                freed = entry.free(slots_of_pages(torch.from_numpy(dst), entry.page_size))
+                self.counters.add("pulls_failed")
+                raise TransferError(f"pull from {address} pool {spec.peer_pool_id!r} failed; the {freed} destination "
+                                    f"pages {dst.tolist()[:16]} were freed: {e}") from e
+            seconds = time.perf_counter() - start
         self.counters.add("pulls")
         self.counters.add("pull_bytes", stats.total_bytes)
         return PullResult(stats, spec.transport, seconds)
+
+    def _channel(self, address: str) -> grpc.Channel:
+        """The channel to peer ``address``, opened on first use and kept (gRPC reconnects by itself
+        when the peer restarts); closed by :meth:`close`."""
+        with self._channels_lock:
+            ch = self._channels.get(address)
+            if ch is None:
+                ch = self._channels[address] = grpc.insecure_channel(address, options=self.grpc_options)
+            return ch
 
     def _peer_layout(self, stub: transfer_pb2_grpc.TransferServiceStub, address: str, pool_id: str,
                      src: np.ndarray, spec: PullSpec) -> PoolLayout:
@@ -306,7 +317,11 @@ class TransferState:
                 yield i, k * chunk, data
 
     def close(self) -> None:
-        """Drop every registration (at shutdown)."""
+        """Close the peer channels and drop every registration (at shutdown)."""
+        with self._channels_lock:
+            channels, self._channels = list(self._channels.values()), {}
+        for ch in channels:
+            ch.close()
         if self.engine is None:
             return
         with self._lock:
