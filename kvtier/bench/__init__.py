@@ -24,6 +24,10 @@ def all_cases() -> list[Case]:
     return [CapacityCase(), CopiesCase(), DiskCase(), DaemonIOCase(), PDTransferCase(), ReplayCase()]
 
 
+class BenchCaseError(RuntimeError):
+    """A case failed (a wrong byte, a dead daemon, a missing part): names the case and why."""
+
+
 def run_cases(cases: list[Case], ctx_for: Callable[[Case], BenchContext], *, console: object = None) -> list[CaseResult]:
     """Run ``cases`` one after another, each with a progress bar on ``console`` (a rich Console)."""
     import time
@@ -39,11 +43,14 @@ def run_cases(cases: list[Case], ctx_for: Callable[[Case], BenchContext], *, con
             task = progress.add_task(case.name, total=total)
             ctx.advance = lambda n=1, task=task: progress.advance(task, n)
             t0 = time.perf_counter()
-            res = case.run(ctx)
+            try:
+                res = case.run(ctx)
+            except Exception as e:  # noqa: BLE001 - the CLI turns it into a one-line error
+                raise BenchCaseError(f"case {case.name!r} failed: {type(e).__name__}: {e}") from e
             res.seconds = time.perf_counter() - t0
             progress.update(task, completed=total)
             results.append(res)
     return results
 
 
-__all__ = ["BenchContext", "Case", "CaseResult", "Comparison", "Figure", "all_cases", "interleaved", "run_cases"]
+__all__ = ["BenchCaseError", "BenchContext", "Case", "CaseResult", "Comparison", "Figure", "all_cases", "interleaved", "run_cases"]

@@ -42,7 +42,7 @@ def bench(quick: bool, out: Path, as_json: bool, only: tuple[str, ...], sglang_p
     import torch
     from rich.console import Console
 
-    from kvtier.bench import BenchContext, all_cases, run_cases
+    from kvtier.bench import BenchCaseError, BenchContext, all_cases, run_cases
     from kvtier.bench.report import print_table, results_document, write_outputs
 
     cases = all_cases()
@@ -64,6 +64,8 @@ def bench(quick: bool, out: Path, as_json: bool, only: tuple[str, ...], sglang_p
     try:
         results = run_cases(cases, lambda _case: BenchContext(quick=quick, workdir=work, sglang_python=sglang_python),
                             console=console)
+    except BenchCaseError as e:
+        raise click.ClickException(f"{e} (rerun with --case NAME to isolate it)") from None
     finally:
         shutil.rmtree(work, ignore_errors=True)
     doc = results_document(results, {"quick": quick, "cases": [c.name for c in cases], "torch_threads": torch_threads}, started, load_before)

@@ -23,3 +23,31 @@ def test_interleaved_runs_rounds_in_order_and_drops_warmup():
                     setup=lambda: calls.append("s"))
     assert calls == ["s", "a", "b"] * 3
     assert len(t["a"]) == len(t["b"]) == 2
+
+
+def test_cli_refuses_an_unknown_case_in_one_line(tmp_path):
+    from click.testing import CliRunner
+
+    from kvtier.cli import main
+
+    r = CliRunner().invoke(main, ["bench", "--case", "nope", "--out", str(tmp_path / "o")])
+    assert r.exit_code == 2 and "unknown case 'nope'" in r.output and "Traceback" not in r.output
+
+
+def test_a_failing_case_is_a_one_line_error_naming_it(tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    import kvtier.bench as bench
+    from kvtier.bench.case import Case
+    from kvtier.cli import main
+
+    class Broken(Case):
+        name = "capacity"
+
+        def run(self, ctx):
+            raise RuntimeError("a wrong byte")
+
+    monkeypatch.setattr(bench, "all_cases", lambda: [Broken()])
+    r = CliRunner().invoke(main, ["bench", "--out", str(tmp_path / "o")])
+    assert r.exit_code == 1 and "case 'capacity' failed: RuntimeError: a wrong byte" in r.output
+    assert "Traceback" not in r.output
