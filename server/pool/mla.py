@@ -203,11 +203,28 @@ class MLATokenToKVPool:
         data = as_words(data, self._lat_word).to(self.device, non_blocking=True)
         self._lat_words[layer_id].index_copy_(0, slots, data)
 
-    def get_kv_buffer_rows(self, layer_id: int, loc: Any) -> torch.Tensor:
-        """Latent rows of ``loc`` on one layer: ``(n, 1, kv_cache_dim)`` ``store_dtype`` (a copy, on the pool's device)."""
+    def get_kv_buffer_rows(self, layer_id: int, loc: Any, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Latent rows of ``loc`` on one layer: ``(n, 1, kv_cache_dim)`` ``store_dtype`` (a copy, on the
+        pool's device; with ``out``, a contiguous uint8 host buffer of ``n * row_bytes`` bytes such as a
+        :meth:`host_block`, the rows are gathered straight into it and returned as its view).
+
+        Raises:
+            TypeError/ValueError: bad layer, slots or ``out``.
+        """
         layer_id = check_layer(layer_id, self.layer_num)
         slots = self._slots(loc)
-        return self.kv_buffer[layer_id].index_select(0, slots)
+        if out is None:
+            return self.kv_buffer[layer_id].index_select(0, slots)
+        n = slots.numel()
+        _check_out(out, n * self.row_bytes, self._lat_word.itemsize)
+        flat = out[:n * self.row_bytes]
+        self._copier.gather_to_host([(self._lat_words[layer_id:layer_id + 1], slots)], flat)
+        return flat.view(self.store_dtype).view(n, 1, self.kv_cache_dim)
+
+    def host_block(self, nbytes: int) -> torch.Tensor:
+        """A ``(nbytes,)`` uint8 host buffer from :attr:`host_arena` (faulted in already; freed when
+        every view of it is gone), or fresh memory when the arena has no room."""
+        return self._host_flat(nbytes, None)
 
     # ----- moves --------------------------------------------------------------------------------
     def _check_move(self, tgt_loc: Any, src_loc: Any) -> tuple[torch.Tensor, torch.Tensor]:

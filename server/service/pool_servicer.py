@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import grpc
 
-from kvtier.server.service import kv_ops, messages
+from kvtier.server.service import kv_ops, kv_wire, messages
 from kvtier.server.service.errors import InvalidArgument
 from kvtier.server.service.kv_ops import KVSelection
 from kvtier.server.service.pools import PoolRequest, parse_hf_config
@@ -88,7 +88,7 @@ class PoolServicer(pool_pb2_grpc.PoolServiceServicer):
         self.state.counters.add("kv_bytes_written", nbytes)
         return pool_pb2.WriteKVResponse(bytes_written=nbytes, num_slots=buf.slots.numel())
 
-    def ReadKV(self, request: pool_pb2.ReadKVRequest, context: grpc.ServicerContext) -> Iterator[pool_pb2.ReadKVResponse]:
+    def ReadKV(self, request: pool_pb2.ReadKVRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
         cfg = self.state.config
         chunk = request.chunk_bytes or cfg.chunk_bytes
         if chunk > cfg.max_chunk_bytes:
@@ -96,11 +96,11 @@ class PoolServicer(pool_pb2_grpc.PoolServiceServicer):
                                   f"{cfg.max_message_bytes} less room for the other fields)")
         segments = kv_ops.read_kv(self.pools, _selection(request.header))
         self.state.counters.add("kv_reads")
-        for seg, data in segments:
+        for seg, data in segments:  # ReadKVResponse wire bytes (registered with a raw serializer: kv_wire)
             view = memoryview(data)
             comp = messages.COMPONENT_TO_PROTO[seg.component]
             for off in range(0, seg.nbytes, chunk):
-                yield pool_pb2.ReadKVResponse(layer_id=seg.layer_id, component=comp, offset=off, data=bytes(view[off:off + chunk]))
+                yield kv_wire.encode_read_chunk(seg.layer_id, comp, off, view[off:off + chunk])
             self.state.counters.add("kv_bytes_read", seg.nbytes)
 
     def MoveKV(self, request: pool_pb2.MoveKVRequest, context: grpc.ServicerContext) -> pool_pb2.MoveKVResponse:
