@@ -50,6 +50,11 @@ class UnavailableError(KVTierError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class UnauthenticatedError(KVTierError):
+    """The daemon serves tenants and the call had no known token (pass ``token=`` or set KVTIER_TOKEN)."""
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
 class DeadlineExceededError(KVTierError):
     """The call's deadline passed; for a write, nothing was written."""
     code = grpc.StatusCode.DEADLINE_EXCEEDED
@@ -57,7 +62,7 @@ class DeadlineExceededError(KVTierError):
 
 _BY_CODE: dict[grpc.StatusCode, type[KVTierError]] = {
     cls.code: cls for cls in (InvalidArgumentError, NotFoundError, AlreadyExistsError, ResourceExhaustedError,
-                              FailedPreconditionError, UnavailableError, DeadlineExceededError)
+                              FailedPreconditionError, UnavailableError, DeadlineExceededError, UnauthenticatedError)
 }
 
 

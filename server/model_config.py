@@ -32,6 +32,8 @@ KVCacheDType = Literal["bf16", "fp8"]
 KV_CACHE_DTYPES: tuple[str, ...] = ("bf16", "fp8")
 INDEX_QUANT_BLOCK = 128  # FP8 indexer keys carry one FP32 scale per 128 values
 DEFAULT_PAGE_SIZE = 64
+MAX_LAYERS = 4096  # far above any DSA model (DeepSeek-V3.2: 61, GLM-5.2: 78); checked before any per-layer loop
+MAX_DIM = 1 << 16  # kv_lora_rank, qk_rope_head_dim, index_head_dim and page_size stay below this
 
 _INDEXER_TYPES = ("full", "shared")
 _PATTERN_CHARS = ("S", "F")
@@ -188,6 +190,9 @@ class DSAModelConfig:
             value = getattr(self, attr)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{attr} must be a positive integer, got {value!r}")
+            limit = MAX_LAYERS if attr == "num_layers" else MAX_DIM
+            if value > limit:
+                raise ValueError(f"{attr} must be at most {limit}, got {value}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.index_head_dim % INDEX_QUANT_BLOCK:
@@ -218,7 +223,9 @@ class DSAModelConfig:
         computed for the first ``num_layers`` layers with the same rules.
 
         Raises:
-            ValueError: a required field is missing or invalid (the message names it).
+            ValueError: a required field is missing or invalid, ``num_hidden_layers`` above
+                :data:`MAX_LAYERS`, or ``num_layers`` above the model's layer count (the message names
+                it). Every size is checked before any per-layer loop.
             FileNotFoundError: the path does not exist.
         """
         if isinstance(config, (str, Path)):
@@ -233,10 +240,15 @@ class DSAModelConfig:
         for key in ("num_hidden_layers", "kv_lora_rank", "qk_rope_head_dim"):
             if data.get(key) is None:
                 raise ValueError(f"HF config lacks required field {key!r}")
-        validate_skip_config(data)
-        n = num_layers if num_layers is not None else int(data["num_hidden_layers"])
-        if not isinstance(n, int) or n <= 0:
+        total = data["num_hidden_layers"]
+        if isinstance(total, bool) or not isinstance(total, int) or not 0 < total <= MAX_LAYERS:
+            raise ValueError(f"num_hidden_layers must be an integer in 1..{MAX_LAYERS}, got {total!r}")
+        n = num_layers if num_layers is not None else total
+        if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
             raise ValueError(f"num_layers must be a positive integer, got {n!r}")
+        if n > total:
+            raise ValueError(f"num_layers {n} exceeds the model's {total} layers")
+        validate_skip_config(data)
         mask = tuple(_skips_unchecked(data, i) for i in range(n))
         return cls(
             name=name or str(data.get("model_type", "dsa-model")),

@@ -49,6 +49,10 @@ def call_daemon(fn: Callable[[], Any]) -> Any:
         if getattr(e, "code", None) == grpc.StatusCode.UNAVAILABLE:
             raise click.ClickException(
                 f"no kvtier daemon answers there (start one with `kvtier serve`, or pass --server ADDR): {e}") from None
+        if getattr(e, "code", None) == grpc.StatusCode.UNAUTHENTICATED:
+            raise click.ClickException(
+                "the daemon serves tenants and did not accept this call's token: set KVTIER_TOKEN to a token "
+                "from its --auth-tokens file") from None
         raise click.ClickException(str(e)) from None
 
 

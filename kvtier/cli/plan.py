@@ -24,7 +24,7 @@ def load_model(model: str, kv_dtype: str, page_size: int = 64) -> DSAModelConfig
 
 
 def _bytes(_ctx: click.Context, _param: click.Parameter, value: str) -> int:
-    from kvtier.server.service.config import parse_bytes
+    from kvtier.server.daemon.config import parse_bytes
 
     try:
         return parse_bytes(value, "--available-bytes")

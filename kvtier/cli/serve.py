@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from kvtier.server.service.config import LOG_LEVELS, DaemonConfig, PoolSpec, parse_bytes
+from kvtier.server.daemon.config import LOG_LEVELS, DaemonConfig, PoolSpec, parse_bytes
 
 
 def _bytes(_ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
@@ -40,6 +40,19 @@ def _bytes(_ctx: click.Context, param: click.Parameter, value: str | None) -> in
               help="Seconds in-flight calls may run on after SIGTERM/SIGINT [10].")
 @click.option("--tls-cert", type=click.Path(exists=True, dir_okay=False), default=None, help="PEM certificate (TLS).")
 @click.option("--tls-key", type=click.Path(exists=True, dir_okay=False), default=None, help="PEM private key (TLS).")
+@click.option("--tls-client-ca", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="PEM CA of client certificates: mutual TLS, every client must present one it signed.")
+@click.option("--auth-tokens", type=click.Path(dir_okay=False), default=None, metavar="FILE",
+              help="TOML [tokens] table (token = tenant), owned by this user, mode 0600: tenants; every call "
+                   "needs 'authorization: Bearer <token>'. Without it: one tenant, unix socket or loopback only.")
+@click.option("--peer-tls-ca", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="PEM CA to reach PD peers over TLS for PullKV (this daemon's --tls-cert is its client certificate).")
+@click.option("--max-streams", type=click.IntRange(min=1), default=None,
+              help="KV streams in flight at once; more are refused [half of --workers].")
+@click.option("--stream-idle-seconds", type=click.FloatRange(min=0.1), default=None,
+              help="Cancel a KV stream that moves no message this long [30].")
+@click.option("--close-seconds", type=click.FloatRange(min=0.1), default=None,
+              help="Time the shutdown work may take after the grace period before the daemon exits anyway [60].")
 @click.option("--ready-file", type=click.Path(dir_okay=False), default=None,
               help="Write the bound address here once serving.")
 @click.option("--transfer-engine", type=click.Choice(["mooncake", "none"]), default=None, help="PD transfer engine [none].")
@@ -53,7 +66,7 @@ def serve(config_file: str | None, pools: tuple[str, ...], pool_layers: int | No
 
     Example: kvtier serve --pool glm-5.2:65536 --host-memory 8GiB
     """
-    from kvtier.server.service.errors import KVTierError
+    from kvtier.server.daemon.errors import KVTierError
     from kvtier.server.service.server import AddressError, serve as run
 
     try:

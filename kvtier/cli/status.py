@@ -13,7 +13,11 @@ from kvtier.cli.common import call_daemon, console, message_to_dict, server_opti
 @server_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
 def status(server: str | None, timeout: float, as_json: bool) -> None:
-    """Health, version, uptime, tier usage and counters of a running daemon."""
+    """Health, version, uptime, tier usage and counters of a running daemon.
+
+    On a daemon with tenants, set KVTIER_TOKEN to your token: you see your pools and counters, and
+    each tier's use by all tenants beside your own bytes and quota.
+    """
     from kvtier.client import KVTierClient
 
     with KVTierClient(server, timeout=timeout) as c:
@@ -26,12 +30,15 @@ def status(server: str | None, timeout: float, as_json: bool) -> None:
 
     con = console()
     con.print(f"[bold]kvtier {stats.version}[/] at {c.address}: {health}, up {stats.uptime_seconds:.0f}s, "
-              f"device {stats.device}, {len(stats.pools)} pools, max message {stats.max_message_bytes:,} bytes")
-    t = Table(title="tiers")
-    for col in ("tier", "used bytes", "budget bytes", "entries"):
+              f"device {stats.device}, tenant {stats.tenant}: {len(stats.pools)} pools, "
+              f"max message {stats.max_message_bytes:,} bytes")
+    t = Table(title="tiers (all tenants; yours beside)")
+    for col in ("tier", "used bytes", "budget bytes", "entries", "your bytes", "your quota"):
         t.add_column(col, justify="left" if col == "tier" else "right")
     for tier in stats.tiers:
-        t.add_row(tier.tier, f"{tier.used_bytes:,}", f"{tier.budget_bytes:,}" if tier.budget_bytes else "-", f"{tier.entries:,}")
+        quota = f"{tier.tenant_quota_bytes:,}" if tier.HasField("tenant_quota_bytes") else "-"
+        t.add_row(tier.tier, f"{tier.used_bytes:,}", f"{tier.budget_bytes:,}" if tier.budget_bytes else "-",
+                  f"{tier.entries:,}", f"{tier.tenant_used_bytes:,}", quota)
     con.print(t)
     if stats.counters:
         ct = Table(title="counters")

@@ -5,18 +5,31 @@ Other servicers (tiers, transfer) reuse :func:`pool_layout` to describe a pool's
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from typing import TypeVar
+
+from kvtier.server.daemon.core import DaemonStats
+from kvtier.server.daemon.errors import InvalidArgument
+from kvtier.server.daemon.kv_ops import INDEX_K, INDEX_SCALE, LATENT
+from kvtier.server.daemon.pools import PoolEntry
 from kvtier.server.model_config import DSAModelConfig
 from kvtier.server.pool.buffer_info import BufInfos
 from kvtier.server.pool_configurator import PoolPlan
-from kvtier.server.service.errors import InvalidArgument
-from kvtier.server.service.kv_ops import INDEX_K, INDEX_SCALE, LATENT
-from kvtier.server.service.pools import PoolEntry
-from kvtier.server.service.state import DaemonState
 from kvtier.v1 import pool_pb2
+
+M = TypeVar("M")
 
 COMPONENT_TO_PROTO = {LATENT: pool_pb2.COMPONENT_LATENT, INDEX_K: pool_pb2.COMPONENT_INDEX_K,
                       INDEX_SCALE: pool_pb2.COMPONENT_INDEX_SCALE}
 COMPONENT_FROM_PROTO = {v: k for k, v in COMPONENT_TO_PROTO.items()}
+
+
+def chained(first: M, rest: Iterator[M], touch: Callable[[], None]) -> Iterator[M]:
+    """``first`` then every message of ``rest``, calling ``touch()`` as each one arrives (stream liveness)."""
+    yield first
+    for msg in rest:
+        touch()
+        yield msg
 
 
 def component_name(value: int) -> str:
@@ -80,17 +93,18 @@ def buffer_infos(entry: PoolEntry, state: BufInfos, contiguous: BufInfos) -> poo
                                         contiguous=infos(contiguous), skip_topk_layers=list(entry.pool.skip_topk_layers))
 
 
-def stats(state: DaemonState) -> pool_pb2.StatsResponse:
-    """Per pool and per tier usage plus counters."""
+def stats(s: DaemonStats, max_message_bytes: int) -> pool_pb2.StatsResponse:
+    """The caller's pools and counters, every tier's usage (daemon-wide and the caller's tenant's)."""
     pools = []
-    for e in state.pools.list():
+    for e in s.pools:
         used = e.allocator.used_pages * e.page_size
         pools.append(pool_pb2.PoolStats(
             pool_id=e.pool_id, model_name=e.model.name, role=e.role, device=str(e.pool.device),
             size_tokens=e.allocator.size, used_tokens=used, free_tokens=e.allocator.free_tokens,
             kv_size_bytes=e.pool.get_kv_size_bytes()))
-    tiers = [pool_pb2.TierStats(tier=t.tier, used_bytes=t.used_bytes, budget_bytes=t.budget_bytes, entries=t.entries)
-             for t in state.tier_usage()]
+    tiers = [pool_pb2.TierStats(tier=t.tier, used_bytes=t.used_bytes, budget_bytes=t.budget_bytes, entries=t.entries,
+                                tenant_used_bytes=t.tenant_used_bytes, tenant_quota_bytes=t.tenant_quota_bytes)
+             for t in s.tiers]
     return pool_pb2.StatsResponse(
-        version=state.version, uptime_seconds=state.uptime_seconds, device=state.device, pools=pools, tiers=tiers,
-        counters=state.counters.snapshot(), max_message_bytes=state.config.max_message_bytes)
+        version=s.version, uptime_seconds=s.uptime_seconds, device=s.device, pools=pools, tiers=tiers,
+        counters=s.counters, max_message_bytes=max_message_bytes, tenant=s.tenant)

@@ -3,8 +3,12 @@
 :func:`create_server` binds every service of :data:`~kvtier.server.service.registry.SERVICES` plus
 the standard health and reflection services and returns the server with the address it really
 bound (port 0 picks a free port). :func:`serve` runs it until SIGTERM/SIGINT, then stops taking new
-calls, lets in-flight calls finish within ``grace_seconds``, runs the state's shutdown hooks and
-returns 0.
+calls, lets in-flight calls finish within ``grace_seconds``, runs the daemon's shutdown hooks within
+``close_seconds`` and exits -- even if a worker thread is stuck in a call (then it says so).
+
+Where it listens: without ``auth_tokens`` (one tenant) only on a unix socket or a loopback host,
+TLS or not; with tokens, any host, but only with TLS (a bearer token never crosses a network in the
+clear). ``tls_client_ca`` makes TLS mutual (clients must present a certificate that CA signed).
 """
 
 from __future__ import annotations
@@ -14,8 +18,10 @@ import logging
 import os
 import signal
 import socket
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -23,16 +29,40 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvtier.addresses import default_socket_path, is_loopback, is_unix, resolve_address, socket_path
-from kvtier.server.service.config import DaemonConfig
+from kvtier.server.daemon.config import DaemonConfig
+from kvtier.server.daemon.core import Daemon
+from kvtier.server.service.auth import AuthInterceptor
 from kvtier.server.service.errors import DomainErrorInterceptor
+from kvtier.server.service.interceptors import CallTracker
 from kvtier.server.service.registry import SERVICES, ServiceEntry
-from kvtier.server.service.state import DaemonState
+from kvtier.server.service.streams import StreamGuard
 
 log = logging.getLogger("kvtier.service")
 
+STOP_SLACK_SECONDS = 5.0  # after the grace period: time for cancelled calls to leave their workers
+
 
 class AddressError(ValueError):
-    """The listen address cannot be used (not loopback without TLS, in use, bad path)."""
+    """The listen address cannot be used (not loopback without TLS and tokens, in use, bad path)."""
+
+
+@dataclass
+class DaemonServer:
+    """A built (not started) server and what its shutdown needs.
+
+    Attributes:
+        server: the gRPC server. address: the bound address (``unix:///path`` or ``HOST:PORT``).
+        state: the daemon domain. calls: calls in flight. streams: the stream guard.
+    """
+
+    server: grpc.Server
+    address: str
+    state: Daemon
+    calls: CallTracker
+    streams: StreamGuard
+
+    def __iter__(self):  # ``server, address = create_server(...)`` keeps working
+        return iter((self.server, self.address))
 
 
 def _prepare_unix_socket(path: Path, *, default: bool) -> None:
@@ -53,14 +83,27 @@ def _prepare_unix_socket(path: Path, *, default: bool) -> None:
             probe.close()
 
 
+def _credentials(config: DaemonConfig) -> grpc.ServerCredentials | None:
+    if not config.tls_cert:
+        return None
+    pair = [(Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes())]
+    if config.tls_client_ca:
+        return grpc.ssl_server_credentials(pair, root_certificates=Path(config.tls_client_ca).read_bytes(),
+                                           require_client_auth=True)
+    return grpc.ssl_server_credentials(pair)
+
+
 def _bind(server: grpc.Server, config: DaemonConfig) -> str:
     address = resolve_address(config.listen)
-    creds = None
-    if config.tls_cert:
-        creds = grpc.ssl_server_credentials([(Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes())])
-    if not is_loopback(address) and creds is None:
-        raise AddressError(f"refusing to listen on {address} without TLS: use a loopback host, a unix socket, "
-                           f"or set tls_cert and tls_key")
+    creds = _credentials(config)
+    if not is_loopback(address):
+        if creds is None:
+            raise AddressError(f"refusing to listen on {address} without TLS: use a loopback host, a unix socket, "
+                               f"or set tls_cert and tls_key (and auth_tokens)")
+        if not config.auth_tokens:
+            raise AddressError(f"refusing to listen on {address} without --auth-tokens: with one tenant any client "
+                               f"that reaches it could use every pool; use a loopback host or a unix socket, or give "
+                               f"--auth-tokens FILE")
     if is_unix(address):
         path = Path(socket_path(address))
         _prepare_unix_socket(path, default=not config.listen or path == default_socket_path())
@@ -85,34 +128,37 @@ def _bind(server: grpc.Server, config: DaemonConfig) -> str:
 
 def create_server(
     config: DaemonConfig,
-    state: DaemonState | None = None,
+    state: Daemon | None = None,
     *,
     health_servicer: health.HealthServicer | None = None,
     services: list[ServiceEntry] | None = None,
-) -> tuple[grpc.Server, str]:
+) -> DaemonServer:
     """Build (not start) the daemon's server and bind its address.
 
     Args:
-        config: listen address, workers, message limits, TLS.
-        state: shared state for the servicers (default: a fresh ``DaemonState(config)``).
+        config: listen address, workers, stream limits, message limits, TLS, tokens.
+        state: the daemon domain for the servicers (default: a fresh ``Daemon(config)``).
         health_servicer: the health service to register (pass one to flip it to NOT_SERVING on shutdown).
         services: services to serve (default :data:`SERVICES`).
 
     Returns:
-        ``(server, bound_address)``: ``unix:///path`` or ``HOST:PORT`` with the real port.
+        A :class:`DaemonServer` (unpacks as ``(server, bound_address)``: ``unix:///path`` or
+        ``HOST:PORT`` with the real port).
 
     Raises:
         AddressError: the address is not usable.
     """
-    state = state if state is not None else DaemonState(config)
+    state = state if state is not None else Daemon(config)
     services = SERVICES if services is None else services
+    calls = CallTracker()
+    streams = StreamGuard(config.stream_slots, config.stream_idle_seconds)
     server = grpc.server(
         ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="kvtier-rpc"),
-        interceptors=[DomainErrorInterceptor()],
+        interceptors=[calls, AuthInterceptor(state.tokens), DomainErrorInterceptor()],
         options=config.grpc_options(),
     )
     for entry in services:
-        entry.add_to_server(entry.factory(state), server)
+        entry.add_to_server(entry.factory(state, streams), server)
     hs = health_servicer or health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)
     names = [e.name for e in services]
@@ -120,8 +166,29 @@ def create_server(
     for name in names:
         hs.set(name, health_pb2.HealthCheckResponse.SERVING)
     reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    address = _bind(server, config)
-    return server, address
+    try:
+        address = _bind(server, config)
+    except BaseException:
+        streams.close()
+        raise
+    return DaemonServer(server, address, state, calls, streams)
+
+
+def _run_bounded(fn, seconds: float) -> bool:  # type: ignore[no-untyped-def]
+    """Run ``fn`` in a daemon thread; True if it finished within ``seconds``."""
+    t = threading.Thread(target=fn, name="kvtier-close", daemon=True)
+    t.start()
+    t.join(seconds)
+    return not t.is_alive()
+
+
+def _exit_now(code: int) -> None:
+    """Leave the process at once: worker threads stuck in a call would block the interpreter's exit
+    (it joins the executor's threads) forever."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def serve(config: DaemonConfig) -> int:
@@ -129,16 +196,19 @@ def serve(config: DaemonConfig) -> int:
 
     Creates ``config.pools`` before serving, writes the bound address to ``config.ready_file``
     once serving, and on a signal: health NOT_SERVING, no new calls, in-flight calls get
-    ``grace_seconds``, shutdown hooks run, the unix socket and ready file are removed.
+    ``grace_seconds`` (then they are cancelled), the shutdown hooks get ``close_seconds``, the unix
+    socket and ready file are removed. Never waits forever: with a call still stuck in a worker
+    after all that, it logs it and exits at once (0 if the shutdown hooks finished, else 1).
     """
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     import torch
 
     torch.set_num_threads(config.torch_threads)
-    state = DaemonState(config)
+    state = Daemon(config)
     state.create_configured_pools()
     hs = health.HealthServicer()
-    server, address = create_server(config, state, health_servicer=hs)
+    built = create_server(config, state, health_servicer=hs)
+    server, address = built.server, built.address
     stop = threading.Event()
 
     def on_signal(signum: int, _frame: object) -> None:
@@ -152,14 +222,27 @@ def serve(config: DaemonConfig) -> int:
         tmp = Path(config.ready_file + ".tmp")
         tmp.write_text(address)
         tmp.replace(config.ready_file)
-    log.info("kvtier %s serving on %s (device %s, %d pools)", state.version, address, state.device, len(state.pools.list()))
+    mode = f"{len(state.tokens.tenants)} tenants" if state.tokens else "one tenant"
+    log.info("kvtier %s serving on %s (device %s, %d pools, %s)", state.version, address, state.device,
+             len(state.pools.list()), mode)
     while not stop.wait(1.0):
         pass
     hs.enter_graceful_shutdown()
-    server.stop(config.grace_seconds).wait()
-    state.close()
+    stopped = server.stop(config.grace_seconds)
+    stopped.wait(config.grace_seconds + STOP_SLACK_SECONDS)
+    built.streams.close()
+    stuck = built.calls.in_flight
+    if stuck:
+        log.error("%d calls are still running in worker threads after the %.1f s grace period; closing without them",
+                  stuck, config.grace_seconds)
+    closed = _run_bounded(state.close, config.close_seconds)
+    if not closed:
+        log.error("the shutdown work (moving records down to disk, closing tiers) did not finish in %.0f s "
+                  "(close_seconds); exiting anyway", config.close_seconds)
     if is_unix(address):
         with contextlib.suppress(FileNotFoundError):
             Path(socket_path(address)).unlink()
     log.info("stopped")
+    if stuck or not closed:
+        _exit_now(0 if closed else 1)
     return 0

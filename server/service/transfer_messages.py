@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvtier.server.service.messages import pool_layout as pool_layout_message
-from kvtier.server.service.pools import PoolEntry
+from kvtier.server.daemon.pools import PoolEntry
 from kvtier.server.transfer import LayoutMismatchError, PoolLayout, TransferStats
 from kvtier.v1 import pool_pb2, transfer_pb2
 

@@ -94,7 +94,7 @@ class Tier(ABC):
         self.index = index
         self.health = TierHealth(self.name)
         self._stats = TierStats(self.name, capacity_bytes=index.capacity)
-        self._stats_lock = threading.Lock()
+        self._stats_lock = threading.Lock()  # leaf: taken after index.lock, never before it
 
     def probe(self) -> None:
         """Check that an unhealthy tier can serve again (e.g. a small write and delete); raise an
@@ -174,16 +174,23 @@ class Tier(ABC):
         already holds a record finishes with its own reference; later reads miss."""
 
     def stats(self) -> TierStats:
-        """A snapshot of usage and counters."""
-        with self._stats_lock, self.index.lock:
+        """A snapshot of usage and counters.
+
+        Monitoring path: takes only the counter lock (a leaf) and reads the index's plain integers
+        without its lock, so it never waits for a write, read or eviction in progress (and a writer
+        holding the index lock, which counts under the counter lock, can never wait for it). Usage
+        and counters are each consistent; together they may be one operation apart.
+        """
+        with self._stats_lock:
             s = TierStats(**{**asdict(self._stats), "extra": dict(self._stats.extra)})
-            s.capacity_bytes = self.index.capacity
-            s.used_bytes = self.index.used
-            s.entries = len(self.index)
-            s.pinned = self.index.total_pins
-            return s
+        s.capacity_bytes = self.index.capacity
+        s.used_bytes = self.index.used
+        s.entries = len(self.index)
+        s.pinned = self.index.total_pins
+        return s
 
     def _count(self, **deltas: int) -> None:
+        """Add to counters. Leaf lock: may be called with the index lock held; calls nothing."""
         with self._stats_lock:
             for k, v in deltas.items():
                 setattr(self._stats, k, getattr(self._stats, k) + v)

@@ -517,7 +517,8 @@ class DiskTier(Tier):
                 "entries": entries}
 
     def stats(self):  # type: ignore[override]
-        self._env()
+        if self._env_obj is None:
+            self._env()  # first use only (opens and scrubs); once open, stats take no index lock
         s = super().stats()
         s.extra = {"scrubbed": self._scrubbed, "map_size": self.config.capacity_bytes}
         return s

@@ -1072,11 +1072,18 @@ class TierStats(_message.Message):
     USED_BYTES_FIELD_NUMBER: _builtins.int
     BUDGET_BYTES_FIELD_NUMBER: _builtins.int
     ENTRIES_FIELD_NUMBER: _builtins.int
+    TENANT_USED_BYTES_FIELD_NUMBER: _builtins.int
+    TENANT_QUOTA_BYTES_FIELD_NUMBER: _builtins.int
     tier: _builtins.str
     """"device", "host", "disk" """
     used_bytes: _builtins.int
+    """daemon-wide, all tenants"""
     budget_bytes: _builtins.int
     entries: _builtins.int
+    tenant_used_bytes: _builtins.int
+    """the caller's tenant's bytes there (device: its pools)"""
+    tenant_quota_bytes: _builtins.int
+    """the caller's tenant's quota there; unset: none"""
     def __init__(
         self,
         *,
@@ -1084,12 +1091,16 @@ class TierStats(_message.Message):
         used_bytes: _builtins.int = ...,
         budget_bytes: _builtins.int = ...,
         entries: _builtins.int = ...,
+        tenant_used_bytes: _builtins.int = ...,
+        tenant_quota_bytes: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_tenant_quota_bytes", b"_tenant_quota_bytes", "tenant_quota_bytes", b"tenant_quota_bytes"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["budget_bytes", b"budget_bytes", "entries", b"entries", "tier", b"tier", "used_bytes", b"used_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_tenant_quota_bytes", b"_tenant_quota_bytes", "budget_bytes", b"budget_bytes", "entries", b"entries", "tenant_quota_bytes", b"tenant_quota_bytes", "tenant_used_bytes", b"tenant_used_bytes", "tier", b"tier", "used_bytes", b"used_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__tenant_quota_bytes: _TypeAlias = _typing.Literal["tenant_quota_bytes"]  # noqa: Y015
+    _WhichOneofArgType__tenant_quota_bytes: _TypeAlias = _typing.Literal["_tenant_quota_bytes", b"_tenant_quota_bytes"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__tenant_quota_bytes) -> _WhichOneofReturnType__tenant_quota_bytes | None: ...
 
 Global___TierStats: _TypeAlias = TierStats  # noqa: Y015
 
@@ -1124,16 +1135,21 @@ class StatsResponse(_message.Message):
     TIERS_FIELD_NUMBER: _builtins.int
     COUNTERS_FIELD_NUMBER: _builtins.int
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _builtins.int
+    TENANT_FIELD_NUMBER: _builtins.int
     version: _builtins.str
     uptime_seconds: _builtins.float
     device: _builtins.str
     max_message_bytes: _builtins.int
+    tenant: _builtins.str
+    """the tenant the call was made as ("default" without --auth-tokens)"""
     @_builtins.property
     def pools(self) -> _containers.RepeatedCompositeFieldContainer[Global___PoolStats]: ...
     @_builtins.property
     def tiers(self) -> _containers.RepeatedCompositeFieldContainer[Global___TierStats]: ...
     @_builtins.property
-    def counters(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]: ...
+    def counters(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """the caller's tenant's counters"""
+
     def __init__(
         self,
         *,
@@ -1144,10 +1160,11 @@ class StatsResponse(_message.Message):
         tiers: _abc.Iterable[Global___TierStats] | None = ...,
         counters: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
         max_message_bytes: _builtins.int = ...,
+        tenant: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["counters", b"counters", "device", b"device", "max_message_bytes", b"max_message_bytes", "pools", b"pools", "tiers", b"tiers", "uptime_seconds", b"uptime_seconds", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["counters", b"counters", "device", b"device", "max_message_bytes", b"max_message_bytes", "pools", b"pools", "tenant", b"tenant", "tiers", b"tiers", "uptime_seconds", b"uptime_seconds", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

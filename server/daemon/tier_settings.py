@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvtier.server.service.config_keys import check_known_keys
+from kvtier.server.daemon.config_keys import check_known_keys
 
 GiB = 1 << 30
 
@@ -65,7 +65,7 @@ class TierSettings:
         check_known_keys(cls, value, "[tiers]")
         data = dict(value)
         if "disk_bytes" in data:
-            from kvtier.server.service.config import parse_bytes  # config imports this module
+            from kvtier.server.daemon.config import parse_bytes  # config imports this module
 
             data["disk_bytes"] = parse_bytes(data["disk_bytes"], "tiers.disk_bytes")
         return cls(**data)

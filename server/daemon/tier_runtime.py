@@ -1,11 +1,18 @@
 """The daemon's tiers: one host/disk stack shared by the offload store and one prefix cache per pool.
 
-Built once per daemon from :class:`~kvtier.server.service.config.DaemonConfig` (host budget
-``host_memory_bytes``, the rest from its ``tiers`` settings) and kept as ``DaemonState.tiers``.
+Built once per daemon from :class:`~kvtier.server.daemon.config.DaemonConfig` (host budget
+``host_memory_bytes``, the rest from its ``tiers`` settings) and kept as ``Daemon.tiers``.
 Everything here is domain glue: it holds each pool's lock exclusive while its prefix cache moves
 pages (prefix operations on one pool run one at a time; other pools are not blocked) and turns tier
 errors into the daemon's typed errors (TierFullError -> ResourceExhausted, LeaseError -> NotFound,
-bad keys -> InvalidArgument), which the one mapping in ``errors`` turns into status codes.
+bad keys -> InvalidArgument), which the one mapping in ``kvtier.server.service.errors`` turns into
+status codes.
+
+Tenants: a pool's prefix namespace is ``tenant_key(tenant, b"p:" + layout digest)``: pools of one
+tenant with the same layout share pages; equal prompts of two tenants never share or probe each
+other's pages. The tiers account each tenant's bytes (``TierIndex.set_groups``) for its quotas.
+
+Monitoring (:meth:`TierRuntime.stats`) takes no pool, cache or index lock.
 """
 
 from __future__ import annotations
@@ -18,19 +25,20 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvtier.server.service.errors import InvalidArgument, NotFound, ResourceExhausted
-from kvtier.server.service.pools import PoolEntry
-from kvtier.server.service.tier_settings import TierSettings
-from kvtier.server.service.tier_store import TieredCopyStore
+from kvtier.server.daemon.errors import InvalidArgument, NotFound, ResourceExhausted
+from kvtier.server.daemon.pools import PoolEntry
+from kvtier.server.daemon.quotas import Quotas
+from kvtier.server.daemon.tenants import Caller, tenant_key, tenant_of_key
+from kvtier.server.daemon.tier_settings import TierSettings
 from kvtier.server.tiers import (
     DiskTierConfig, HostTierConfig, LeaseError, PrefixCache, PrefixLoad, PrefixLookup, RecordCodec, TierFullError,
     TierStack,
 )
 
 if TYPE_CHECKING:
-    from kvtier.server.service.state import DaemonState
+    from kvtier.server.daemon.core import Daemon
 
-log = logging.getLogger("kvtier.service")
+log = logging.getLogger("kvtier.daemon")
 
 
 class EntryAllocator:
@@ -75,6 +83,8 @@ def tier_errors() -> Iterator[None]:
         raise ResourceExhausted(str(e)) from None
     except LeaseError as e:
         raise NotFound(str(e)) from None
+    except ValueError as e:  # bad or repeated page keys, slots that are not the lease's fresh pages
+        raise InvalidArgument(str(e)) from None
 
 
 def build_stack(host_bytes: int, settings: TierSettings, device: str = "cpu") -> TierStack:
@@ -91,48 +101,46 @@ def build_stack(host_bytes: int, settings: TierSettings, device: str = "cpu") ->
 
 
 class TierRuntime:
-    """The daemon's tier stack, its tiered offload store and the prefix caches of its pools.
+    """The daemon's tier stack and the prefix caches of its pools.
 
     Args:
-        state: the daemon state (its config, pool registry and shutdown hooks).
-        replace_copy_store: make the tiered store ``state.copy_store`` (False when a store was
-            passed to ``DaemonState`` explicitly).
+        state: the daemon (its config, pool registry and shutdown hooks).
 
     Raises:
         ValueError: bad ``[tiers]`` settings.
     """
 
-    def __init__(self, state: DaemonState, *, replace_copy_store: bool = True) -> None:
+    def __init__(self, state: Daemon) -> None:
         self.settings = TierSettings.coerce(getattr(state.config, "tiers", None))
         self.pools = state.pools
+        self.quotas: Quotas = state.config.quotas
         self.stack = build_stack(state.config.host_memory_bytes, self.settings, state.device)
-        self.copy_store = TieredCopyStore(self.stack) if self.stack.tiers else None
-        if replace_copy_store and self.copy_store is not None:  # no tier at all: the plain store refuses
-            state.copy_store = self.copy_store
-        self._caches: dict[str, tuple[PoolEntry, PrefixCache]] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # short: creating a pool's cache object only
         for t in self.stack.tiers:
+            t.index.set_groups(tenant_of_key, lambda tenant, tier=t.name: self.quotas.tier_bytes(tenant, tier))
             if hasattr(t, "open"):
                 t.open()  # the daemon never forks after this; the startup scrub runs now
         state.add_shutdown_hook(self.close)
 
-    def _cache(self, entry: PoolEntry) -> PrefixCache:
-        with self._lock:
-            held = self._caches.get(entry.pool_id)
-            if held is None or held[0] is not entry:  # new pool, or one re-created under the same id
-                namespace = b"p:" + bytes.fromhex(entry.model.fingerprint_digest())
-                cache = PrefixCache(self.stack, EntryAllocator(entry), RecordCodec(entry.model),  # type: ignore[arg-type]
-                                    pool=entry.pool, namespace=namespace,
-                                    lease_ttl_seconds=self.settings.lease_ttl_seconds or None)
-                self._caches[entry.pool_id] = (entry, cache)
-                return cache
-            return held[1]
+    def cache_of(self, entry: PoolEntry) -> PrefixCache:
+        """``entry``'s prefix cache, made on first use (takes no pool lock)."""
+        cache = entry.prefix_cache
+        if cache is None:
+            with self._lock:
+                cache = entry.prefix_cache
+                if cache is None:
+                    namespace = tenant_key(entry.tenant, b"p:" + bytes.fromhex(entry.model.fingerprint_digest()))
+                    cache = PrefixCache(self.stack, EntryAllocator(entry), RecordCodec(entry.model),  # type: ignore[arg-type]
+                                        pool=entry.pool, namespace=namespace,
+                                        lease_ttl_seconds=self.settings.lease_ttl_seconds or None)
+                    entry.prefix_cache = cache
+        return cache
 
     @contextmanager
-    def cache(self, pool_id: str) -> Iterator[PrefixCache]:
-        """The prefix cache of ``pool_id`` with the pool's lock held exclusive. Raises NotFound."""
-        with self.pools.locked(pool_id, exclusive=True) as entry, tier_errors():
-            yield self._cache(entry)
+    def cache(self, caller: Caller, pool_id: str) -> Iterator[PrefixCache]:
+        """The prefix cache of ``caller``'s pool ``pool_id`` with the pool's lock held exclusive. Raises NotFound."""
+        with self.pools.locked(caller, pool_id, exclusive=True) as entry, tier_errors():
+            yield self.cache_of(entry)
 
     @staticmethod
     def check_keys(keys: Sequence[bytes]) -> list[bytes]:
@@ -142,41 +150,48 @@ class TierRuntime:
             raise InvalidArgument("page keys must be 1..64 bytes each")
         return keys
 
-    def lookup(self, pool_id: str, keys: Sequence[bytes]) -> PrefixLookup:
+    def lookup(self, caller: Caller, pool_id: str, keys: Sequence[bytes]) -> PrefixLookup:
         """Per tier, the longest prefix of ``keys`` present (pins nothing)."""
         keys = self.check_keys(keys)
-        with self.cache(pool_id) as c:
+        with self.cache(caller, pool_id) as c:
             return c.lookup(keys)
 
-    def load(self, pool_id: str, keys: Sequence[bytes], total_tokens: int | None) -> PrefixLoad:
+    def load(self, caller: Caller, pool_id: str, keys: Sequence[bytes], total_tokens: int | None) -> PrefixLoad:
         """Load the present prefix into device slots and allocate the rest (see :meth:`PrefixCache.load`)."""
         keys = self.check_keys(keys)
-        with self.cache(pool_id) as c:
+        with self.cache(caller, pool_id) as c:
             return c.load(keys, total_tokens)
 
-    def store(self, pool_id: str, lease: int, keys: Sequence[bytes], slots: Sequence[int]) -> int:
+    def store(self, caller: Caller, pool_id: str, lease: str, keys: Sequence[bytes], slots: Sequence[int]) -> int:
         """Hand the lease's fresh pages at ``slots`` to the prefix cache under ``keys``."""
         keys = self.check_keys(keys)
-        with self.cache(pool_id) as c:
+        with self.cache(caller, pool_id) as c:
             return c.store(lease, keys, torch.tensor(list(slots), dtype=torch.int64))
 
-    def release(self, pool_id: str, lease: int) -> None:
+    def release(self, caller: Caller, pool_id: str, lease: str) -> None:
         """End a lease: unpin its pages, free the fresh pages it did not store."""
-        with self.cache(pool_id) as c:
+        with self.cache(caller, pool_id) as c:
             c.release(lease)
 
-    def where_is(self, pool_id: str, keys: Sequence[bytes]) -> list[list[str]]:
+    def where_is(self, caller: Caller, pool_id: str, keys: Sequence[bytes]) -> list[list[str]]:
         """Tiers holding each key's page, fastest first."""
         keys = self.check_keys(keys)
-        with self.cache(pool_id) as c:
+        with self.cache(caller, pool_id) as c:
             return c.where_is(keys)
 
-    def stats(self, pool_id: str | None = None) -> dict[str, Any]:
-        """Tier stats and moves; with ``pool_id`` also that pool's prefix-cache counters and device use."""
-        if not pool_id:
-            return self.stack.stats()
-        with self.cache(pool_id) as c:
-            return c.stats()
+    def stats(self, caller: Caller, pool_id: str | None = None) -> dict[str, Any]:
+        """Tier stats and moves (daemon-wide), each tier's bytes and quota of ``caller``'s tenant
+        (``tenant_used_bytes``, ``tenant_quota_bytes``), and with ``pool_id`` that pool's prefix-cache
+        counters and device use. Monitoring: takes no pool, cache or index lock."""
+        if pool_id:
+            out = self.cache_of(self.pools.get(caller, pool_id)).snapshot()
+        else:
+            out = self.stack.stats()
+        for t in self.stack.tiers:
+            row = out["tiers"][t.name]
+            row["tenant_used_bytes"] = t.index.group_used(caller.tenant)
+            row["tenant_quota_bytes"] = self.quotas.tier_bytes(caller.tenant, t.name)
+        return out
 
     def close(self) -> None:
         """At shutdown (no calls in flight): move unpinned device-tier pages and the host tier's
@@ -184,10 +199,9 @@ class TierRuntime:
         and close the LMDB environment). Without a disk tier nothing is moved."""
         try:
             if len(self.stack.tiers) > 1:
-                with self._lock:
-                    caches = [c for _, c in self._caches.values()]
-                for cache in caches:
-                    cache.drop_all()
+                for entry in self.pools.list():
+                    if entry.prefix_cache is not None:
+                        entry.prefix_cache.drop_all()
                 moved = self.stack.spill_down()
                 log.info("tiers: %d records moved down to the disk tier at shutdown", moved)
         finally:
