@@ -93,6 +93,8 @@ class HostArena:
         prefault: fault every page in now (``True``), in a background thread at the lowest CPU
             priority (``"background"``; a block used before it gets there faults on first touch, as
             plain memory would), or not at all (``False``: each page faults on first use, once).
+        prefault_limit: fault in at most this many bytes (the lowest addresses, where best fit puts
+            blocks first); the rest faults on first use, once. None: all of it.
         name: the memfd's name (shown in ``/proc/PID/maps`` as ``/memfd:NAME``).
 
     Raises:
@@ -102,7 +104,8 @@ class HostArena:
     """
 
     def __init__(self, nbytes: int, *, page_bytes: int = PAGE_BYTES, pin: bool | None = None,
-                 prefault: bool | str = True, name: str = "kvtier-host-arena") -> None:
+                 prefault: bool | str = True, prefault_limit: int | None = None,
+                 name: str = "kvtier-host-arena") -> None:
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 1:
             raise ValueError(f"a host arena needs at least one byte, got {nbytes!r}")
         if page_bytes < PAGE_BYTES or page_bytes % PAGE_BYTES:
@@ -123,6 +126,7 @@ class HostArena:
         self._mem = _Memory(self._mmap, self.fd, np.frombuffer(self._mmap, dtype=np.uint8))
         self.base_ptr = int(self._mem.array.ctypes.data)
         self._extents = ExtentAllocator(pages)
+        self._prefault_end = self.capacity if prefault_limit is None else min(self.capacity, max(0, int(prefault_limit)))
         self._fallbacks = 0
         self._prefaulted = 0
         self._stop = threading.Event()
@@ -140,17 +144,18 @@ class HostArena:
 
     # ----- faulting in ------------------------------------------------------------------------
     def _prefault(self, *, background: bool = False) -> None:
-        """Fault every page in, lowest addresses first, in 64 MiB steps (stops when the arena closes)."""
+        """Fault pages in up to the prefault limit, lowest addresses first, in 64 MiB steps (stops when
+        the arena closes)."""
         if background:
             try:
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # this thread only
             except OSError:
                 pass
         mem = self._mem
-        for start in range(0, self.capacity, _PREFAULT_CHUNK):
+        for start in range(0, self._prefault_end, _PREFAULT_CHUNK):
             if self._stop.is_set() or mem.array is None:
                 return
-            n = min(_PREFAULT_CHUNK, self.capacity - start)
+            n = min(_PREFAULT_CHUNK, self._prefault_end - start)
             try:
                 mem.mmap.madvise(MADV_POPULATE_WRITE, start, n)
             except (OSError, ValueError):  # older kernel: write one byte of each page (its bytes stay)

@@ -45,6 +45,9 @@ class HostTierConfig(TierConfig):
         verify_reads: check each record's checksum when it is read.
         prefault: fault the arena in at once (``True``), in a background thread at the lowest CPU
             priority (``"background"``, the default: the daemon starts at once), or on first use.
+        prefault_limit_bytes: fault in at most this much (default 1 GiB: a default daemon does not
+            take its whole 4 GiB budget of memory at start); beyond it each page faults on first use,
+            once. 0: no limit.
     """
 
     kind: ClassVar[str] = "host"
@@ -53,6 +56,7 @@ class HostTierConfig(TierConfig):
     pin_memory: bool | None = None
     verify_reads: bool = True
     prefault: bool | str = "background"
+    prefault_limit_bytes: int = 1 << 30
 
 
 class HostTier(Tier):
@@ -79,7 +83,8 @@ class HostTier(Tier):
         with self._arena_lock:
             if self._arena is None:
                 size = max(self.config.capacity_bytes + self.config.capacity_bytes // 16, 1 << 20)
-                self._arena = HostArena(size, pin=self.pin_memory, prefault=self.config.prefault, name="kvtier-host-tier")
+                self._arena = HostArena(size, pin=self.pin_memory, prefault=self.config.prefault,
+                                        prefault_limit=self.config.prefault_limit_bytes or None, name="kvtier-host-tier")
             return self._arena
 
     def registration_range(self) -> tuple[int, int]:
