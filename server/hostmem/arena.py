@@ -128,40 +128,18 @@ class HostArena:
         self._extents = ExtentAllocator(pages)
         self._prefault_end = self.capacity if prefault_limit is None else min(self.capacity, max(0, int(prefault_limit)))
         self._fallbacks = 0
-        self._prefaulted = 0
         self._stop = threading.Event()
         self.pinned = torch.cuda.is_available() if pin is None else bool(pin)
         if prefault is True:
-            self._prefault()
+            _prefault(self._mem, self._prefault_end, self._stop, background=False)
         if self.pinned:
             cuda_host_register(self.base_ptr, self.capacity)
         self._mem.pinned_ptr = self.base_ptr if self.pinned else 0
         del self._mmap
         self._finalizer = weakref.finalize(self, _close_memory, self._mem, self._stop)
-        if prefault == "background":
-            threading.Thread(target=self._prefault, kwargs={"background": True}, name=f"{name}-prefault",
-                             daemon=True).start()
-
-    # ----- faulting in ------------------------------------------------------------------------
-    def _prefault(self, *, background: bool = False) -> None:
-        """Fault pages in up to the prefault limit, lowest addresses first, in 64 MiB steps (stops when
-        the arena closes)."""
-        if background:
-            try:
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # this thread only
-            except OSError:
-                pass
-        mem = self._mem
-        for start in range(0, self._prefault_end, _PREFAULT_CHUNK):
-            if self._stop.is_set() or mem.array is None:
-                return
-            n = min(_PREFAULT_CHUNK, self._prefault_end - start)
-            try:
-                mem.mmap.madvise(MADV_POPULATE_WRITE, start, n)
-            except (OSError, ValueError):  # older kernel: write one byte of each page (its bytes stay)
-                chunk = mem.array[start:start + n]
-                chunk[::PAGE_BYTES] = chunk[::PAGE_BYTES]
-            self._prefaulted = start + n
+        if prefault == "background":  # the thread holds the memory, not the arena: a dropped arena stops it
+            threading.Thread(target=_prefault, args=(self._mem, self._prefault_end, self._stop), kwargs={"background": True},
+                             name=f"{name}-prefault", daemon=True).start()
 
     # ----- blocks -----------------------------------------------------------------------------
     def alloc(self, nbytes: int) -> HostBlock | None:
@@ -220,7 +198,7 @@ class HostArena:
         s = self._extents.stats()
         pb = self.page_bytes
         return ArenaStats(self.capacity, s.used_pages * pb, s.free_pages * pb, s.largest_free_run * pb, s.live_extents,
-                          s.allocs, s.failed_allocs, self._fallbacks, self._prefaulted, self.pinned)
+                          s.allocs, s.failed_allocs, self._fallbacks, self._mem.prefaulted, self.pinned)
 
     def close(self) -> None:
         """Stop handing out blocks and unmap the memory once no block is alive any more (blocks
@@ -234,6 +212,28 @@ class _Memory:
     def __init__(self, mm: mmap.mmap, fd: int, array: np.ndarray) -> None:
         self.mmap, self.fd, self.array = mm, fd, array
         self.pinned_ptr = 0
+        self.prefaulted = 0
+
+
+def _prefault(mem: _Memory, end: int, stop: threading.Event, *, background: bool) -> None:
+    """Fault ``mem`` in up to byte ``end``, lowest addresses first, in 64 MiB steps; stops when the
+    arena closes (or is dropped). In the background at the lowest CPU priority (this thread only)."""
+    if background:
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except OSError:
+            pass
+    for start in range(0, end, _PREFAULT_CHUNK):
+        array = mem.array
+        if stop.is_set() or array is None:
+            return
+        n = min(_PREFAULT_CHUNK, end - start)
+        try:
+            mem.mmap.madvise(MADV_POPULATE_WRITE, start, n)
+        except (OSError, ValueError):  # older kernel: write one byte of each page (its bytes stay)
+            chunk = array[start:start + n]
+            chunk[::PAGE_BYTES] = chunk[::PAGE_BYTES]
+        mem.prefaulted = start + n
 
 
 def _close_memory(mem: _Memory, stop: threading.Event) -> None:

@@ -246,3 +246,6 @@ class HostTier(Tier):
         with self.index.lock:
             for k in list(self._data):
                 self._drop(k)
+        with self._arena_lock:
+            if self._arena is not None:
+                self._arena.close()  # stops its prefault; unmapped once no block is alive
