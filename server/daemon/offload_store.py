@@ -158,9 +158,11 @@ class OffloadStore:
         with self._lock:
             self.check_room(caller, key, copy.nbytes)
             codec = RecordCodec(model_from_fingerprint(dict(copy.layout)))
-            pin = bool(getattr(self.stack.tiers[0], "pin_memory", False)) if self.stack.tiers else False
-            try:
-                rec = codec.encode_copy(dict(copy.copy), pin_memory=pin)
+            try:  # built where the top tier keeps records (its host arena: no copy on entry)
+                src = torch.as_tensor(copy.copy.get("src_loc"), dtype=torch.int64).reshape(-1)
+                pages = int(torch.unique(src // codec.page_size).numel())
+                out = self.stack.tiers[0].record_buffer(codec.nbytes(src.numel(), pages)) if self.stack.tiers else None
+                rec = codec.encode_copy(dict(copy.copy), out=out)
             except ValueError as e:
                 raise InvalidArgument(f"copy {key!r}: {e}") from None
             placed = self.stack.put(tkey, rec, source="device")

@@ -31,8 +31,8 @@ from kvtier.server.daemon.quotas import Quotas
 from kvtier.server.daemon.tenants import Caller, tenant_key, tenant_of_key
 from kvtier.server.daemon.tier_settings import TierSettings
 from kvtier.server.tiers import (
-    DiskTierConfig, HostTierConfig, LeaseError, PrefixCache, PrefixLoad, PrefixLookup, RecordCodec, TierFullError,
-    TierStack, TierUnavailableError,
+    DiskTierConfig, HostTier, HostTierConfig, LeaseError, PrefixCache, PrefixLoad, PrefixLookup, RecordCodec,
+    TierFullError, TierStack, TierUnavailableError,
 )
 from kvtier.server.tiers.disk_faults import fault_file_from_env
 from kvtier.server.tiers.monitor import TierMonitor
@@ -122,6 +122,11 @@ class TierRuntime:
         self.pools = state.pools
         self.quotas: Quotas = state.config.quotas
         self.stack = build_stack(state.config.host_memory_bytes, self.settings, state.device)
+        host = self.stack.tier("host")
+        if isinstance(host, HostTier):
+            # one host arena for the daemon: host-tier records and pools' host copies, faulted in by a
+            # background thread from the start; its one range is host.registration_range()
+            self.pools.host_arena = host.arena
         self._lock = threading.Lock()  # short: creating a pool's cache object only
         for t in self.stack.tiers:
             t.index.set_groups(tenant_of_key, lambda tenant, tier=t.name: self.quotas.tier_bytes(tenant, tier))

@@ -235,10 +235,12 @@ class PrefixCache:
         self.counters["evicted_pages"] += 1
 
     def _page_record(self, page: int) -> RecordLike:
+        """The page's record, built where the top tier keeps records (its arena: no copy on entry)."""
         if self.pool is None:
             return self.page_record_bytes
-        pin = bool(getattr(self.stack.tiers[0], "pin_memory", False)) if self.stack.tiers else False
-        return self.codec.encode_page(self.pool, page, pin_memory=pin)
+        if not self.stack.tiers:
+            return self.codec.encode_page(self.pool, page)
+        return self.codec.encode_page(self.pool, page, out=self.stack.tiers[0].record_buffer(self.page_record_bytes))
 
     # ----- load / store / release ---------------------------------------------------------------
     def load(self, keys: Sequence[bytes], total_tokens: int | None = None) -> PrefixLoad:

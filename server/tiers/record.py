@@ -67,12 +67,14 @@ def _parse_fixed(buf: np.ndarray) -> tuple[Any, ...]:
     return fields
 
 
+_ZERO_CHECKSUM = bytes(8)
+
+
 def _checksum(buf: np.ndarray, header_nbytes: int, end: int) -> int:
-    h = xxhash.xxh3_64()
-    fixed = bytearray(buf[:_FIXED.size].tobytes())
-    fixed[_CHECKSUM_AT:_FIXED.size] = b"\0" * 8
-    h.update(bytes(fixed))
-    h.update(memoryview(buf[_FIXED.size:end]))
+    """xxh3_64 of ``buf[:end]`` with the checksum field read as zeros (streamed: no copy)."""
+    h = xxhash.xxh3_64(buf[:_CHECKSUM_AT])
+    h.update(_ZERO_CHECKSUM)
+    h.update(buf[_FIXED.size:end])
     return h.intdigest()
 
 
@@ -197,10 +199,12 @@ class RecordCodec:
         return self.nbytes(self.page_size, 1)
 
     # ----- encode -------------------------------------------------------------------------------
-    def encode_from_pool(self, pool: DSATokenToKVPool, slots: torch.Tensor, *, pin_memory: bool = False) -> torch.Tensor:
+    def encode_from_pool(self, pool: DSATokenToKVPool, slots: torch.Tensor, *, pin_memory: bool = False,
+                         out: torch.Tensor | None = None) -> torch.Tensor:
         """Copy ``slots`` ``(n,)`` int64 of ``pool`` into a new sealed record (1-D uint8 host tensor).
 
-        The payload is written by ``pool.get_cpu_copy(slots, out=...)`` straight into the record.
+        The payload is written by ``pool.get_cpu_copy(slots, out=...)`` straight into the record,
+        which is ``out[:nbytes]`` when given (e.g. a host tier's :meth:`record_buffer`).
 
         Raises:
             ValueError/TypeError: bad slots (from the pool).
@@ -208,7 +212,7 @@ class RecordCodec:
         slots = torch.as_tensor(slots, dtype=torch.int64).reshape(-1).cpu()
         pages, _ = first_appearance_pages(slots, self.page_size)
         n, p = slots.numel(), pages.numel()
-        rec = torch.empty(self.nbytes(n, p), dtype=torch.uint8, pin_memory=pin_memory)
+        rec = self._buffer(self.nbytes(n, p), pin_memory, out)
         lat, idx = self.latent_nbytes(n), self.index_nbytes(p)
         start = self.header_nbytes
         pool.get_cpu_copy(slots, out=rec[start:start + lat + idx])
@@ -227,9 +231,19 @@ class RecordCodec:
         digest = _checksum(arr, self.header_nbytes, arr.size)
         arr[_CHECKSUM_AT:_FIXED.size] = np.frombuffer(struct.pack("<Q", digest), dtype=np.uint8)
 
-    def encode_page(self, pool: DSATokenToKVPool, page: int, *, pin_memory: bool = False) -> torch.Tensor:
+    @staticmethod
+    def _buffer(nbytes: int, pin_memory: bool, out: torch.Tensor | None) -> torch.Tensor:
+        if out is None:
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin_memory)
+        if out.dtype != torch.uint8 or out.dim() != 1 or out.device.type != "cpu" or not out.is_contiguous() or out.numel() < nbytes:
+            raise ValueError(f"out must be a contiguous 1-D uint8 host tensor of at least {nbytes} bytes")
+        return out[:nbytes]
+
+    def encode_page(self, pool: DSATokenToKVPool, page: int, *, pin_memory: bool = False,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
         """A sealed record of one whole pool page (the prefix cache's unit): the same bytes as
-        :meth:`encode_from_pool` of the page's slots, copied as whole rows (one copy per layer).
+        :meth:`encode_from_pool` of the page's slots, copied as whole rows (one copy per layer),
+        into ``out[:nbytes]`` when given.
 
         Raises:
             ValueError: ``page`` outside the pool.
@@ -237,7 +251,7 @@ class RecordCodec:
         ps = self.page_size
         if not 0 <= page < pool.num_slots // ps or page >= pool.num_pages:
             raise ValueError(f"page {page} is outside the pool")
-        rec = torch.empty(self.nbytes(ps, 1), dtype=torch.uint8, pin_memory=pin_memory)
+        rec = self._buffer(self.nbytes(ps, 1), pin_memory, out)
         latent, index, src = self.payload(rec, ps, 1)
         for layer, buf in enumerate(pool.kv_buffer):
             latent[layer].copy_(buf[page * ps:(page + 1) * ps].view(torch.uint8).reshape(ps, self.row_bytes))
@@ -270,8 +284,9 @@ class RecordCodec:
             pool.index_k_with_scale_buffer[layer][page].copy_(index[pos, 0].to(dev, non_blocking=True))
         pool._sync()
 
-    def encode_copy(self, copy: dict[str, Any], *, pin_memory: bool = False) -> torch.Tensor:
-        """A sealed record of a ``get_cpu_copy`` result (one copy of its bytes).
+    def encode_copy(self, copy: dict[str, Any], *, pin_memory: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
+        """A sealed record of a ``get_cpu_copy`` result (one copy of its bytes), in ``out[:nbytes]``
+        when given.
 
         Raises:
             ValueError: the copy's layout differs from this codec's (layers, chunk shapes).
@@ -280,7 +295,7 @@ class RecordCodec:
         n = src.numel()
         pages, _ = first_appearance_pages(src, self.page_size)
         p = pages.numel()
-        rec = torch.empty(self.nbytes(n, p), dtype=torch.uint8, pin_memory=pin_memory)
+        rec = self._buffer(self.nbytes(n, p), pin_memory, out)
         latent, index, src_out = self.payload(rec, n, p)
         kv, idx = copy["kv"], copy["index_k"]
         if len(kv) != self.model.num_layers or len(idx) != self.model.num_layers:
