@@ -20,8 +20,9 @@ def all_cases() -> list[Case]:
     from kvtier.bench.disk import DiskCase
     from kvtier.bench.pd_transfer import PDTransferCase
     from kvtier.bench.replay import ReplayCase
+    from kvtier.bench.sglang_storage import StorageCase
 
-    return [CapacityCase(), CopiesCase(), DiskCase(), DaemonIOCase(), PDTransferCase(), ReplayCase()]
+    return [CapacityCase(), CopiesCase(), DiskCase(), DaemonIOCase(), PDTransferCase(), ReplayCase(), StorageCase()]
 
 
 class BenchCaseError(RuntimeError):

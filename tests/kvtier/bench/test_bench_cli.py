@@ -15,7 +15,8 @@ import pytest
 
 from kvtier.bench.report import plot_name
 
-CASES = {"capacity", "copies", "disk", "daemon", "pd", "replay"}
+CASES = {"capacity", "copies", "disk", "daemon", "pd", "replay", "storage"}
+NEEDS_SGLANG = {"storage"}  # run here without KVTIER_SGLANG_PYTHON: reports why it measured nothing
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +33,7 @@ def test_every_case_reports_comparisons_with_finite_ratios_and_a_plot_each(quick
     out, doc, _ = quick_run
     assert set(doc["cases"]) == CASES
     for name, case in doc["cases"].items():
-        assert case["comparisons"], name
+        assert case["comparisons"] or (name in NEEDS_SGLANG and case["left_out"]), name
         for c in case["comparisons"]:
             assert math.isfinite(c["ratio"]) and c["ratio"] > 0, (name, c["key"], c["ratio"])
             assert math.isfinite(c["kvtier"]["value"]) and math.isfinite(c["baseline"]["value"])
