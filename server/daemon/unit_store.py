@@ -79,8 +79,10 @@ class UnitPut:
             buf = torch.empty(self.n_part, dtype=torch.uint8)
             view = buf
         else:
-            h = self.space.codec.header_nbytes
-            buf = torch.empty(self.space.codec.page_nbytes(), dtype=torch.uint8)
+            h, nbytes = self.space.codec.header_nbytes, self.space.codec.page_nbytes()
+            top = self.store.stack.tiers[0] if self.store.stack.tiers else None
+            # built in the host tier's arena where it has one: stored then without a copy
+            buf = top.record_buffer(nbytes) if hasattr(top, "record_buffer") else torch.empty(nbytes, dtype=torch.uint8)
             view = buf[h:h + self.n_part]
         self.bufs.append(buf)
         self.views.append(view.numpy())
