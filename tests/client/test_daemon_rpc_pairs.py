@@ -2,11 +2,12 @@
 
 Issue 8, defect 1: a stats poll racing an offload deadlocked the daemon. The cause was two locks
 taken in opposite orders; the fix is one lock order for the whole daemon (README "Concurrency").
-This test keeps it honest: each of the 25 kinds -- every PoolService, TierService and
-TransferService RPC, plus health and what ``kvtier status`` calls -- runs beside every kind
-(itself included: 325 pairs), each side a small scenario that checks its own bytes, every call with
-a 30 s deadline (a hang fails instead of stalling). At the end the reference KV, the reference copy
-and the reference prefix pages are still byte-exact, and nothing is left allocated or pinned.
+This test keeps it honest: each of the 30 kinds -- every PoolService, TierService, TransferService
+and StorageService RPC, plus health and what ``kvtier status`` calls -- runs beside every kind
+(itself included: 465 pairs), each side a small scenario that checks its own bytes, every call with
+a 30 s deadline (a hang fails instead of stalling). At the end the reference KV, the reference copy,
+the reference prefix pages and the reference units are still byte-exact, and nothing is left
+allocated, pinned or waiting.
 """
 
 from __future__ import annotations
@@ -23,14 +24,23 @@ import torch
 
 from kvtier.client import InvalidArgumentError, KVTierClient, NotFoundError
 from kvtier.client.spawn import DaemonProcess
+from kvtier.client.storage import UnitSpaceSpec
 from kvtier.page_keys import page_keys
-from kvtier.v1 import transfer_pb2, transfer_pb2_grpc
+from kvtier.v1 import storage_pb2, transfer_pb2, transfer_pb2_grpc
 
 PS = 64
 LAYERS = 4
 LIVE = (0, 1, 2)
 STORE_KEYS = page_keys(list(range(10_000, 10_000 + 6 * PS)), PS)  # the keys StorePrefix scenarios share
 REF_KEYS = page_keys(list(range(2 * PS)), PS)
+UNITS = UnitSpaceSpec("glm-5.2", num_layers=LAYERS, start_layer=0, kv_lora_rank=512, qk_rope_head_dim=64,
+                      index_head_dim=128, kv_cache_dtype="fp8", page_size=PS, latent_row_bytes=656, skip_mask="FFFS")
+
+
+def unit_bytes(seed: int, n: int) -> torch.Tensor:
+    """``n`` units (KV part then index part each) of deterministic bytes."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n * UNITS.part_nbytes("both"),), dtype=torch.uint8, generator=g)
 
 
 def content(seed: int, n: int):
@@ -71,6 +81,8 @@ class Scene:
             c.write_kv("pfx", lease.slots, latent=self.pfx[0], index=self.pfx[1])
             c.store_prefix(lease, REF_KEYS, lease.slots)
             c.release_prefix(lease)
+            self.units = unit_bytes(4, 2)
+            assert c.put_units(UNITS, [b"ref-0", b"ref-1"], "both", self.units).completed == 2
 
     # ----- one scenario per RPC kind ----------------------------------------------------------
     def CreatePool(self, c: KVTierClient) -> None:
@@ -207,6 +219,37 @@ class Scene:
             transfer_pb2.ReadPagesRequest(pool_id="shared", runs=[run]), timeout=30))
         assert b"".join(m.data for m in msgs) == self.ref[0][1].numpy().tobytes()
 
+    # ----- the unit store (StorageService) ----------------------------------------------------
+    def _own_space(self) -> UnitSpaceSpec:
+        return UnitSpaceSpec(**{**UNITS.__dict__, "scope": f"s-{uuid.uuid4().hex[:12]}"})
+
+    def ExistUnits(self, c: KVTierClient) -> None:
+        assert c.exist_units(UNITS, [b"ref-0", b"ref-1", b"absent"]) == 2
+
+    def PutUnits(self, c: KVTierClient) -> None:
+        space, data, n = self._own_space(), unit_bytes(5, 2), UNITS.part_nbytes("both")
+        kv = torch.cat([data[:UNITS.kv_nbytes], data[n:n + UNITS.kv_nbytes]])
+        index = torch.cat([data[UNITS.kv_nbytes:n], data[n + UNITS.kv_nbytes:]])
+        assert c.put_units(space, [b"a", b"b"], "index", index).pending == 2
+        assert c.exist_units(space, [b"a", b"b"]) == 0
+        assert c.put_units(space, [b"a", b"b"], "kv", kv).completed == 2
+        out = torch.empty_like(data)
+        assert c.get_units(space, [b"a", b"b"], "both", out) == [True, True] and torch.equal(out, data)
+        assert c.clear_units(space) == 2
+
+    def GetUnits(self, c: KVTierClient) -> None:
+        out = torch.empty_like(self.units)
+        assert c.get_units(UNITS, [b"ref-0", b"ref-1"], "both", out) == [True, True]
+        assert torch.equal(out, self.units)
+
+    def ClearUnits(self, c: KVTierClient) -> None:
+        space = self._own_space()
+        c.put_units(space, [b"c"], "both", unit_bytes(6, 1))
+        assert c.clear_units(space) == 1 and c.exist_units(space, [b"c"]) == 0
+
+    def GetUnitStats(self, c: KVTierClient) -> None:
+        assert c.unit_stats()["units_stored"] >= 2
+
     def health(self, c: KVTierClient) -> None:
         assert c.health() == "SERVING" and c.health("kvtier.v1.TierService") == "SERVING"
 
@@ -219,13 +262,14 @@ class Scene:
 KINDS = ["CreatePool", "DescribePool", "ListPools", "DeletePool", "AllocateSlots", "FreeSlots", "WriteKV", "ReadKV",
          "MoveKV", "Offload", "Restore", "Drop", "GetBufferInfos", "GetStats", "LookupPrefix", "LoadPrefix",
          "StorePrefix", "ReleasePrefix", "WhereIs", "GetTierStats", "GetTransferLayout", "PullKV", "ReadPages",
-         "health", "status"]
+         "ExistUnits", "PutUnits", "GetUnits", "ClearUnits", "GetUnitStats", "health", "status"]
 
 
 def test_the_kinds_cover_every_rpc():
     from kvtier.v1 import pool_pb2, tier_pb2
 
-    rpcs = {m.name for mod, svc in ((pool_pb2, "PoolService"), (tier_pb2, "TierService"), (transfer_pb2, "TransferService"))
+    rpcs = {m.name for mod, svc in ((pool_pb2, "PoolService"), (tier_pb2, "TierService"), (transfer_pb2, "TransferService"),
+                                    (storage_pb2, "StorageService"))
             for m in mod.DESCRIPTOR.services_by_name[svc].methods}
     assert rpcs <= set(KINDS) and len(KINDS) == len(rpcs) + 2
 
@@ -272,7 +316,7 @@ def test_every_pair_of_rpc_kinds_at_once(scene):
             if any(t.is_alive() for t in threads):
                 pytest.fail(f"{a} + {b} hung past every call's 30 s deadline")
             failures += [f"{a} + {b}: {type(e).__name__}: {e}" for e in errors]
-        assert failures == [] and pairs == 25 * 26 // 2
+        assert failures == [] and pairs == len(KINDS) * (len(KINDS) + 1) // 2
         with KVTierClient(scene.address, timeout=30) as c:  # the references are intact, nothing leaked
             scene.ReadKV(c)
             scene.Restore(c)
@@ -282,6 +326,8 @@ def test_every_pair_of_rpc_kinds_at_once(scene):
             assert t.device["pinned_pages"] == 0 and t.device["open_leases"] == 0
             assert all(row["pinned"] == 0 for row in t.tiers.values())
             assert sorted(p.pool_id for p in c.list_pools()) == ["dst", "pfx", "shared"]
+            scene.GetUnits(c)
+            assert c.unit_stats()["parts_pending"] == 0
     finally:
         for c in clients:
             c.close()
