@@ -171,6 +171,7 @@ class UnitStore:
         """Length of the longest prefix of ``keys`` whose units are whole and present in a healthy
         tier (a waiting part is never counted). Raises InvalidArgument (bad keys)."""
         keys = self.check_keys(keys)
+        self.pending.sweep()  # parts past their timeout leave now, also when no put comes
         prefix = self._space_prefix(caller, space)
         n = 0
         for k in keys:
