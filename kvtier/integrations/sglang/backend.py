@@ -205,7 +205,8 @@ class KVTierStorage(HiCacheStorage):
             for i, a in zip(idx, ok):
                 out[i] = bool(a)
             moved += len(idx) * pool.part_nbytes
-        self._record(self._backup_pages, self._backup_bw, sum(out), moved, time.perf_counter() - t0)
+        if part == "kv":  # a page is counted once, with its KV part (the indexer part rides along)
+            self._record(self._backup_pages, self._backup_bw, sum(out), moved, time.perf_counter() - t0)
         return out
 
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
@@ -269,7 +270,8 @@ class KVTierStorage(HiCacheStorage):
             moved += len(hit) * n_wire
         if part == "kv":
             self._local.delivered = delivered
-        self._record(self._prefetch_pages, self._prefetch_bw, sum(out), moved, time.perf_counter() - t0)
+        if moved:  # pages read from kvtier (an indexer read answered by the v1 read moves nothing)
+            self._record(self._prefetch_pages, self._prefetch_bw, moved // n_wire, moved, time.perf_counter() - t0)
         return out
 
     def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
@@ -355,8 +357,8 @@ class KVTierStorage(HiCacheStorage):
                 bws.append(nbytes / seconds / 1e9 if seconds > 0 else 0.0)
 
     def get_stats(self) -> Any:
-        """SGLang's ``StorageMetrics`` of the pages prefetched and backed up since the last call
-        (GB/s per call), for ``--enable-storage-metrics``."""
+        """SGLang's ``StorageMetrics`` of the pages prefetched (read from kvtier) and backed up (units
+        whose KV part was stored) since the last call, GB/s per call, for ``--enable-storage-metrics``."""
         from sglang.srt.observability.metrics_collector import StorageMetrics
 
         m = StorageMetrics()

@@ -80,6 +80,9 @@ def test_set_then_exists_then_get_gives_the_same_bytes(daemon, layout, dtype):
     got = pools.snapshot(dst)
     for (wk, wi), (gk, gi) in zip(want, got):
         assert torch.equal(gk, wk) and torch.equal(gi, wi)
+    m = b.get_stats()                             # SGLang's StorageMetrics: pages per call since the last call
+    assert type(m).__name__ == "StorageMetrics" and m.backup_pgs == [5] and m.prefetch_pgs == [5]
+    assert b.get_stats().backup_pgs == []
     # the unit's KV part is layer-major (layers, 64, 656): a page_first host page is token-major
     space = b._stage()
     with KVTierClient(daemon.address, token=TOKEN_A) as c:
