@@ -4,19 +4,31 @@ Built from a list of typed configs by a loop (:func:`build_tier` looks the class
 An eviction from tier ``i`` writes the record to tier ``i + 1`` when tier ``i`` is write-back; when it
 is write-through the record went down when it entered, and eviction just drops it. The last tier's
 victims are gone.
+
+Shared tiers (``tier.shared``, e.g. the Mooncake Store tier, which many daemons read) are not part of
+that cascade: pages are *published* to them when the prefix cache adopts them (:meth:`TierStack.publish`,
+counted ``device->mooncake``), so other daemons see a prefix at once; victims of the tiers above are
+dropped there as before (the shared tier keeps its own copy until its own eviction). Lookups and loads
+ask every tier, shared ones included, fastest first.
+
+Unhealthy tiers (``tier.health.healthy`` False) are bypassed: they answer no lookup (misses), a record
+the cascade would write into one goes to the tier after it (past the last: ``<source>->gone``), a
+publish to one is dropped (``device-><tier>(unhealthy)``). :meth:`TierStack.probe_due` probes them
+with their backoff (a daemon thread calls it, see :mod:`kvtier.server.tiers.monitor`).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvtier.server.tiers.base import RecordLike, Tier, TierConfig, record_nbytes
 from kvtier.server.tiers.disk import DiskTier, DiskTierConfig
 from kvtier.server.tiers.errors import TierFullError
 from kvtier.server.tiers.host import HostTier, HostTierConfig
+from kvtier.server.tiers.mooncake_store import MooncakeStoreTier, MooncakeStoreTierConfig
 from kvtier.server.tiers.sim import SimTier, SimTierConfig
 
 log = logging.getLogger(__name__)
@@ -24,6 +36,7 @@ log = logging.getLogger(__name__)
 TIER_CLASSES: dict[type[TierConfig], type[Tier]] = {
     HostTierConfig: HostTier,
     DiskTierConfig: DiskTier,
+    MooncakeStoreTierConfig: MooncakeStoreTier,
     SimTierConfig: SimTier,
 }
 
@@ -40,13 +53,21 @@ def _write_back(tier: Tier) -> bool:
     return bool(getattr(tier.config, "write_back", True))  # type: ignore[attr-defined]
 
 
+def is_shared(tier: Tier) -> bool:
+    """Whether ``tier`` is shared with other daemons (published to, not cascaded into)."""
+    return bool(getattr(tier, "shared", False))
+
+
 class TierStack:
     """Tiers from fastest to slowest, with the cascade and move counters.
 
     Args:
-        tiers: e.g. ``[HostTier, DiskTier]``; names must differ.
+        tiers: e.g. ``[HostTier, DiskTier, MooncakeStoreTier]``; names must differ.
 
     Attributes:
+        tiers: every tier, fastest first (lookups ask them in this order).
+        cascade: the tiers evictions cascade through (all but the shared ones).
+        shared: the shared tiers, written by :meth:`publish`.
         moves: ``{"src->dst": {"count": records, "bytes": record bytes}}`` for every move, e.g.
             ``device->host``, ``host->disk``, ``disk->gone``, ``host->device``.
     """
@@ -56,6 +77,8 @@ class TierStack:
         if len(set(names)) != len(names):
             raise ValueError(f"tier names must differ, got {names}")
         self.tiers = list(tiers)
+        self.cascade = [t for t in self.tiers if not is_shared(t)]
+        self.shared = [t for t in self.tiers if is_shared(t)]
         self.moves: dict[str, dict[str, int]] = {}
         self._moves_lock = threading.Lock()
 
@@ -88,13 +111,15 @@ class TierStack:
     # ----- writes and the cascade ---------------------------------------------------------------
     def put(self, key: bytes, rec: RecordLike, *, source: str, level: int = 0) -> bool:
         """Store ``rec`` under ``key`` in tier ``level`` (and below it when that tier is
-        write-through), cascading evictions down. Returns False if it fit nowhere (counted as
-        ``source->gone``)."""
-        if level >= len(self.tiers):
+        write-through), cascading evictions down (``level`` indexes :attr:`cascade`). Returns False if
+        it fit nowhere (counted as ``source->gone``)."""
+        if level >= len(self.cascade):
             self.count_move(source, "gone", record_nbytes(rec))
             return False
-        tier = self.tiers[level]
-        below = level + 1 < len(self.tiers)
+        tier = self.cascade[level]
+        if not tier.health.healthy:
+            return self.put(key, rec, source=source, level=level + 1)
+        below = level + 1 < len(self.cascade)
 
         def on_evict(victim: bytes, vrec: RecordLike | None) -> None:
             n = record_nbytes(vrec) if vrec is not None else 0
@@ -114,22 +139,66 @@ class TierStack:
             self.put(key, rec, source=tier.name, level=level + 1)
         return True
 
+    def publish(self, keys: Sequence[bytes], make_record: Callable[[int], RecordLike], *, source: str) -> int:
+        """Write the records of ``keys`` that a shared tier lacks into it (one presence check, then one
+        batch write per tier). ``make_record(i)`` builds the record of ``keys[i]`` (only for absent
+        ones). Never raises for a full or failing tier (counted by the tier). Returns records written."""
+        written = 0
+        for tier in self.shared:
+            if not keys:
+                break
+            if not tier.health.healthy:
+                self.count_move(source, f"{tier.name}(unhealthy)", 0)
+                continue
+            held = tier.contains(keys)
+            missing = [i for i, h in enumerate(held) if not h]
+            if not missing or not tier.health.healthy:
+                continue
+            items = [(keys[i], make_record(i)) for i in missing]
+            try:
+                done = tier.write(items)
+            except TierFullError as e:
+                log.info("%s tier: no room to publish %d records (%s)", tier.name, len(items), e)
+                continue
+            sizes = {k: record_nbytes(r) for k, r in items}
+            for k in done:
+                self.count_move(source, tier.name, sizes[k])
+            written += len(done)
+        return written
+
     def remove(self, keys: Sequence[bytes]) -> int:
         """Drop ``keys`` from every tier; returns records dropped."""
         return sum(t.remove(keys) for t in self.tiers)
 
     # ----- presence -----------------------------------------------------------------------------
     def where(self, keys: Sequence[bytes]) -> list[list[str]]:
-        """For each key, the names of the tiers that hold it, fastest first."""
-        held = [t.contains(keys) for t in self.tiers]
+        """For each key, the names of the (healthy) tiers that hold it, fastest first."""
+        held = [t.contains(keys) if t.health.healthy else [False] * len(keys) for t in self.tiers]
         return [[t.name for t, h in zip(self.tiers, col) if h] for col in zip(*held)] if self.tiers else [[] for _ in keys]
 
     def first_holder(self, key: bytes) -> int | None:
         """Index of the fastest tier holding ``key``, or None."""
         for i, t in enumerate(self.tiers):
-            if t.contains([key])[0]:
+            if t.health.healthy and t.contains([key])[0]:
                 return i
         return None
+
+    def probe_due(self) -> list[tuple[Tier, bool]]:
+        """Probe every unhealthy tier whose backoff has passed: healthy again if :meth:`Tier.probe`
+        succeeds, else the next probe waits longer. Returns ``(tier, healthy)`` for each tier probed."""
+        probed = []
+        for t in self.tiers:
+            if not t.health.probe_due():
+                continue
+            try:
+                t.probe()
+            except Exception as e:  # noqa: BLE001 - any failure keeps it unhealthy; the reason is kept
+                t.health.mark_unhealthy(f"probe failed: {e}")
+                probed.append((t, False))
+            else:
+                t.health.mark_healthy()
+                probed.append((t, True))
+        return probed
 
     def stats(self) -> dict[str, Any]:
         """``{"tiers": {name: TierStats dict}, "moves": {...}}``."""
@@ -141,10 +210,10 @@ class TierStack:
         """Write every record of each write-back tier to the tier below it (oldest first), e.g. before
         shutdown, so a restart finds in the last tier what the faster tiers held. Returns records moved."""
         moved = 0
-        for level, tier in enumerate(self.tiers[:-1]):
+        for level, tier in enumerate(self.cascade[:-1]):
             if not _write_back(tier):
                 continue  # write-through: everything is below already
-            below = self.tiers[level + 1]
+            below = self.cascade[level + 1]
             for key in tier.index.keys():
                 if below.contains([key])[0]:
                     continue
