@@ -119,6 +119,8 @@ def create_server(
     hs.set("", health_pb2.HealthCheckResponse.SERVING)
     for name in names:
         hs.set(name, health_pb2.HealthCheckResponse.SERVING)
+    serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+    state.tiers.watch_health(lambda tier_service, ok: hs.set(tier_service, serving if ok else not_serving))  # kvtier.tier.<name>
     reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     address = _bind(server, config)
     return server, address

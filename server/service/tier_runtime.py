@@ -1,4 +1,5 @@
-"""The daemon's tiers: one host/disk stack shared by the offload store and one prefix cache per pool.
+"""The daemon's tiers: one stack (host, disk, mooncake: as configured) shared by the offload store and
+one prefix cache per pool, and the monitor that probes unhealthy tiers and reports their health.
 
 Built once per daemon from :class:`~kvtier.server.service.config.DaemonConfig` (host budget
 ``host_memory_bytes``, the rest from its ``tiers`` settings) and kept as ``DaemonState.tiers``.
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +27,7 @@ from kvtier.server.tiers import (
     DiskTierConfig, HostTierConfig, LeaseError, PrefixCache, PrefixLoad, PrefixLookup, RecordCodec, TierFullError,
     TierStack,
 )
+from kvtier.server.tiers.monitor import TierMonitor
 
 if TYPE_CHECKING:
     from kvtier.server.service.state import DaemonState
@@ -78,16 +80,18 @@ def tier_errors() -> Iterator[None]:
 
 
 def build_stack(host_bytes: int, settings: TierSettings, device: str = "cpu") -> TierStack:
-    """The host tier (``host_bytes``; page-locked when ``device`` is CUDA unless the settings say)
-    over the LMDB disk tier when ``settings.disk_path`` is set."""
+    """The stack ``settings.tier_names`` names, fastest first, each tier from its typed config: the
+    host tier (``host_bytes``; page-locked when ``device`` is CUDA unless the settings say), the LMDB
+    disk tier (``disk_*``), the Mooncake Store tier (``settings.mooncake``)."""
     pin = settings.host_pin_memory if settings.host_pin_memory is not None else device.startswith("cuda")
-    configs: list[Any] = [HostTierConfig(capacity_bytes=host_bytes, write_back=not settings.write_through,
-                                         pin_memory=pin)]
-    if settings.disk_path:
-        configs.append(DiskTierConfig(path=settings.disk_path, capacity_bytes=settings.disk_bytes,
-                                      max_readers=settings.disk_max_readers, sync=settings.disk_sync,
-                                      reserve_fraction=settings.disk_reserve_fraction))
-    return TierStack.from_configs(configs)
+    configs: dict[str, Any] = {
+        "host": lambda: HostTierConfig(capacity_bytes=host_bytes, write_back=not settings.write_through, pin_memory=pin),
+        "disk": lambda: DiskTierConfig(path=settings.disk_path, capacity_bytes=settings.disk_bytes,
+                                       max_readers=settings.disk_max_readers, sync=settings.disk_sync,
+                                       reserve_fraction=settings.disk_reserve_fraction),
+        "mooncake": lambda: settings.mooncake,
+    }
+    return TierStack.from_configs([configs[name]() for name in settings.tier_names])
 
 
 class TierRuntime:
@@ -114,7 +118,13 @@ class TierRuntime:
         for t in self.stack.tiers:
             if hasattr(t, "open"):
                 t.open()  # the daemon never forks after this; the startup scrub runs now
+        self.monitor = TierMonitor(self.stack)
+        self.monitor.start()
         state.add_shutdown_hook(self.close)
+
+    def watch_health(self, on_change: Callable[[str, bool], None]) -> None:
+        """Report each tier's health (``kvtier.tier.<name>``, healthy) now and on every change."""
+        self.monitor.watch(on_change)
 
     def _cache(self, entry: PoolEntry) -> PrefixCache:
         with self._lock:
@@ -182,8 +192,9 @@ class TierRuntime:
         """At shutdown (no calls in flight): move unpinned device-tier pages and the host tier's
         records down to the disk tier (so a restart finds them there), then close the tiers (flush
         and close the LMDB environment). Without a disk tier nothing is moved."""
+        self.monitor.stop()
         try:
-            if len(self.stack.tiers) > 1:
+            if len(self.stack.cascade) > 1:
                 with self._lock:
                     caches = [c for _, c in self._caches.values()]
                 for cache in caches:
