@@ -38,29 +38,28 @@ class TierMonitor:
         self.interval_s = interval_s
         self._callbacks: list[HealthCallback] = []
         self._reported: dict[str, bool] = {}
-        self._cb_lock = threading.Lock()  # leaf: guards the callback list only
+        self._cb_lock = threading.Lock()  # leaf: guards the callbacks and what was reported
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def watch(self, on_change: HealthCallback) -> None:
         """Call ``on_change(service_name, healthy)`` now for every tier, and on every later change."""
+        now = {t.health.service_name: t.health.healthy for t in self.stack.tiers}
         with self._cb_lock:
             self._callbacks.append(on_change)
-        for t in self.stack.tiers:
-            on_change(t.health.service_name, t.health.healthy)
+            self._reported.update(now)
+        for name, ok in now.items():
+            on_change(name, ok)
 
     def run_once(self) -> dict[str, bool]:
         """One round: probe due tiers, report changes. Returns ``{service name: healthy}`` reported."""
         self.stack.probe_due()
-        changed = {}
-        for t in self.stack.tiers:
-            ok = t.health.healthy
-            if self._reported.get(t.health.service_name) != ok:
-                self._reported[t.health.service_name] = ok
-                changed[t.health.service_name] = ok
+        now = {t.health.service_name: t.health.healthy for t in self.stack.tiers}
+        with self._cb_lock:
+            changed = {name: ok for name, ok in now.items() if self._reported.get(name) != ok}
+            self._reported.update(changed)
+            callbacks = list(self._callbacks)
         if changed:
-            with self._cb_lock:
-                callbacks = list(self._callbacks)
             for name, ok in changed.items():
                 for cb in callbacks:
                     try:

@@ -65,6 +65,7 @@ log = logging.getLogger(__name__)
 GiB = 1 << 30
 MiB = 1 << 20
 PROTOCOLS = ("tcp", "rdma")
+MIN_SEGMENT_BYTES = 16 * MiB  # a smaller segment fails setup ("Total size must be at least 16777216")
 
 
 @dataclass
@@ -83,8 +84,8 @@ class MooncakeStoreTierConfig(TierConfig):
         protocol: transfer protocol, ``tcp`` or ``rdma``.
         rdma_devices: RDMA devices for ``rdma`` (e.g. ``mlx5_0,mlx5_1``); empty for ``tcp``.
         local_hostname: address this daemon's store client publishes to its peers.
-        global_segment_bytes: host memory this daemon lends to the shared store (mapped lazily);
-            objects may land in any client's segment, and leave with it. 0: lend none.
+        global_segment_bytes: host memory this daemon lends to the shared store (mapped lazily; at
+            least 16 MiB); objects may land in any client's segment, and leave with it. 0: lend none.
         local_buffer_bytes: the client's own transfer buffer (kvtier moves bytes through its
             registered staging region instead, so this can stay small).
         replicas: copies of each object (in distinct segments; more than the store has fails the put).
@@ -135,8 +136,9 @@ class MooncakeStoreTierConfig(TierConfig):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"mooncake {name} must be a non-negative integer, got {v!r}")
-        if self.global_segment_bytes and self.global_segment_bytes < 1024:
-            raise ValueError("mooncake global_segment_bytes must be 0 or at least 1024 (the store's minimum segment)")
+        if self.global_segment_bytes and self.global_segment_bytes < MIN_SEGMENT_BYTES:
+            raise ValueError(f"mooncake global_segment_bytes must be 0 or at least {MIN_SEGMENT_BYTES} (16 MiB: "
+                             f"the store client's minimum segment), got {self.global_segment_bytes}")
         if self.local_buffer_bytes < 1024:
             raise ValueError("mooncake local_buffer_bytes must be at least 1024")
         if self.replicas < 1:

@@ -148,7 +148,8 @@ class TierStack:
             if not keys:
                 break
             if not tier.health.healthy:
-                self.count_move(source, f"{tier.name}(unhealthy)", 0)
+                for _ in keys:
+                    self.count_move(source, f"{tier.name}(unhealthy)", 0)
                 continue
             held = tier.contains(keys)
             missing = [i for i, h in enumerate(held) if not h]
