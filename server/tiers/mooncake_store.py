@@ -33,8 +33,9 @@ removes a probe object: it succeeds again once the master is back. Store full (-
 of the store: the write raises :class:`TierFullError`. Facts about the client: ``mooncake_client``.
 
 Bytes move through one registered staging region (:mod:`staging`, swappable source): a write copies
-records into an extent and puts them from there; a read gets into an extent, verifies, and copies
-out (``read_into``) or lends the verified views (``borrow``).
+records into an extent and puts them from there, unless they already lie in the region (records the
+prefix cache builds in memory :meth:`MooncakeStoreTier.staged` lends, or a shared arena's); a read
+gets into an extent, verifies, and copies out (``read_into``) or lends the verified views (``borrow``).
 """
 
 from __future__ import annotations
@@ -453,30 +454,66 @@ class MooncakeStoreTier(Tier):
         budget = max(self.staging.nbytes // 2, aligned(self.config.max_object_bytes))
         total, n = 0, 0
         for _, rec in items[start:]:
-            size = aligned(int(rec.numel()))  # type: ignore[union-attr]
+            size = 0 if self.staging.offset_of(rec) is not None else aligned(int(rec.numel()))  # type: ignore[arg-type, union-attr]
             if n and (total + size > budget or n >= self.config.max_batch_keys):
                 break
             total += size
             n += 1
         return n
 
+    @contextmanager
+    def staged(self, sizes: Sequence[int]) -> Iterator[list[torch.Tensor]]:
+        """Lend registered staging memory for records about to be written: yields a ``(sizes[i],)``
+        uint8 buffer for as many of ``sizes`` as fit one extent (maybe fewer; none when the first does
+        not fit or no room came free). Records built there and passed to :meth:`write` inside the
+        ``with`` block are put straight from it (no staging copy)."""
+        budget = max(self.staging.nbytes // 2, aligned(self.config.max_object_bytes))
+        n, total = 0, 0
+        for size in sizes[:self.config.max_batch_keys]:
+            if size > self.config.max_object_bytes or total + aligned(size) > budget:
+                break
+            total += aligned(size)
+            n += 1
+        if not n:
+            yield []
+            return
+        try:
+            ext = self.staging.allocate(total, timeout_s=1.0)
+        except StagingTimeout:
+            yield []
+            return
+        try:
+            bufs, off = [], 0
+            for size in sizes[:n]:
+                bufs.append(ext.view[off:off + size])
+                off += aligned(size)
+            yield bufs
+        finally:
+            self.staging.release(ext)
+
     def _put_group(self, group: Sequence[tuple[bytes, RecordLike]], replace: bool) -> tuple[list[bytes], str]:
-        offsets, total = [], 0
-        for _, rec in group:
-            offsets.append(total)
-            total += aligned(int(rec.numel()))  # type: ignore[union-attr]
-        with self.staging.extent(total) as ext:
+        inside = [self.staging.offset_of(rec) for _, rec in group]  # type: ignore[arg-type]
+        offsets, total = {}, 0
+        for i, ((_, rec), off) in enumerate(zip(group, inside)):
+            if off is None:
+                offsets[i] = total
+                total += aligned(int(rec.numel()))  # type: ignore[union-attr]
+        ext = self.staging.allocate(total) if total else None
+        try:
             ptrs, sizes = [], []
-            for (_, rec), off in zip(group, offsets):
+            for i, ((_, rec), off) in enumerate(zip(group, inside)):
                 n = int(rec.numel())  # type: ignore[union-attr]
-                inside = self.staging.offset_of(rec)  # type: ignore[arg-type]
-                if inside is None:
-                    ext.view[off:off + n].copy_(rec)  # type: ignore[arg-type]
-                    ptrs.append(ext.ptr + off)
-                else:  # already in the registered region (a shared arena): no staging copy
-                    ptrs.append(self.staging.ptr + inside)
+                if off is None:
+                    assert ext is not None
+                    ext.view[offsets[i]:offsets[i] + n].copy_(rec)  # type: ignore[arg-type]
+                    ptrs.append(ext.ptr + offsets[i])
+                else:  # already in the registered region (built there, or a shared arena): no copy
+                    ptrs.append(self.staging.ptr + off)
                 sizes.append(n)
             codes = self.client.put_from([self.store_key(k) for k, _ in group], ptrs, sizes, self._replicate, upsert=replace)
+        finally:
+            if ext is not None:
+                self.staging.release(ext)
         done: list[bytes] = []
         full = ""
         present = 0

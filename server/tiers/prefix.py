@@ -218,11 +218,11 @@ class PrefixCache:
         self._device.remove(key)
         self.allocator.free_pages_by_id([page])
 
-    def _page_record(self, page: int) -> RecordLike:
+    def _page_record(self, page: int, out: torch.Tensor | None = None) -> RecordLike:
         if self.pool is None:
             return self.page_record_bytes
         pin = bool(getattr(self.stack.cascade[0], "pin_memory", False)) if self.stack.cascade else False
-        return self.codec.encode_page(self.pool, page, pin_memory=pin)
+        return self.codec.encode_page(self.pool, page, pin_memory=pin, out=out)
 
     # ----- load / store / release ---------------------------------------------------------------
     def load(self, keys: Sequence[bytes], total_tokens: int | None = None) -> PrefixLoad:
@@ -393,7 +393,8 @@ class PrefixCache:
             self.counters["stores"] += 1
             if adopted and self.stack.shared:  # other daemons see the new pages at once
                 self.stack.publish([self._tier_key(k) for k, _ in adopted],
-                                   lambda i: self._page_record(adopted[i][1]), source=DEVICE)
+                                   lambda i, out: self._page_record(adopted[i][1], out), source=DEVICE,
+                                   record_size=self.page_record_bytes)
             return len(adopted)
 
     def release(self, lease_id: int) -> None:

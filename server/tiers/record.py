@@ -227,17 +227,29 @@ class RecordCodec:
         digest = _checksum(arr, self.header_nbytes, arr.size)
         arr[_CHECKSUM_AT:_FIXED.size] = np.frombuffer(struct.pack("<Q", digest), dtype=np.uint8)
 
-    def encode_page(self, pool: DSATokenToKVPool, page: int, *, pin_memory: bool = False) -> torch.Tensor:
+    def encode_page(self, pool: DSATokenToKVPool, page: int, *, pin_memory: bool = False,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
         """A sealed record of one whole pool page (the prefix cache's unit): the same bytes as
         :meth:`encode_from_pool` of the page's slots, copied as whole rows (one copy per layer).
 
+        Args:
+            out: build the record in the first :meth:`page_nbytes` bytes of this contiguous 1-D uint8
+                host tensor (e.g. a transfer engine's registered staging memory) instead of a new one.
+
         Raises:
-            ValueError: ``page`` outside the pool.
+            ValueError: ``page`` outside the pool, or ``out`` too small or not a 1-D uint8 host tensor.
         """
         ps = self.page_size
         if not 0 <= page < pool.num_slots // ps or page >= pool.num_pages:
             raise ValueError(f"page {page} is outside the pool")
-        rec = torch.empty(self.nbytes(ps, 1), dtype=torch.uint8, pin_memory=pin_memory)
+        n = self.nbytes(ps, 1)
+        if out is not None:
+            if out.dtype != torch.uint8 or out.dim() != 1 or out.device.type != "cpu" or not out.is_contiguous() \
+                    or out.numel() < n:
+                raise ValueError(f"out must be a contiguous 1-D uint8 host tensor of at least {n} bytes")
+            rec = out[:n]
+        else:
+            rec = torch.empty(n, dtype=torch.uint8, pin_memory=pin_memory)
         latent, index, src = self.payload(rec, ps, 1)
         for layer, buf in enumerate(pool.kv_buffer):
             latent[layer].copy_(buf[page * ps:(page + 1) * ps].view(torch.uint8).reshape(ps, self.row_bytes))

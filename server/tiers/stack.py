@@ -139,10 +139,14 @@ class TierStack:
             self.put(key, rec, source=tier.name, level=level + 1)
         return True
 
-    def publish(self, keys: Sequence[bytes], make_record: Callable[[int], RecordLike], *, source: str) -> int:
-        """Write the records of ``keys`` that a shared tier lacks into it (one presence check, then one
-        batch write per tier). ``make_record(i)`` builds the record of ``keys[i]`` (only for absent
-        ones). Never raises for a full or failing tier (counted by the tier). Returns records written."""
+    def publish(self, keys: Sequence[bytes], make_record: Callable[[int, Any], RecordLike], *, source: str,
+                record_size: int | None = None) -> int:
+        """Write the records of ``keys`` that a shared tier lacks into it (one presence check, then
+        batch writes). ``make_record(i, out)`` builds the record of ``keys[i]`` (only for absent ones),
+        in ``out`` when it is a tensor: with ``record_size`` (bytes of each record) given, a tier that
+        stages its transfers (``tier.staged``) lends its registered memory, so the record is built
+        where the store reads it (no staging copy). Never raises for a full or failing tier (counted by the tier). Returns
+        records written."""
         written = 0
         for tier in self.shared:
             if not keys:
@@ -153,18 +157,28 @@ class TierStack:
                 continue
             held = tier.contains(keys)
             missing = [i for i, h in enumerate(held) if not h]
-            if not missing or not tier.health.healthy:
-                continue
-            items = [(keys[i], make_record(i)) for i in missing]
-            try:
-                done = tier.write(items)
-            except TierFullError as e:
-                log.info("%s tier: no room to publish %d records (%s)", tier.name, len(items), e)
-                continue
-            sizes = {k: record_nbytes(r) for k, r in items}
-            for k in done:
-                self.count_move(source, tier.name, sizes[k])
-            written += len(done)
+            staged = getattr(tier, "staged", None) if record_size else None
+            while missing and tier.health.healthy:
+                try:
+                    if staged is not None:
+                        with staged([record_size] * len(missing)) as bufs:
+                            part, missing = missing[:len(bufs)], missing[len(bufs):]
+                            if not part:
+                                staged = None  # nothing fits the staging memory: build them apart
+                                continue
+                            items = [(keys[i], make_record(i, b)) for i, b in zip(part, bufs)]
+                            done = tier.write(items)
+                    else:
+                        items = [(keys[i], make_record(i, None)) for i in missing]
+                        missing = []
+                        done = tier.write(items)
+                except TierFullError as e:
+                    log.info("%s tier: no room to publish records (%s)", tier.name, e)
+                    break
+                sizes = {k: record_nbytes(r) for k, r in items}
+                for k in done:
+                    self.count_move(source, tier.name, sizes[k])
+                written += len(done)
         return written
 
     def remove(self, keys: Sequence[bytes]) -> int:

@@ -277,3 +277,27 @@ def test_no_master_at_open_starts_unhealthy_and_probe_sets_up_later(codec, pool)
 def test_config_errors_name_the_field(bad, match):
     with pytest.raises(ValueError, match=match):
         MooncakeStoreTierConfig(**bad).validate()
+
+
+def test_records_built_in_staged_memory_are_put_without_a_copy(open_tier, codec, pool):
+    """``staged`` lends registered memory; a page encoded there (``encode_page(out=...)``, what the
+    prefix cache's publish does) is put from where it lies and reads back as the same bytes as a page
+    encoded into fresh memory."""
+    t = open_tier()
+    keys = shared_keys(3, seed=10)
+    for page in (1, 2, 3):
+        fill_page(pool, page, seed=100 + page)
+    expected = [codec.encode_page(pool, p) for p in (1, 2, 3)]
+    with t.staged([codec.page_nbytes()] * 3) as bufs:
+        assert len(bufs) == 3 and all(t.staging.offset_of(b) is not None for b in bufs)
+        recs = [codec.encode_page(pool, p, out=b) for p, b in zip((1, 2, 3), bufs)]
+        assert all(torch.equal(r, e) for r, e in zip(recs, expected))
+        free_inside = t.staging.free_bytes
+        assert t.write(list(zip(keys, recs))) == keys
+        assert t.staging.free_bytes == free_inside  # no second extent was needed for a copy
+    with t.borrow(keys) as got:
+        assert all(torch.equal(g, e) for g, e in zip(got, expected))
+    with t.staged([t.config.max_object_bytes + 1]) as bufs:
+        assert bufs == []
+    with pytest.raises(ValueError, match="at least"):
+        codec.encode_page(pool, 1, out=torch.empty(100, dtype=torch.uint8))
