@@ -151,11 +151,16 @@ class StoreClient:
     :meth:`close` are serialised by a lock that no data call takes.
 
     Raises:
-        ImportError: the ``mooncake`` package (``pip install 'kvtier[mooncake]'``) is missing.
+        ValueError: the ``mooncake`` package (``pip install 'kvtier[mooncake]'``) is missing: a stack
+            that names the mooncake tier cannot be built.
     """
 
     def __init__(self, settings: ClientSettings) -> None:
-        from mooncake.store import MooncakeDistributedStore, ReplicateConfig, SoftPinAction
+        try:
+            from mooncake.store import MooncakeDistributedStore, ReplicateConfig, SoftPinAction
+        except ImportError as e:
+            raise ValueError("the mooncake tier needs the mooncake package (mooncake-transfer-engine-non-cuda): "
+                             "pip install 'kvtier[mooncake]'") from e
 
         self.settings = settings
         self._store_cls = MooncakeDistributedStore

@@ -172,8 +172,7 @@ class MooncakeStoreTier(Tier):
             tensor; a shared host arena can pass its own).
 
     Raises:
-        ValueError: a bad config field.
-        ImportError: the ``mooncake`` package is missing (``pip install 'kvtier[mooncake]'``).
+        ValueError: a bad config field, or the ``mooncake`` package is missing (``pip install 'kvtier[mooncake]'``).
     """
 
     name = "mooncake"

@@ -129,3 +129,20 @@ def test_master_killed_lookups_miss_and_restart_recovers(mooncake_master, two_da
     again = page_keys(list(range(11000, 11000 + 3 * PAGE_SIZE)), PAGE_SIZE)
     latent, index = store_prefix(ca, again, seed=6)
     verify_loaded_from_store(cb, again, latent, index)
+
+
+def test_tiers_from_a_config_file_with_flags_over_it(mooncake_master, tmp_path):
+    """The stack and the store's address come from ``[tiers]``/``[tiers.mooncake]``, a flag overrides
+    one of its keys; the daemon serves the tier (health SERVING) and publishes stored pages to it."""
+    cfg = tmp_path / "kvtier.toml"
+    cfg.write_text(f'device = "cpu"\nlog_level = "WARNING"\nhost_memory_bytes = "4MiB"\n\n[tiers]\n'
+                   f'stack = ["host", "mooncake"]\n\n[tiers.mooncake]\nmaster = "{mooncake_master.master}"\n'
+                   f'metadata = "http://127.0.0.1:1/metadata"\nglobal_segment_bytes = "32MiB"\n')
+    args = ["--config", str(cfg), "--mooncake-metadata", mooncake_master.metadata,
+            "--pool", f"glm-5.2:{8 * PAGE_SIZE}", "--pool-layers", str(NUM_LAYERS)]
+    with DaemonProcess(extra_args=args) as d, KVTierClient(d.address, timeout=60) as c:
+        assert c.health(TIER_SERVICE) == "SERVING"
+        keys = page_keys(list(range(2 * PAGE_SIZE)), PAGE_SIZE)
+        store_prefix(c, keys, seed=7)
+        assert c.where_is("default", keys) == [["device", "mooncake"]] * 2
+        assert "mooncake" in c.tier_stats().tiers
