@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.server.service.config_keys import check_known_keys
-from kvtier.server.tiers.mooncake_store import MooncakeStoreTierConfig
+from kvtier.server.tiers.mooncake_config import MooncakeStoreTierConfig
 
 GiB = 1 << 30
 TIER_NAMES = ("host", "disk", "mooncake")

@@ -1,9 +1,11 @@
-"""Tiers below the device pool: records, the host and LMDB disk tiers, the stack and the prefix cache.
+"""Tiers below the device pool: records, the host, LMDB disk and Mooncake Store tiers, the stack and
+the prefix cache.
 
 Modules: ``errors`` (typed errors), ``record`` (the self-checking record format), ``policy``
 (eviction strategy and the byte-budget index), ``base`` (the tier interface and config base),
-``host``, ``disk`` (LMDB), ``sim`` (size-only tier for simulation), ``stack`` (the cascade),
-``prefix`` (chained-key prefix cache with its device-tier index), ``offload`` (the daemon's offload
+``host``, ``disk`` (LMDB), ``mooncake_store`` (the shared Mooncake Store tier; ``mooncake_config``,
+``mooncake_client``, ``staging``), ``monitor`` (health probes), ``sim`` (size-only tier for
+simulation), ``stack`` (the cascade), ``prefix`` (chained-key prefix cache with its device-tier index), ``offload`` (the daemon's offload
 store on the stack). No grpc here.
 """
 
@@ -11,6 +13,8 @@ from kvtier.server.tiers.base import Tier, TierConfig, TierStats
 from kvtier.server.tiers.disk import DiskTier, DiskTierConfig, disk_charge
 from kvtier.server.tiers.errors import EnvironmentInUseError, LeaseError, RecordError, TierError, TierFullError
 from kvtier.server.tiers.host import HostTier, HostTierConfig
+from kvtier.server.tiers.mooncake_config import MooncakeStoreTierConfig
+from kvtier.server.tiers.mooncake_store import MooncakeStoreTier
 from kvtier.server.tiers.policy import CachePolicy, LRUPolicy, TierIndex
 from kvtier.server.tiers.prefix import PrefixCache, PrefixLoad, PrefixLookup
 from kvtier.server.tiers.record import RecordCodec, verify_record
@@ -19,7 +23,7 @@ from kvtier.server.tiers.stack import TierStack, build_tier
 
 __all__ = [
     "CachePolicy", "DiskTier", "DiskTierConfig", "EnvironmentInUseError", "HostTier", "HostTierConfig",
-    "LRUPolicy", "LeaseError", "PrefixCache", "PrefixLoad", "PrefixLookup", "RecordCodec", "RecordError",
+    "LRUPolicy", "LeaseError", "MooncakeStoreTier", "MooncakeStoreTierConfig", "PrefixCache", "PrefixLoad", "PrefixLookup", "RecordCodec", "RecordError",
     "SimTier", "SimTierConfig", "Tier", "TierConfig", "TierError", "TierFullError", "TierIndex", "TierStack",
     "TierStats", "build_tier", "disk_charge", "verify_record",
 ]

@@ -15,7 +15,7 @@ from kvtier.server.tiers.base import EvictHook, RecordLike, Tier, TierConfig, re
 from kvtier.server.tiers.disk import DiskTierConfig, disk_charge
 from kvtier.server.tiers.errors import TierFullError
 from kvtier.server.tiers.host import HostTierConfig
-from kvtier.server.tiers.mooncake_store import MooncakeStoreTierConfig
+from kvtier.server.tiers.mooncake_config import MooncakeStoreTierConfig
 from kvtier.server.tiers.policy import TierIndex
 
 

@@ -28,7 +28,8 @@ from kvtier.server.tiers.base import RecordLike, Tier, TierConfig, record_nbytes
 from kvtier.server.tiers.disk import DiskTier, DiskTierConfig
 from kvtier.server.tiers.errors import TierFullError
 from kvtier.server.tiers.host import HostTier, HostTierConfig
-from kvtier.server.tiers.mooncake_store import MooncakeStoreTier, MooncakeStoreTierConfig
+from kvtier.server.tiers.mooncake_config import MooncakeStoreTierConfig
+from kvtier.server.tiers.mooncake_store import MooncakeStoreTier
 from kvtier.server.tiers.sim import SimTier, SimTierConfig
 
 log = logging.getLogger(__name__)
