@@ -4,8 +4,8 @@ Two parts, each against its plain limit in the same run:
 
 * **put/get bytes/s**: page records of the replay's default scale (GLM-5.2 layers 0-3: 194,048 bytes)
   in batches of ``batch`` keys, through :class:`MooncakeStoreTier` (``write``: staging copy + one
-  ``batch_put_from``; ``borrow``: one ``batch_get_into`` + checksum check, verified views lent, what the
-  prefix cache's load uses) against the same ``MooncakeDistributedStore`` client called directly with
+  ``batch_put_from``; ``borrow``: one ``batch_get_into``, views lent, then each record's checksum
+  checked, what the prefix cache's load does before it copies a page into the pool) against the same ``MooncakeDistributedStore`` client called directly with
   the same batch calls, straight from and into one registered buffer holding the records back to back
   (no staging copy, no checks). By default the bytes go to a segment another process lends (TCP over
   loopback, as to other daemons' segments); ``remote=False`` keeps them in the client's own segment.
@@ -200,9 +200,15 @@ def _check(codes: list[int], expect: int = 0) -> None:
 
 
 def _borrow_all(tier: Any, keys: list[bytes]) -> None:
+    """What a prefix load does with a run of store pages (without the copy into the pool): one borrow,
+    then each record's checks (``verify_record``: magic, lengths, xxh3_64 checksum)."""
+    from kvtier.server.tiers.record import verify_record
+
     with tier.borrow(keys) as recs:
         if any(r is None for r in recs):
             raise RuntimeError("the tier missed records it had just put")
+        for r in recs:
+            verify_record(r)
 
 
 class _Alternate:

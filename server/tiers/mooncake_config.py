@@ -50,7 +50,8 @@ class MooncakeStoreTierConfig(TierConfig):
         max_batch_keys: keys per store call (at most 1,000: larger batches meet the transfer
             engine's queue limit).
         connect_timeout_s: how long the reachability check before ``setup`` waits for the master.
-        verify_reads: check each record's checksum when it is read (a failed check is a miss).
+        verify_reads: ``read_into`` checks each record's checksum (a failed check is a miss);
+            ``borrow`` lends unchecked bytes to callers that check them (see ``MooncakeStoreTier.borrow``).
     """
 
     kind: ClassVar[str] = "mooncake"

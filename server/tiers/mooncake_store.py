@@ -35,7 +35,8 @@ of the store: the write raises :class:`TierFullError`. Facts about the client: `
 Bytes move through one registered staging region (:mod:`staging`, swappable source): a write copies
 records into an extent and puts them from there, unless they already lie in the region (records the
 prefix cache builds in memory :meth:`MooncakeStoreTier.staged` lends, or a shared arena's); a read
-gets into an extent, verifies, and copies out (``read_into``) or lends the verified views (``borrow``).
+gets into an extent and copies out verified records (``read_into``) or lends the views to a caller
+that checks them itself (``borrow``, as the host tier lends its tensors), so a record is hashed once.
 """
 
 from __future__ import annotations
@@ -181,15 +182,16 @@ class MooncakeStoreTier(Tier):
         per_call = max(1, min(self.config.max_batch_keys, self.staging.nbytes // 2 // per_key or 1))
         return [slice(i, min(i + per_call, n_keys)) for i in range(0, n_keys, per_call)]
 
-    def _get_group(self, keys: Sequence[bytes], ext_view: torch.Tensor, ext_ptr: int, per_key: int) -> list[torch.Tensor | None]:
-        """Get ``keys`` into consecutive ``per_key`` slots of one extent; verified views or None."""
+    def _get_group(self, keys: Sequence[bytes], ext_view: torch.Tensor, ext_ptr: int, per_key: int,
+                   verify: bool) -> list[torch.Tensor | None]:
+        """Get ``keys`` into consecutive ``per_key`` slots of one extent; views (checked if ``verify``) or None."""
         skeys = [self.store_key(k) for k in keys]
         codes = self.client.get_into(skeys, [ext_ptr + i * per_key for i in range(len(keys))], [per_key] * len(keys))
         out: list[torch.Tensor | None] = []
         for i, (key, code) in enumerate(zip(keys, codes)):
             if code > 0:
                 view = ext_view[i * per_key:i * per_key + code]
-                if self.config.verify_reads:
+                if verify:
                     try:
                         verify_record(view)
                     except RecordError as e:
@@ -201,12 +203,12 @@ class MooncakeStoreTier(Tier):
             elif code in MISS_CODES or code == 0:
                 out.append(None)
             elif code == INVALID_PARAMS:  # the object is larger than the room reserved for it
-                out.append(self._get_large(key))
+                out.append(self._get_large(key, verify))
             else:
                 raise StoreUnavailable(f"batch_get_into of {skeys[i]} failed: {code_name(code)}")
         return out
 
-    def _get_large(self, key: bytes) -> torch.Tensor | None:
+    def _get_large(self, key: bytes, verify: bool) -> torch.Tensor | None:
         """Read one object larger than the current reservation (up to ``max_object_bytes``), copied out."""
         room = aligned(self.config.max_object_bytes)
         with self.staging.extent(room, timeout_s=1.0) as ext:  # short: the caller may hold an extent
@@ -217,7 +219,7 @@ class MooncakeStoreTier(Tier):
                 return None
             rec = ext.view[:code].clone()
         try:
-            if self.config.verify_reads:
+            if verify:
                 verify_record(rec)
         except RecordError as e:
             self.report_damaged(key, e)
@@ -226,9 +228,12 @@ class MooncakeStoreTier(Tier):
         return rec
 
     @contextmanager
-    def borrow(self, keys: Sequence[bytes], *, touch: bool = True) -> Iterator[list[RecordLike | None]]:
-        """Yield each key's verified record (None where absent, damaged or unreadable): views into the
-        staging region while the batch fits one extent, else copies. Never raises for a failing store."""
+    def borrow(self, keys: Sequence[bytes], *, touch: bool = True, verify: bool = False) -> Iterator[list[RecordLike | None]]:
+        """Yield each key's object bytes (None where absent or unreadable): views into the staging
+        region while the batch fits one extent, else copies. Like the host tier's, they are lent
+        unchecked unless ``verify``: every caller checks what it borrowed (the prefix cache's
+        ``load_page``, the offload store's ``read_header``) and reports a failure through
+        :meth:`report_damaged`, so each record is hashed once. Never raises for a failing store."""
         keys = list(keys)
         recs: list[RecordLike | None] = [None] * len(keys)
         idx = [i for i, k in enumerate(keys) if self.is_shared_key(k)]
@@ -242,7 +247,7 @@ class MooncakeStoreTier(Tier):
                     part = idx[g]
                     ext = self.staging.allocate(per_key * len(part))
                     held.append(ext)
-                    got = self._get_group([keys[i] for i in part], ext.view, ext.ptr, per_key)
+                    got = self._get_group([keys[i] for i in part], ext.view, ext.ptr, per_key, verify)
                     for i, rec in zip(part, got):
                         recs[i] = rec if lend or rec is None else rec.clone()
                     if not lend:
@@ -271,7 +276,7 @@ class MooncakeStoreTier(Tier):
         or a record larger than its buffer: another daemon may have put a different size)."""
         self._check_outs(keys, outs)
         sizes = []
-        with self.borrow(keys) as recs:
+        with self.borrow(keys, verify=self.config.verify_reads) as recs:
             for k, rec, o in zip(keys, recs, outs):
                 if rec is None:
                     sizes.append(0)

@@ -146,8 +146,8 @@ class TierStack:
         batch writes). ``make_record(i, out)`` builds the record of ``keys[i]`` (only for absent ones),
         in ``out`` when it is a tensor: with ``record_size`` (bytes of each record) given, a tier that
         stages its transfers (``tier.staged``) lends its registered memory, so the record is built
-        where the store reads it (no staging copy). Never raises for a full or failing tier (counted by the tier). Returns
-        records written."""
+        where the store reads it (no staging copy). Never raises for a full or failing tier (counted
+        by the tier). Returns records written."""
         written = 0
         for tier in self.shared:
             if not keys:

@@ -128,6 +128,30 @@ def test_damaged_object_is_a_miss_counted_and_removed(open_tier, codec, pool):
     assert t.contains([key]) == [False]  # removed from the store
 
 
+def test_damaged_object_never_reaches_the_pool(open_tier, model, codec, pool):
+    """Scenario: a page's object is damaged in the store (one flipped byte). A prefix load borrows it
+    (unchecked, like host-tier records) and checks it before copying: a failed load, the page is
+    handed out fresh, the object is counted damaged and removed; no byte of it lands in the pool."""
+    t = open_tier()
+    cache = PrefixCache(TierStack([t]), PagedTokenAllocator(pool.size, 64), codec, pool=pool,
+                        namespace=b"p:" + bytes.fromhex(model.fingerprint_digest()))
+    page_key = keys_for(1, seed=11)[0]
+    rec = record_of(codec, pool, 5, seed=11).clone()
+    rec[rec.numel() - 100] ^= 0x01
+    with t.staging.extent(rec.numel()) as ext:
+        ext.view[:rec.numel()].copy_(rec)
+        assert t.client.put_from([t.store_key(cache._tier_key(page_key))], [ext.ptr], [rec.numel()], t._replicate) == [0]
+    assert cache.lookup([page_key]).tiers == ["mooncake"]
+    for p in range(1, pool.num_pages):
+        pool.index_k_with_scale_buffer[0][p].zero_()
+    ld = cache.load([page_key])
+    assert ld.tiers == [] and cache.counters["failed_loads"] == 1
+    assert t.stats().damaged == 1 and t.contains([cache._tier_key(page_key)]) == [False]
+    page = int(ld.slots[0]) // 64
+    assert int(pool.index_k_with_scale_buffer[0][page].sum()) == 0  # nothing of the damaged record copied
+    cache.release(ld.lease)
+
+
 def test_bytes_that_are_no_record_are_a_miss(open_tier):
     t = open_tier()
     key = shared_keys(1, seed=4)[0]
@@ -135,9 +159,8 @@ def test_bytes_that_are_no_record_are_a_miss(open_tier):
     with t.staging.extent(5000) as ext:
         ext.view[:5000].copy_(junk)
         assert t.client.put_from([t.store_key(key)], [ext.ptr], [5000], t._replicate) == [0]
-    with t.borrow([key]) as (got,):
-        assert got is None
-    assert t.stats().damaged == 1
+    assert t.read_into([key], [torch.empty(8192, dtype=torch.uint8)]) == [0]
+    assert t.stats().damaged == 1 and t.contains([key]) == [False]
 
 
 def test_keys_outside_the_shared_namespaces_never_reach_the_store(open_tier, codec, pool):
