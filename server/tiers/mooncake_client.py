@@ -10,8 +10,11 @@ What the ``mooncake.store.MooncakeDistributedStore`` of ``mooncake-transfer-engi
   :meth:`StoreClient.open` therefore connects to the master's RPC port (and an HTTP metadata server's
   port) first and calls ``setup`` only when both answer.
 * The global segment (memory this client lends to the store) is mapped lazily: a 1 GiB segment
-  costs no resident memory until objects land in it. Objects live in *some* client's segment (random
-  allocation by default), so a client that goes away takes its objects with it.
+  costs no resident memory until objects land in it. It must be 0 (lend none; the client still puts
+  and gets) or at least 16 MiB (smaller: ``setup`` fails, INVALID_PARAMS, "Total size must be at least
+  16777216"). Objects live in *some* client's segment (random allocation by default), so a client that
+  goes away takes its objects with it. The store evicts approximately LRU (tried: a re-read object
+  survived, the newest survived) ~5% at a time once a segment passes 90% full.
 * Every batch call returns one int per key: ``batch_put_from``/``batch_remove`` 0 or a negative
   ``ErrorCode``; ``batch_get_into`` the object's size or a negative code; ``batch_is_exist`` 1, 0
   or -1 (error, e.g. -900 when the master is gone). A put of a key that exists returns 0 and moves no
@@ -37,7 +40,9 @@ What the ``mooncake.store.MooncakeDistributedStore`` of ``mooncake-transfer-engi
   ``soft_pin_ttl_ms``, at most the master's ``max_kv_soft_pin_ttl``); soft-pinned objects are evicted
   after the others (and not at all if the master runs ``--allow_evict_soft_pinned_objects=false``).
 * Every client of one store must use the same metadata mode: an HTTP-metadata client could not open
-  a P2PHANDSHAKE client's segment. ``setup(..., tenant_id=...)`` exists (master
+  a P2PHANDSHAKE client's segment. Both modes recover after a master restart (P2PHANDSHAKE: the first
+  puts answer NO_AVAILABLE_HANDLE until the segments are mounted again). Besides ``local_hostname``
+  the client's transfer engine also listens on the first non-loopback interface's address. ``setup(..., tenant_id=...)`` exists (master
   ``--enable_multi_tenants``); kvtier does not use it: its keys carry their namespace.
 """
 
