@@ -8,7 +8,7 @@ as a subprocess, for tests and embedded use).
 from kvtier.client.client import KVTierClient
 from kvtier.client.errors import (
     AlreadyExistsError, DeadlineExceededError, FailedPreconditionError, InvalidArgumentError, KVTierError,
-    NotFoundError, ResourceExhaustedError, UnavailableError,
+    NotFoundError, ResourceExhaustedError, UnauthenticatedError, UnavailableError,
 )
 from kvtier.client.pool import KVData, OffloadResult
 from kvtier.client.spawn import DaemonProcess, spawn_daemon
@@ -16,5 +16,5 @@ from kvtier.client.spawn import DaemonProcess, spawn_daemon
 __all__ = [
     "AlreadyExistsError", "DaemonProcess", "DeadlineExceededError", "FailedPreconditionError", "InvalidArgumentError",
     "KVData", "KVTierClient", "KVTierError", "NotFoundError", "OffloadResult", "ResourceExhaustedError",
-    "UnavailableError", "spawn_daemon",
+    "UnauthenticatedError", "UnavailableError", "spawn_daemon",
 ]

@@ -7,6 +7,8 @@ Feature mixins (``client/pool.py``, and e.g. ``client/tiers.py``, ``client/trans
 
 from __future__ import annotations
 
+import collections
+import os
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -15,13 +17,49 @@ from typing import Any, TypeVar
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvtier.addresses import resolve_address
+from kvtier.addresses import is_loopback, resolve_address
 from kvtier.client.errors import DeadlineExceededError, KVTierError, from_rpc_error
 
 DEFAULT_MAX_MESSAGE_BYTES = 4 << 20
 DEFAULT_CHUNK_BYTES = 1 << 20
+MIN_CHUNK_BYTES = 4096  # the daemon refuses smaller KV pieces (but a segment's last)
 CHUNK_OVERHEAD_BYTES = 1024  # room a KV chunk message needs beside its data
+TOKEN_ENV = "KVTIER_TOKEN"
 T = TypeVar("T")
+
+
+class _CallDetails(collections.namedtuple("_CallDetails", ("method", "timeout", "metadata", "credentials",
+                                                           "wait_for_ready", "compression")),
+                   grpc.ClientCallDetails):
+    pass
+
+
+class _BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                   grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    """Adds ``authorization: Bearer <token>`` to every call of a channel."""
+
+    def __init__(self, token: str) -> None:
+        self._entry = ("authorization", f"Bearer {token}")
+
+    def __repr__(self) -> str:
+        return "_BearerToken(<hidden>)"
+
+    def _details(self, d: grpc.ClientCallDetails) -> _CallDetails:
+        metadata = [*(d.metadata or ()), self._entry]
+        return _CallDetails(d.method, d.timeout, metadata, d.credentials, getattr(d, "wait_for_ready", None),
+                            getattr(d, "compression", None))
+
+    def intercept_unary_unary(self, continuation, client_call_details, request):  # type: ignore[no-untyped-def]
+        return continuation(self._details(client_call_details), request)
+
+    def intercept_unary_stream(self, continuation, client_call_details, request):  # type: ignore[no-untyped-def]
+        return continuation(self._details(client_call_details), request)
+
+    def intercept_stream_unary(self, continuation, client_call_details, request_iterator):  # type: ignore[no-untyped-def]
+        return continuation(self._details(client_call_details), request_iterator)
+
+    def intercept_stream_stream(self, continuation, client_call_details, request_iterator):  # type: ignore[no-untyped-def]
+        return continuation(self._details(client_call_details), request_iterator)
 
 
 class BaseClient:
@@ -33,11 +71,16 @@ class BaseClient:
         max_message_bytes: largest gRPC message either way; use the daemon's value (default 4 MiB).
         chunk_bytes: data bytes per streamed KV chunk (at most ``max_message_bytes - 1024``).
         retries: extra attempts for idempotent calls that fail with UNAVAILABLE.
+        token: bearer token of a daemon with tenants (``--auth-tokens``); None: ``$KVTIER_TOKEN`` if
+            set. Sent as ``authorization: Bearer <token>`` on every call; never printed.
         tls_root_cert: PEM file of the daemon's certificate authority: connect with TLS.
         tls_server_name: name to check the daemon's certificate against (default: the host).
+        tls_client_cert, tls_client_key: PEM client certificate and key for a daemon that requires
+            mutual TLS (``--tls-client-ca``).
 
     Raises:
-        ValueError: bad address or sizes.
+        ValueError: bad address or sizes, or a token for a TCP address beyond loopback without TLS
+            (a token is never sent across a network in the clear).
     """
 
     def __init__(
@@ -48,13 +91,19 @@ class BaseClient:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         retries: int = 3,
+        token: str | None = None,
         tls_root_cert: str | Path | None = None,
         tls_server_name: str | None = None,
+        tls_client_cert: str | Path | None = None,
+        tls_client_key: str | Path | None = None,
     ) -> None:
         if timeout <= 0:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
-        if not 0 < chunk_bytes <= max_message_bytes - CHUNK_OVERHEAD_BYTES:
-            raise ValueError(f"chunk_bytes must be in (0, max_message_bytes - {CHUNK_OVERHEAD_BYTES}], got {chunk_bytes}")
+        if not MIN_CHUNK_BYTES <= chunk_bytes <= max_message_bytes - CHUNK_OVERHEAD_BYTES:
+            raise ValueError(f"chunk_bytes must be in [{MIN_CHUNK_BYTES}, max_message_bytes - {CHUNK_OVERHEAD_BYTES}], "
+                             f"got {chunk_bytes}")
+        if bool(tls_client_cert) != bool(tls_client_key):
+            raise ValueError("tls_client_cert and tls_client_key go together")
         self.address = resolve_address(address)
         self.timeout = timeout
         self.max_message_bytes = max_message_bytes
@@ -62,13 +111,22 @@ class BaseClient:
         self.retries = retries
         options: list[tuple[str, Any]] = [("grpc.max_send_message_length", max_message_bytes),
                                           ("grpc.max_receive_message_length", max_message_bytes)]
-        if tls_root_cert is not None:
-            creds = grpc.ssl_channel_credentials(root_certificates=Path(tls_root_cert).read_bytes())
+        token = token if token is not None else (os.environ.get(TOKEN_ENV) or None)
+        tls = tls_root_cert is not None or tls_client_cert is not None
+        if token and not tls and not is_loopback(self.address):
+            raise ValueError(f"refusing to send a token to {self.address} without TLS: pass tls_root_cert "
+                             f"(or use a loopback address or unix socket)")
+        if tls:
+            creds = grpc.ssl_channel_credentials(
+                root_certificates=Path(tls_root_cert).read_bytes() if tls_root_cert else None,
+                private_key=Path(tls_client_key).read_bytes() if tls_client_key else None,
+                certificate_chain=Path(tls_client_cert).read_bytes() if tls_client_cert else None)
             if tls_server_name:
                 options.append(("grpc.ssl_target_name_override", tls_server_name))
-            self._channel = grpc.secure_channel(self.address, creds, options=options)
+            self._raw_channel = grpc.secure_channel(self.address, creds, options=options)
         else:
-            self._channel = grpc.insecure_channel(self.address, options=options)
+            self._raw_channel = grpc.insecure_channel(self.address, options=options)
+        self._channel = grpc.intercept_channel(self._raw_channel, _BearerToken(token)) if token else self._raw_channel
         self._stubs: dict[type, Any] = {}
 
     # ----- plumbing for mixins ------------------------------------------------------------------
@@ -139,7 +197,7 @@ class BaseClient:
 
     def close(self) -> None:
         """Close the channel (calls in flight are cancelled)."""
-        self._channel.close()
+        self._raw_channel.close()
 
     def __enter__(self) -> BaseClient:
         return self

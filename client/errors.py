@@ -46,8 +46,14 @@ class FailedPreconditionError(KVTierError):
 
 
 class UnavailableError(KVTierError):
-    """The daemon could not be reached (after the retries allowed for the call)."""
+    """The daemon could not be reached (after the retries allowed for the call), or a tier the call
+    needs is unhealthy (e.g. the disk tier on a full filesystem; the message names it): retry later."""
     code = grpc.StatusCode.UNAVAILABLE
+
+
+class UnauthenticatedError(KVTierError):
+    """The daemon serves tenants and the call had no known token (pass ``token=`` or set KVTIER_TOKEN)."""
+    code = grpc.StatusCode.UNAUTHENTICATED
 
 
 class DeadlineExceededError(KVTierError):
@@ -57,7 +63,7 @@ class DeadlineExceededError(KVTierError):
 
 _BY_CODE: dict[grpc.StatusCode, type[KVTierError]] = {
     cls.code: cls for cls in (InvalidArgumentError, NotFoundError, AlreadyExistsError, ResourceExhaustedError,
-                              FailedPreconditionError, UnavailableError, DeadlineExceededError)
+                              FailedPreconditionError, UnavailableError, DeadlineExceededError, UnauthenticatedError)
 }
 
 

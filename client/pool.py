@@ -58,12 +58,15 @@ class KVData:
 
 @dataclass(frozen=True)
 class OffloadResult:
-    """``nbytes`` host bytes stored for ``num_tokens`` tokens; ``freed_pages`` pages freed."""
+    """``nbytes`` host bytes stored for ``num_tokens`` tokens; ``freed_pages`` pages freed; ``durable``:
+    the copy was committed to the disk tier's LMDB before the call returned (write-through with a
+    healthy disk tier): it survives the daemon being killed (power loss too with ``--disk-sync``)."""
 
     key: str
     nbytes: int
     num_tokens: int
     freed_pages: int
+    durable: bool = False
 
 
 class PoolMixin(BaseClient):
@@ -96,18 +99,23 @@ class PoolMixin(BaseClient):
         num_layers: int = 0,
         kv_cache_dtype: str = "fp8",
         page_size: int = 64,
+        start_layer: int = 0,
+        end_layer: int = 0,
         timeout: float | None = None,
     ) -> pool_pb2.PoolInfo:
         """Create a pool of ``size_tokens`` tokens or planned from ``memory_budget_bytes``.
 
         Args:
             model: a preset name, a path to an HF config.json, or its parsed dict.
-            num_layers: only the first N layers (0: all).
+            num_layers: only N layers from ``start_layer`` (0: up to ``end_layer``).
+            start_layer, end_layer: a pipeline-parallel stage's model layers ``[start_layer, end_layer)``
+                (``end_layer`` 0: the model's last). Layer ids in KV calls are model layer ids.
 
         Raises:
             InvalidArgumentError, AlreadyExistsError, ResourceExhaustedError.
         """
-        spec = pool_pb2.ModelSpec(num_layers=num_layers, kv_cache_dtype=kv_cache_dtype, page_size=page_size)
+        spec = pool_pb2.ModelSpec(num_layers=num_layers, kv_cache_dtype=kv_cache_dtype, page_size=page_size,
+                                  start_layer=start_layer, end_layer=end_layer)
         if isinstance(model, Mapping):
             spec.hf_config_json = json.dumps(dict(model))
         elif Path(model).is_file():
@@ -224,9 +232,9 @@ class PoolMixin(BaseClient):
                  timeout: float | None) -> KVData:
         lay = self.layout(pool_id)
         if latent_layers is None:
-            latent_layers = list(range(lay.num_layers))
+            latent_layers = list(range(lay.start_layer, lay.start_layer + lay.num_layers))
         if index_layers is None:
-            index_layers = [i for i, c in enumerate(lay.skip_mask) if c == "F"]
+            index_layers = [lay.start_layer + i for i, c in enumerate(lay.skip_mask) if c == "F"]
         slot_ids = slot_list(slots)
         n = len(slot_ids)
         header = pool_pb2.KVHeader(pool_id=pool_id, slots=slot_ids, latent_layers=latent_layers, index_layers=index_layers,
@@ -272,15 +280,17 @@ class PoolMixin(BaseClient):
     # ----- offload / restore --------------------------------------------------------------------
     def offload(self, pool_id: str, key: str, slots: Slots, *, free_slots: bool = False, timeout: float | None = None) -> OffloadResult:
         """Copy ``slots`` (latent + live indexer) to the host tier under ``key``; optionally free their pages.
-        Raises AlreadyExistsError (key taken), ResourceExhaustedError (host tier full), InvalidArgumentError."""
+        Raises AlreadyExistsError (key taken), ResourceExhaustedError (host tier full), InvalidArgumentError,
+        UnavailableError (only an unhealthy tier could take it)."""
         req = pool_pb2.OffloadRequest(pool_id=pool_id, key=key, slots=slot_list(slots), free_slots=free_slots)
         r = self.unary(self._pool.Offload, req, idempotent=False, timeout=timeout)
-        return OffloadResult(r.key, r.nbytes, r.num_tokens, r.freed_pages)
+        return OffloadResult(r.key, r.nbytes, r.num_tokens, r.freed_pages, r.durable)
 
     def restore(self, pool_id: str, key: str, slots: Slots | None = None, *, drop: bool = False,
                 timeout: float | None = None) -> torch.Tensor:
         """Load the copy under ``key`` into ``slots`` (None: newly allocated); returns the ``(n,)`` slots.
-        Raises NotFoundError, FailedPreconditionError (layout differs), ResourceExhaustedError."""
+        Raises NotFoundError, FailedPreconditionError (layout differs), ResourceExhaustedError,
+        UnavailableError (the copy is on a tier that is unhealthy now; retry later)."""
         req = pool_pb2.RestoreRequest(pool_id=pool_id, key=key, slots=slot_list(slots) if slots is not None else [], drop=drop)
         return torch.tensor(list(self.unary(self._pool.Restore, req, idempotent=False, timeout=timeout).slots), dtype=torch.int64)
 

@@ -38,6 +38,7 @@ class DaemonProcess:
         stop_timeout: seconds to wait after SIGTERM before SIGKILL.
         tls_root_cert: PEM file to check a TLS daemon's certificate with (for the health check).
         tls_server_name: name that certificate is for, if not the address's host.
+        tls_client_cert, tls_client_key: client certificate and key for a mutual-TLS daemon's health check.
 
     Attributes:
         address: the bound address once started.
@@ -47,7 +48,8 @@ class DaemonProcess:
 
     def __init__(self, listen: str | None = None, *, extra_args: Sequence[str] = (), env: Mapping[str, str] | None = None,
                  startup_timeout: float = 60.0, stop_timeout: float = 30.0,
-                 tls_root_cert: str | Path | None = None, tls_server_name: str | None = None) -> None:
+                 tls_root_cert: str | Path | None = None, tls_server_name: str | None = None,
+                 tls_client_cert: str | Path | None = None, tls_client_key: str | Path | None = None) -> None:
         self._dir = Path(tempfile.mkdtemp(prefix="kvtier-daemon-"))
         os.chmod(self._dir, 0o700)
         self.listen = listen or f"unix://{self._dir / 'kvtier.sock'}"
@@ -61,6 +63,8 @@ class DaemonProcess:
         self.process: subprocess.Popen[bytes] | None = None
         self.tls_root_cert = tls_root_cert
         self.tls_server_name = tls_server_name
+        self.tls_client_cert = tls_client_cert
+        self.tls_client_key = tls_client_key
 
     def start(self) -> str:
         """Start the daemon and wait until it serves; returns its address.
@@ -86,7 +90,10 @@ class DaemonProcess:
 
     def _wait_serving(self, deadline: float) -> None:
         if self.tls_root_cert is not None:
-            creds = grpc.ssl_channel_credentials(root_certificates=Path(self.tls_root_cert).read_bytes())
+            creds = grpc.ssl_channel_credentials(
+                root_certificates=Path(self.tls_root_cert).read_bytes(),
+                private_key=Path(self.tls_client_key).read_bytes() if self.tls_client_key else None,
+                certificate_chain=Path(self.tls_client_cert).read_bytes() if self.tls_client_cert else None)
             opts = [("grpc.ssl_target_name_override", self.tls_server_name)] if self.tls_server_name else []
             channel = grpc.secure_channel(self.address, creds, options=opts)
         else:

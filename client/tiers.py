@@ -28,13 +28,14 @@ class PrefixLookup:
     tiers: list[str]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class PrefixLease:
     """A loaded prefix: ``slots`` ``(total_tokens,)`` int64 (loaded pages first, then fresh ones),
     ``tiers`` the tier each loaded page came from. Release it with :meth:`TierMixin.release_prefix`."""
 
     pool_id: str
-    lease_id: int
+    lease_id: str
+    """32 hex characters (128 random bits): the lease's name; keep it to yourself."""
     slots: torch.Tensor
     tiers: list[str]
 
@@ -43,6 +44,9 @@ class PrefixLease:
         """Pages of the prefix that were loaded."""
         return len(self.tiers)
 
+    def __repr__(self) -> str:
+        return f"PrefixLease(pool_id={self.pool_id!r}, slots={self.slots.numel()}, tiers={self.tiers})"
+
 
 @dataclass
 class TierReport:
@@ -50,7 +54,9 @@ class TierReport:
 
     Attributes:
         tiers: tier -> counters (``capacity_bytes``, ``used_bytes``, ``entries``, ``pinned``, ``hits``,
-            ``misses``, ``damaged``, ``writes``, ``bytes_written``, ``bytes_read``, ``evictions``, ...).
+            ``misses``, ``damaged``, ``writes``, ``bytes_written``, ``bytes_read``, ``evictions``, ...;
+            daemon-wide) and the caller's tenant's ``tenant_used_bytes`` and ``tenant_quota_bytes``
+            (None: no quota).
         moves: ``"src->dst"`` -> ``{"count": records, "bytes": bytes}``.
         prefix_counters: the pool's prefix-cache counters (with a pool id).
         device: the pool's device-tier use: ``pages``, ``pinned_pages``, ``free_pages``, ``open_leases``.
@@ -114,6 +120,8 @@ class TierMixin(BaseClient):
         rep = TierReport()
         for t in r.tiers:
             rep.tiers[t.tier] = {f.name: getattr(t, f.name) for f in t.DESCRIPTOR.fields if f.name != "tier"}
+            if not t.HasField("tenant_quota_bytes"):
+                rep.tiers[t.tier]["tenant_quota_bytes"] = None
         for m in r.moves:
             rep.moves[f"{m.source}->{m.destination}"] = {"count": m.count, "bytes": m.bytes}
         rep.prefix_counters = dict(r.prefix_counters)

@@ -32,6 +32,8 @@ KVCacheDType = Literal["bf16", "fp8"]
 KV_CACHE_DTYPES: tuple[str, ...] = ("bf16", "fp8")
 INDEX_QUANT_BLOCK = 128  # FP8 indexer keys carry one FP32 scale per 128 values
 DEFAULT_PAGE_SIZE = 64
+MAX_LAYERS = 4096  # far above any DSA model (DeepSeek-V3.2: 61, GLM-5.2: 78); checked before any per-layer loop
+MAX_DIM = 1 << 16  # kv_lora_rank, qk_rope_head_dim, index_head_dim and page_size stay below this
 
 _INDEXER_TYPES = ("full", "shared")
 _PATTERN_CHARS = ("S", "F")
@@ -159,6 +161,71 @@ def index_token_bytes(index_head_dim: int) -> int:
     return index_head_dim + index_head_dim // INDEX_QUANT_BLOCK * 4
 
 
+def layer_range(model_layers: int, *, start_layer: int = 0, end_layer: int | None = None,
+                num_layers: int | None = None) -> tuple[int, int]:
+    """The layer range ``[start, end)`` a pool covers, checked against the model's ``model_layers``.
+
+    Args:
+        model_layers: the model's ``num_hidden_layers``.
+        start_layer: first model layer (0: the model's first).
+        end_layer: one past the last (None: the model's last, or ``start_layer + num_layers``).
+        num_layers: keep this many layers from ``start_layer`` (exclusive with ``end_layer``).
+
+    Raises:
+        ValueError: non-integers, an empty range, or one that runs past the model's layers.
+    """
+    for what, v in (("num_hidden_layers", model_layers), ("start_layer", start_layer)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < (1 if what == "num_hidden_layers" else 0):
+            raise ValueError(f"{what} must be a {'positive' if what == 'num_hidden_layers' else 'non-negative'} integer, got {v!r}")
+    if num_layers is not None and end_layer is not None:
+        raise ValueError("give num_layers or end_layer, not both")
+    if num_layers is not None:
+        if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers <= 0:
+            raise ValueError(f"num_layers must be a positive integer, got {num_layers!r}")
+        end = start_layer + num_layers
+    else:
+        end = model_layers if end_layer is None else end_layer
+        if isinstance(end, bool) or not isinstance(end, int):
+            raise ValueError(f"end_layer must be an integer, got {end_layer!r}")
+    if not start_layer < end:
+        raise ValueError(f"layer range [{start_layer}, {end}) is empty")
+    if num_layers is not None and end > model_layers:
+        raise ValueError(f"num_layers {num_layers} exceeds the model's {model_layers} layers"
+                         + (f" from layer {start_layer}" if start_layer else ""))
+    if end > model_layers:
+        raise ValueError(f"layer range [{start_layer}, {end}) runs past the model's {model_layers} layers")
+    return start_layer, end
+
+
+def pp_layer_range(num_hidden_layers: int, pp_rank: int, pp_size: int,
+                   partition: tuple[int, ...] | None = None) -> tuple[int, int]:
+    """Layers ``[start, end)`` of pipeline stage ``pp_rank`` of ``pp_size``, split as SGLang splits them
+    (``get_pp_indices``): evenly, the last ``num_hidden_layers % pp_size`` stages one layer more; or by an
+    explicit ``partition`` (layers per stage, SGLang's ``SGLANG_PP_LAYER_PARTITION``).
+
+    Raises:
+        ValueError: a bad rank or size, more stages than layers, or a partition that does not add up.
+    """
+    if isinstance(pp_size, bool) or not isinstance(pp_size, int) or pp_size < 1:
+        raise ValueError(f"pp_size must be a positive integer, got {pp_size!r}")
+    if isinstance(pp_rank, bool) or not isinstance(pp_rank, int) or not 0 <= pp_rank < pp_size:
+        raise ValueError(f"pp_rank must lie in [0, {pp_size}), got {pp_rank!r}")
+    if partition is not None and pp_size > 1:
+        parts = tuple(int(p) for p in partition)
+        if len(parts) != pp_size or sum(parts) != num_hidden_layers or min(parts) < 1:
+            raise ValueError(f"partition {list(parts)} must give {pp_size} positive layer counts adding up to "
+                             f"{num_hidden_layers}")
+        start = sum(parts[:pp_rank])
+        return start, start + parts[pp_rank]
+    if pp_size > num_hidden_layers:
+        raise ValueError(f"{pp_size} pipeline stages for {num_hidden_layers} layers leave a stage without a layer")
+    base, extra = divmod(num_hidden_layers, pp_size)
+    if pp_rank >= pp_size - extra:
+        start = pp_rank * (base + 1) - (pp_size - extra)
+        return start, start + base + 1
+    return pp_rank * base, (pp_rank + 1) * base
+
+
 @dataclass(frozen=True)
 class DSAModelConfig:
     """Geometry of a DSA model's KV cache, as kvtier needs it.
@@ -171,7 +238,12 @@ class DSAModelConfig:
         index_head_dim: indexer key width in FP8 values (128).
         kv_cache_dtype: ``"bf16"`` or ``"fp8"`` (the 656-byte DSA row).
         page_size: tokens per page (DSA uses 64).
-        skip_topk_layers: ``(num_layers,)`` True where the layer skips top-k.
+        skip_topk_layers: ``(num_layers,)`` True where the layer skips top-k (position ``i`` is
+            model layer ``start_layer + i``).
+        start_layer: model layer id of the first layer this geometry covers: 0 for a whole model (or
+            its first N layers), ``s`` for a pipeline-parallel stage of layers ``[s, s + num_layers)``.
+            A stage's first layer may skip top-k (its top-k comes from the previous stage); only the
+            model's own layer 0 never can.
     """
 
     name: str
@@ -182,22 +254,28 @@ class DSAModelConfig:
     kv_cache_dtype: str = "fp8"
     page_size: int = DEFAULT_PAGE_SIZE
     skip_topk_layers: tuple[bool, ...] = field(default=())
+    start_layer: int = 0
 
     def __post_init__(self) -> None:
         for attr in ("num_layers", "kv_lora_rank", "qk_rope_head_dim", "index_head_dim", "page_size"):
             value = getattr(self, attr)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{attr} must be a positive integer, got {value!r}")
+            limit = MAX_LAYERS if attr == "num_layers" else MAX_DIM
+            if value > limit:
+                raise ValueError(f"{attr} must be at most {limit}, got {value}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.index_head_dim % INDEX_QUANT_BLOCK:
             raise ValueError(f"index_head_dim must be a multiple of {INDEX_QUANT_BLOCK}, got {self.index_head_dim}")
         if self.kv_cache_dtype == "fp8" and self.kv_lora_rank % INDEX_QUANT_BLOCK:
             raise ValueError(f"fp8 kv cache needs kv_lora_rank divisible by 128, got {self.kv_lora_rank}")
+        if not isinstance(self.start_layer, int) or isinstance(self.start_layer, bool) or self.start_layer < 0:
+            raise ValueError(f"start_layer must be a non-negative integer, got {self.start_layer!r}")
         mask = tuple(bool(x) for x in self.skip_topk_layers) if self.skip_topk_layers else (False,) * self.num_layers
         if len(mask) != self.num_layers:
             raise ValueError(f"skip_topk_layers has {len(mask)} entries but num_layers is {self.num_layers}")
-        if mask[0]:
+        if mask[0] and self.start_layer == 0:
             raise ValueError("skip_topk_layers marks layer 0 as skip, but layer 0 has no earlier top-k to reuse")
         object.__setattr__(self, "skip_topk_layers", mask)
 
@@ -211,14 +289,23 @@ class DSAModelConfig:
         kv_cache_dtype: str = "fp8",
         page_size: int = DEFAULT_PAGE_SIZE,
         num_layers: int | None = None,
+        start_layer: int = 0,
+        end_layer: int | None = None,
     ) -> DSAModelConfig:
-        """Build from an HF ``config.json`` (path or parsed mapping).
+        """Build from an HF ``config.json`` (path or parsed mapping), for model layers
+        ``[start_layer, end_layer)``.
 
-        ``num_layers`` overrides ``num_hidden_layers`` (scaled-down replays); the skip mask is then
-        computed for the first ``num_layers`` layers with the same rules.
+        Args:
+            num_layers: keep ``num_layers`` layers from ``start_layer`` (scaled-down replays: the
+                model's first N layers); exclusive with ``end_layer``.
+            start_layer, end_layer: a pipeline-parallel stage's layer range (SGLang's
+                ``start_layer``/``end_layer``, end exclusive; default: to the model's last layer).
+                The skip mask is the model's own for those layers, with the same rules.
 
         Raises:
-            ValueError: a required field is missing or invalid (the message names it).
+            ValueError: a required field is missing or invalid, ``num_hidden_layers`` above
+                :data:`MAX_LAYERS`, or a layer range that is empty or runs past the model's layers
+                (the message names it). Every size is checked before any per-layer loop.
             FileNotFoundError: the path does not exist.
         """
         if isinstance(config, (str, Path)):
@@ -233,33 +320,47 @@ class DSAModelConfig:
         for key in ("num_hidden_layers", "kv_lora_rank", "qk_rope_head_dim"):
             if data.get(key) is None:
                 raise ValueError(f"HF config lacks required field {key!r}")
+        total = data["num_hidden_layers"]
+        if isinstance(total, bool) or not isinstance(total, int) or not 0 < total <= MAX_LAYERS:
+            raise ValueError(f"num_hidden_layers must be an integer in 1..{MAX_LAYERS}, got {total!r}")
+        start, end = layer_range(total, start_layer=start_layer, end_layer=end_layer, num_layers=num_layers)
         validate_skip_config(data)
-        n = num_layers if num_layers is not None else int(data["num_hidden_layers"])
-        if not isinstance(n, int) or n <= 0:
-            raise ValueError(f"num_layers must be a positive integer, got {n!r}")
-        mask = tuple(_skips_unchecked(data, i) for i in range(n))
+        mask = tuple(_skips_unchecked(data, i) for i in range(start, end))
         return cls(
             name=name or str(data.get("model_type", "dsa-model")),
-            num_layers=n,
+            num_layers=end - start,
             kv_lora_rank=int(data["kv_lora_rank"]),
             qk_rope_head_dim=int(data["qk_rope_head_dim"]),
             index_head_dim=int(data.get("index_head_dim", 128)),
             kv_cache_dtype=kv_cache_dtype,
             page_size=page_size,
             skip_topk_layers=mask,
+            start_layer=start,
         )
 
     @classmethod
     def from_preset(
-        cls, name: str, *, kv_cache_dtype: str = "fp8", page_size: int = DEFAULT_PAGE_SIZE, num_layers: int | None = None
+        cls, name: str, *, kv_cache_dtype: str = "fp8", page_size: int = DEFAULT_PAGE_SIZE, num_layers: int | None = None,
+        start_layer: int = 0, end_layer: int | None = None,
     ) -> DSAModelConfig:
-        """Build from a shipped preset (``deepseek-v3.2``, ``glm-5.2``). Raises ValueError if unknown."""
+        """Build from a shipped preset (``deepseek-v3.2``, ``glm-5.2``), for layers ``[start_layer,
+        end_layer)`` as :meth:`from_hf_config`. Raises ValueError if unknown."""
         return cls.from_hf_config(
             get_preset(name), name=name.strip().lower(), kv_cache_dtype=kv_cache_dtype,
-            page_size=page_size, num_layers=num_layers,
+            page_size=page_size, num_layers=num_layers, start_layer=start_layer, end_layer=end_layer,
         )
 
     # ----- derived geometry ---------------------------------------------------------------------
+    @property
+    def end_layer(self) -> int:
+        """Model layer id one past the last layer covered (``start_layer + num_layers``)."""
+        return self.start_layer + self.num_layers
+
+    @property
+    def layer_ids(self) -> tuple[int, ...]:
+        """Model layer ids covered, in buffer order (``start_layer .. end_layer - 1``)."""
+        return tuple(range(self.start_layer, self.end_layer))
+
     @property
     def kv_cache_dim(self) -> int:
         """Elements of a latent row: 576 (bf16 values) or 656 (uint8 bytes, fp8 DSA layout)."""
@@ -284,16 +385,18 @@ class DSAModelConfig:
 
     @property
     def live_indexer_layers(self) -> tuple[int, ...]:
-        """Ids of the layers that run the indexer and own an indexer buffer."""
+        """Positions (0-based within :attr:`layer_ids`) of the layers that run the indexer and own an
+        indexer buffer; model layer ids are ``start_layer +`` these."""
         return tuple(i for i, s in enumerate(self.skip_topk_layers) if not s)
 
     @property
     def skipped_layers(self) -> tuple[int, ...]:
-        """Ids of the skip-topk layers (no indexer buffer)."""
+        """Positions of the skip-topk layers (no indexer buffer)."""
         return tuple(i for i, s in enumerate(self.skip_topk_layers) if s)
 
     def fingerprint(self) -> dict[str, Any]:
-        """What two peers (or a record and a pool) must agree on for their bytes to be interchangeable."""
+        """What two peers (or a record and a pool) must agree on for their bytes to be interchangeable
+        (geometry, skip mask and layer range: records of two pipeline stages never mix)."""
         return {
             "name": self.name,
             "num_layers": self.num_layers,
@@ -304,6 +407,7 @@ class DSAModelConfig:
             "page_size": self.page_size,
             "latent_row_bytes": self.latent_row_bytes,
             "skip_mask": "".join("S" if s else "F" for s in self.skip_topk_layers),
+            "start_layer": self.start_layer,
         }
 
     def fingerprint_digest(self) -> str:

@@ -11,12 +11,25 @@ from google.protobuf.message import Message
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+def _address(_ctx: click.Context, _param: click.Parameter, value: str | None) -> str | None:
+    """Check ``--server`` (a bare path becomes a unix socket); a bad one is a one-line usage error."""
+    from kvtier.addresses import resolve_address
+
+    if not value:
+        return None
+    try:
+        return resolve_address(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+
+
 def server_options(fn: F) -> F:
     """``--server ADDR`` and ``--timeout SECONDS`` for a command that calls a daemon."""
     fn = click.option("--timeout", type=click.FloatRange(min=0.1), default=10.0, show_default=True,
                       help="Deadline of each call, seconds.")(fn)
-    return click.option("--server", "server", default=None, metavar="ADDR", envvar="KVTIER_SERVER",
-                        help="Daemon address (unix:///path or HOST:PORT; env KVTIER_SERVER). Default: the default unix socket.")(fn)
+    return click.option("--server", "server", default=None, metavar="ADDR", envvar="KVTIER_SERVER", callback=_address,
+                        help="Daemon address: unix:///path, a socket path (/run/kvtier/kv.sock) or HOST:PORT "
+                             "(env KVTIER_SERVER). Default: the default unix socket.")(fn)
 
 
 def message_to_dict(msg: Message) -> dict[str, Any]:
@@ -49,6 +62,10 @@ def call_daemon(fn: Callable[[], Any]) -> Any:
         if getattr(e, "code", None) == grpc.StatusCode.UNAVAILABLE:
             raise click.ClickException(
                 f"no kvtier daemon answers there (start one with `kvtier serve`, or pass --server ADDR): {e}") from None
+        if getattr(e, "code", None) == grpc.StatusCode.UNAUTHENTICATED:
+            raise click.ClickException(
+                "the daemon serves tenants and did not accept this call's token: set KVTIER_TOKEN to a token "
+                "from its --auth-tokens file") from None
         raise click.ClickException(str(e)) from None
 
 

@@ -18,7 +18,7 @@ import click
 from kvtier.server.replay.driver import TIERS, InProcessBackend, ReplayResult, belady_bound, replay as run_replay
 from kvtier.server.replay.scale import ReplayScale
 from kvtier.server.replay.trace import read_trace
-from kvtier.server.service.config import parse_bytes
+from kvtier.server.daemon.config import parse_bytes
 
 DEFAULT_TRACE = "../shared/data/conversation_trace.jsonl"
 

@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from kvtier.server.service.config import LOG_LEVELS, DaemonConfig, PoolSpec, parse_bytes
+from kvtier.server.daemon.config import LOG_LEVELS, DaemonConfig, PoolSpec, parse_bytes
 
 
 def _bytes(_ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
@@ -16,6 +16,18 @@ def _bytes(_ctx: click.Context, param: click.Parameter, value: str | None) -> in
         return parse_bytes(value, (param.opts or [str(param.name)])[0])
     except ValueError as e:
         raise click.BadParameter(str(e)) from None
+
+
+def _layers(_ctx: click.Context, _param: click.Parameter, value: str | None) -> dict[str, int] | None:
+    """``N`` -> the first N layers; ``START:END`` -> model layers [START, END)."""
+    if value is None:
+        return None
+    start, sep, end = value.partition(":")
+    if not sep and value.isdigit() and int(value) > 0:
+        return {"num_layers": int(value)}
+    if sep and start.isdigit() and end.isdigit() and int(start) < int(end):
+        return {"start_layer": int(start), "end_layer": int(end)}
+    raise click.BadParameter(f"must be N (the first N layers) or START:END with START < END, e.g. 20:40; got {value!r}")
 
 
 @click.command()
@@ -40,21 +52,41 @@ def _bytes(_ctx: click.Context, param: click.Parameter, value: str | None) -> in
               help="Seconds in-flight calls may run on after SIGTERM/SIGINT [10].")
 @click.option("--tls-cert", type=click.Path(exists=True, dir_okay=False), default=None, help="PEM certificate (TLS).")
 @click.option("--tls-key", type=click.Path(exists=True, dir_okay=False), default=None, help="PEM private key (TLS).")
+@click.option("--tls-client-ca", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="PEM CA of client certificates: mutual TLS, every client must present one it signed.")
+@click.option("--auth-tokens", type=click.Path(dir_okay=False), default=None, metavar="FILE",
+              help="TOML [tokens] table (token = tenant), owned by this user, mode 0600: tenants; every call "
+                   "needs 'authorization: Bearer <token>'. Without it: one tenant, unix socket or loopback only.")
+@click.option("--peer-tls-ca", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="PEM CA to reach PD peers over TLS for PullKV (this daemon's --tls-cert is its client certificate).")
+@click.option("--max-streams", type=click.IntRange(min=1), default=None,
+              help="KV streams in flight at once; more are refused [half of --workers].")
+@click.option("--stream-idle-seconds", type=click.FloatRange(min=0.1), default=None,
+              help="Cancel a KV stream that moves no message this long [30].")
+@click.option("--close-seconds", type=click.FloatRange(min=0.1), default=None,
+              help="Time the shutdown work may take after the grace period before the daemon exits anyway [60].")
 @click.option("--ready-file", type=click.Path(dir_okay=False), default=None,
               help="Write the bound address here once serving.")
 @click.option("--transfer-engine", type=click.Choice(["mooncake", "none"]), default=None, help="PD transfer engine [none].")
 @click.option("--transfer-host", default=None, metavar="HOST", help="Address the transfer engine binds and publishes [127.0.0.1].")
+@click.option("--metrics-port", type=click.IntRange(0, 65535), default=None, metavar="PORT",
+              help="Serve Prometheus metrics on http://HOST:PORT/metrics (0: a free port; kvtier status shows it).")
+@click.option("--metrics-host", default=None, metavar="HOST", help="Address the metrics endpoint binds [127.0.0.1].")
+@click.option("--log-format", type=click.Choice(["text", "json"]), default=None,
+              help="Log lines as text or one JSON object a line [text].")
 @click.option("--pool", "pools", multiple=True, metavar="[ID=]MODEL:TOKENS|BYTES",
               help="Create a pool at start, e.g. glm-5.2:65536 or main=glm-5.2:2GiB (repeatable; replaces the file's pools).")
-@click.option("--pool-layers", type=click.IntRange(min=1), default=None,
-              help="Only the first N layers for --pool pools (small test pools).")
-def serve(config_file: str | None, pools: tuple[str, ...], pool_layers: int | None, **flags: object) -> None:
+@click.option("--pool-layers", callback=_layers, default=None, metavar="N|START:END",
+              help="Layers of --pool pools: the first N (small test pools), or model layers START..END-1 "
+                   "(a pipeline-parallel stage, e.g. 20:40).")
+def serve(config_file: str | None, pools: tuple[str, ...], pool_layers: dict[str, int] | None, **flags: object) -> None:
     """Run the kvtier daemon until SIGTERM/SIGINT (then finish in-flight calls and exit 0).
 
     Example: kvtier serve --pool glm-5.2:65536 --host-memory 8GiB
     """
-    from kvtier.server.service.errors import KVTierError
+    from kvtier.server.daemon.errors import KVTierError
     from kvtier.server.service.server import AddressError, serve as run
+    from kvtier.server.transfer.errors import TransferEngineUnavailable
 
     try:
         cfg = DaemonConfig.from_toml(config_file) if config_file else DaemonConfig()
@@ -64,12 +96,13 @@ def serve(config_file: str | None, pools: tuple[str, ...], pool_layers: int | No
         if pools:
             specs = tuple(PoolSpec.parse(p) for p in pools)
             if pool_layers:
-                specs = tuple(PoolSpec(**{**s.__dict__, "num_layers": pool_layers}) for s in specs)
+                specs = tuple(PoolSpec(**{**s.__dict__, **pool_layers}) for s in specs)
         cfg = cfg.replace(pools=specs, **flags)
     except (ValueError, OSError) as e:
         raise click.UsageError(str(e)) from None
     try:
         code = run(cfg)
-    except (AddressError, KVTierError, ValueError) as e:  # bad address, device, or a configured pool that cannot be created
+    # bad address, device, disk path, a configured pool that cannot be created, a missing transfer engine
+    except (AddressError, KVTierError, ValueError, TransferEngineUnavailable) as e:
         raise click.ClickException(str(e)) from None
     sys.exit(code)

@@ -13,7 +13,14 @@ from kvtier.cli.common import call_daemon, console, message_to_dict, server_opti
 @server_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
 def status(server: str | None, timeout: float, as_json: bool) -> None:
-    """Health, version, uptime, tier usage and counters of a running daemon."""
+    """Health, version, uptime, tier usage and health, and counters of a running daemon.
+
+    A tier whose storage failed (e.g. the disk tier on a full filesystem) shows UNHEALTHY with the
+    reason and when it is probed next; the daemon bypasses it meanwhile and brings it back by itself.
+
+    On a daemon with tenants, set KVTIER_TOKEN to your token: you see your pools and counters, and
+    each tier's use by all tenants beside your own bytes and quota.
+    """
     from kvtier.client import KVTierClient
 
     with KVTierClient(server, timeout=timeout) as c:
@@ -26,12 +33,17 @@ def status(server: str | None, timeout: float, as_json: bool) -> None:
 
     con = console()
     con.print(f"[bold]kvtier {stats.version}[/] at {c.address}: {health}, up {stats.uptime_seconds:.0f}s, "
-              f"device {stats.device}, {len(stats.pools)} pools, max message {stats.max_message_bytes:,} bytes")
-    t = Table(title="tiers")
-    for col in ("tier", "used bytes", "budget bytes", "entries"):
-        t.add_column(col, justify="left" if col == "tier" else "right")
+              f"device {stats.device}, tenant {stats.tenant}: {len(stats.pools)} pools, "
+              f"max message {stats.max_message_bytes:,} bytes")
+    if stats.metrics_address:
+        con.print(f"metrics: {stats.metrics_address}")
+    t = Table(title="tiers (all tenants; yours beside)")
+    for col in ("tier", "health", "used bytes", "budget bytes", "entries", "your bytes", "your quota"):
+        t.add_column(col, justify="left" if col in ("tier", "health") else "right")
     for tier in stats.tiers:
-        t.add_row(tier.tier, f"{tier.used_bytes:,}", f"{tier.budget_bytes:,}" if tier.budget_bytes else "-", f"{tier.entries:,}")
+        quota = f"{tier.tenant_quota_bytes:,}" if tier.HasField("tenant_quota_bytes") else "-"
+        t.add_row(tier.tier, _health(tier), f"{tier.used_bytes:,}", f"{tier.budget_bytes:,}" if tier.budget_bytes else "-",
+                  f"{tier.entries:,}", f"{tier.tenant_used_bytes:,}", quota)
     con.print(t)
     if stats.counters:
         ct = Table(title="counters")
@@ -40,3 +52,12 @@ def status(server: str | None, timeout: float, as_json: bool) -> None:
         for k in sorted(stats.counters):
             ct.add_row(k, f"{stats.counters[k]:,}")
         con.print(ct)
+
+
+def _health(tier: object) -> str:
+    """``ok``, or ``UNHEALTHY: <reason> (next probe in Ns)``."""
+    if not getattr(tier, "unhealthy", False):
+        return "ok"
+    from rich.markup import escape
+
+    return f"[bold red]UNHEALTHY[/]: {escape(tier.unhealthy_reason)} (next probe in {tier.next_probe_seconds:.0f}s)"  # type: ignore[attr-defined]

@@ -4,7 +4,7 @@ Mooncake Store tier.
 
 They are added to the ``serve`` command by :func:`add_tier_options` (one line in
 ``kvtier/cli/__init__.py``) and reach the daemon as its ``tiers`` setting
-(:class:`~kvtier.server.service.tier_settings.TierSettings`): the config file's ``[tiers]`` table
+(:class:`~kvtier.server.daemon.tier_settings.TierSettings`): the config file's ``[tiers]`` table
 (checked here, so a bad key is a usage error) with the given flags over it.
 """
 
@@ -14,8 +14,8 @@ from typing import Any
 
 import click
 
-from kvtier.server.service.config import parse_bytes
-from kvtier.server.service.tier_settings import TierSettings, mooncake_config, parse_stack
+from kvtier.server.daemon.config import parse_bytes
+from kvtier.server.daemon.tier_settings import TierSettings, mooncake_config, parse_stack
 
 _META = "kvtier.tier_flags"
 

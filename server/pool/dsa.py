@@ -61,15 +61,17 @@ class DSATokenToKVPool(MLATokenToKVPool):
         index_head_dim: indexer key width (128 FP8 values, one FP32 scale each 128).
         index_buf_size: tokens the indexer buffers cover (default ``size``).
         skip_topk_layers: ``(layer_num,)`` booleans, True where the layer skips top-k (no indexer
-            buffer). None: no layer skips. Layer 0 may not skip.
+            buffer). None: no layer skips. The model's layer 0 may not skip; a pipeline stage's first
+            layer (``start_layer > 0``) may.
+        start_layer: model layer id of the first layer (see :class:`MLATokenToKVPool`).
 
     Attributes:
         index_k_with_scale_buffer: list of ``layer_num`` uint8 tensors ``(num_pages, page_bytes)``,
             ``(0, page_bytes)`` on skip layers.
-        live_layers: ids of the layers with an indexer buffer.
+        live_layers: positions (0-based; model layer ``start_layer + i``) of the layers with an indexer buffer.
 
     Raises:
-        ValueError: bad sizes, a mask of the wrong length, or layer 0 marked skip.
+        ValueError: bad sizes, a mask of the wrong length, or the model's layer 0 marked skip.
     """
 
     def __init__(
@@ -86,18 +88,20 @@ class DSATokenToKVPool(MLATokenToKVPool):
         skip_topk_layers: Sequence[bool] | None = None,
         *,
         shared: bool = False,
+        start_layer: int = 0,
     ) -> None:
         if isinstance(index_head_dim, bool) or not isinstance(index_head_dim, int) or index_head_dim <= 0 or index_head_dim % 128:
             raise ValueError(f"index_head_dim must be a positive multiple of 128, got {index_head_dim!r}")
         mask = tuple(bool(x) for x in skip_topk_layers) if skip_topk_layers is not None else (False,) * layer_num
         if len(mask) != layer_num:
             raise ValueError(f"skip_topk_layers has {len(mask)} entries but layer_num is {layer_num}")
-        if mask and mask[0]:
+        if mask and mask[0] and start_layer == 0:
             raise ValueError("skip_topk_layers marks layer 0 as skip, but layer 0 has no earlier top-k to reuse")
         index_buf_size = size if index_buf_size is None else index_buf_size
         if isinstance(index_buf_size, bool) or not isinstance(index_buf_size, int) or index_buf_size <= 0:
             raise ValueError(f"index_buf_size must be a positive integer, got {index_buf_size!r}")
-        super().__init__(size, page_size, kv_lora_rank, qk_rope_head_dim, layer_num, device, kv_cache_dtype, shared=shared)
+        super().__init__(size, page_size, kv_lora_rank, qk_rope_head_dim, layer_num, device, kv_cache_dtype, shared=shared,
+                         start_layer=start_layer)
 
         self.index_head_dim = index_head_dim
         self.index_buf_size = index_buf_size
@@ -163,10 +167,10 @@ class DSATokenToKVPool(MLATokenToKVPool):
 
     # ----- indexer keys and scales --------------------------------------------------------------
     def _check_live_layer(self, layer_id: Any) -> int:
-        layer_id = check_layer(layer_id, self.layer_num)
-        if self.skip_topk_layers[layer_id]:
+        pos = check_layer(layer_id, self.layer_num, self.start_layer)
+        if self.skip_topk_layers[pos]:
             raise ValueError(f"layer {layer_id} skips top-k and has no indexer buffer")
-        return layer_id
+        return pos
 
     def _index_slots(self, loc: Any, what: str = "slots") -> torch.Tensor:
         slots = self._slots(loc, what)
@@ -194,7 +198,7 @@ class DSATokenToKVPool(MLATokenToKVPool):
         """Write FP8 indexer keys and FP32 scales of slots ``loc`` on one live layer.
 
         Args:
-            layer_id: a live (non-skip) layer.
+            layer_id: model layer id of a live (non-skip) layer.
             loc: ``(n,)`` int slots, no duplicates.
             index_k: ``(n, index_head_dim)`` uint8 or float8_e4m3fn keys.
             scale: ``(n,)`` (or ``(n, index_head_dim // 128)``) float32 scales.
@@ -202,14 +206,14 @@ class DSATokenToKVPool(MLATokenToKVPool):
         Raises:
             TypeError/ValueError: skip layer, bad slots, dtype or shape; the pool is unchanged.
         """
-        layer_id = self._check_live_layer(layer_id)
+        local = self._check_live_layer(layer_id)
         slots = self._index_slots(loc)
         check_unique(slots, "slots")
         keys, scales = self._check_keys_scales(index_k, scale, slots.numel())
         if slots.numel() == 0:
             return
         page, off = slots // self.page_size, slots % self.page_size
-        pos = self._live_pos[layer_id]
+        pos = self._live_pos[local]
         self._keys[pos].index_put_((page, off), keys)
         self._scales[pos].index_put_((page, off), scales)
 
@@ -220,10 +224,10 @@ class DSATokenToKVPool(MLATokenToKVPool):
             ``(index_k (n, index_head_dim) uint8, scale (n,) float32)`` (scale ``(n, k)`` when
             ``index_head_dim = 128 * k`` with k > 1).
         """
-        layer_id = self._check_live_layer(layer_id)
+        local = self._check_live_layer(layer_id)
         slots = self._index_slots(loc)
         page, off = slots // self.page_size, slots % self.page_size
-        pos = self._live_pos[layer_id]
+        pos = self._live_pos[local]
         keys = self._keys[pos][page, off].contiguous().view(torch.uint8)
         scales = self._scales[pos][page, off].contiguous().view(torch.float32)
         return keys, (scales.reshape(-1) if scales.shape[1] == 1 else scales)

@@ -36,7 +36,8 @@ def create_pool(
     index_buf_size: int | None = None,
     shared: bool = False,
 ) -> DSATokenToKVPool:
-    """A :class:`DSATokenToKVPool` of ``size`` tokens with ``model``'s geometry and ``role``'s skip mask.
+    """A :class:`DSATokenToKVPool` of ``size`` tokens with ``model``'s geometry, layer range
+    (``model.start_layer``, ``model.num_layers``) and ``role``'s skip mask.
 
     Raises:
         ValueError: unknown role, bad size or device.
@@ -53,4 +54,5 @@ def create_pool(
         index_buf_size=index_buf_size,
         skip_topk_layers=skip_mask_for_role(model, role),
         shared=shared,
+        start_layer=model.start_layer,
     )

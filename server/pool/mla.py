@@ -50,9 +50,14 @@ class MLATokenToKVPool:
         device: ``"auto"``, ``"cpu"`` or ``"cuda"``.
         kv_cache_dtype: ``"bf16"`` or ``"fp8"``.
         shared: CPU only: put the buffers in shared memory so a local worker can map them.
+        start_layer: model layer id of the first layer (a pipeline-parallel stage's, as SGLang's
+            ``start_layer``); methods taking ``layer_id`` take model layer ids, buffer lists are indexed
+            by position (``layer_id - start_layer``).
 
     Attributes:
-        kv_buffer: list of ``layer_num`` tensors ``(size + page_size, 1, kv_cache_dim)``.
+        kv_buffer: list of ``layer_num`` tensors ``(size + page_size, 1, kv_cache_dim)``, position
+            ``i`` holding model layer ``start_layer + i``.
+        start_layer, end_layer: the model layers ``[start_layer, end_layer)`` the pool holds.
         store_dtype: ``torch.bfloat16`` or ``torch.uint8``.
         row_bytes: bytes of one latent row (1152 or 656).
 
@@ -71,11 +76,16 @@ class MLATokenToKVPool:
         kv_cache_dtype: Any = "fp8",
         *,
         shared: bool = False,
+        start_layer: int = 0,
     ) -> None:
         for name, v in (("size", size), ("page_size", page_size), ("kv_lora_rank", kv_lora_rank),
                         ("qk_rope_head_dim", qk_rope_head_dim), ("layer_num", layer_num)):
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if isinstance(start_layer, bool) or not isinstance(start_layer, int) or start_layer < 0:
+            raise ValueError(f"start_layer must be a non-negative integer, got {start_layer!r}")
+        self.start_layer = start_layer
+        self.end_layer = start_layer + layer_num
         self.size = size
         self.page_size = page_size
         self.kv_lora_rank = kv_lora_rank
@@ -123,7 +133,7 @@ class MLATokenToKVPool:
         """Write latent rows for ``loc`` on one layer.
 
         Args:
-            layer_id: layer index.
+            layer_id: model layer id (``start_layer <= layer_id < end_layer``).
             loc: ``(n,)`` int slots, each in ``[0, size + page_size)``, no duplicates.
             rows: ``(n, kv_cache_dim)`` or ``(n, 1, kv_cache_dim)`` of ``store_dtype``, or raw
                 ``(n, row_bytes)`` uint8.
@@ -131,7 +141,7 @@ class MLATokenToKVPool:
         Raises:
             TypeError/ValueError: bad layer, slots, dtype or shape; the pool is unchanged.
         """
-        layer_id = check_layer(layer_id, self.layer_num)
+        layer_id = check_layer(layer_id, self.layer_num, self.start_layer)
         slots = self._slots(loc)
         check_unique(slots, "slots")
         data = check_rows(rows, slots.numel(), self.kv_cache_dim, self.store_dtype, self.row_bytes, "rows")
@@ -141,8 +151,8 @@ class MLATokenToKVPool:
         self._lat_words[layer_id].index_copy_(0, slots, data)
 
     def get_kv_buffer_rows(self, layer_id: int, loc: Any) -> torch.Tensor:
-        """Latent rows of ``loc`` on one layer: ``(n, 1, kv_cache_dim)`` ``store_dtype`` (a copy, on the pool's device)."""
-        layer_id = check_layer(layer_id, self.layer_num)
+        """Latent rows of ``loc`` on model layer ``layer_id``: ``(n, 1, kv_cache_dim)`` ``store_dtype`` (a copy, on the pool's device)."""
+        layer_id = check_layer(layer_id, self.layer_num, self.start_layer)
         slots = self._slots(loc)
         return self.kv_buffer[layer_id].index_select(0, slots)
 

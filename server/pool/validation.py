@@ -56,13 +56,18 @@ def check_unique(t: torch.Tensor, what: str) -> None:
         raise ValueError(f"{what} contains duplicate slots; each target slot may be written once per call")
 
 
-def check_layer(layer_id: Any, layer_num: int) -> int:
-    """Return ``layer_id`` as int if ``0 <= layer_id < layer_num``, else raise ValueError/TypeError."""
+def check_layer(layer_id: Any, layer_num: int, start_layer: int = 0) -> int:
+    """The buffer position of model layer ``layer_id`` in a pool of ``layer_num`` layers starting at
+    model layer ``start_layer`` (``layer_id - start_layer``, as SGLang's pools index their lists).
+
+    Raises:
+        TypeError: not an int. ValueError: outside ``[start_layer, start_layer + layer_num)``.
+    """
     if isinstance(layer_id, bool) or not isinstance(layer_id, (int, np.integer)):
         raise TypeError(f"layer_id must be an int, got {type(layer_id).__name__}")
-    if not 0 <= int(layer_id) < layer_num:
-        raise ValueError(f"layer_id {layer_id} out of range [0, {layer_num})")
-    return int(layer_id)
+    if not start_layer <= int(layer_id) < start_layer + layer_num:
+        raise ValueError(f"layer_id {layer_id} out of range [{start_layer}, {start_layer + layer_num})")
+    return int(layer_id) - start_layer
 
 
 def check_rows(rows: torch.Tensor, n: int, row_elems: int, dtype: torch.dtype, row_bytes: int, what: str) -> torch.Tensor:

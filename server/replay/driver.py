@@ -33,7 +33,7 @@ class ReplayBackend(Protocol):
     def lookup(self, keys: Sequence[bytes]) -> dict[str, int]:
         """Per tier, the longest prefix of ``keys`` present (pages)."""
 
-    def load(self, keys: Sequence[bytes]) -> tuple[int, np.ndarray, list[str]]:
+    def load(self, keys: Sequence[bytes]) -> tuple[str, np.ndarray, list[str]]:
         """``(lease, slots (len(keys) * page_size,) int64, tier of each loaded page)``."""
 
     def read(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -42,10 +42,10 @@ class ReplayBackend(Protocol):
     def write(self, slots: np.ndarray, latent: np.ndarray, index: np.ndarray) -> None:
         """Write KV (shapes as :meth:`read`) into whole-page ``slots``."""
 
-    def store(self, lease: int, keys: Sequence[bytes], slots: np.ndarray) -> None:
+    def store(self, lease: str, keys: Sequence[bytes], slots: np.ndarray) -> None:
         """Hand the pages at ``slots`` to the cache under ``keys``."""
 
-    def release(self, lease: int) -> None:
+    def release(self, lease: str) -> None:
         """End the request."""
 
     def moves(self) -> dict[str, dict[str, int]]:
@@ -111,7 +111,7 @@ class InProcessBackend:
     def lookup(self, keys: Sequence[bytes]) -> dict[str, int]:
         return self.cache.lookup(keys).per_tier
 
-    def load(self, keys: Sequence[bytes]) -> tuple[int, np.ndarray, list[str]]:
+    def load(self, keys: Sequence[bytes]) -> tuple[str, np.ndarray, list[str]]:
         ld = self.cache.load(keys)
         return ld.lease, ld.slots.numpy(), ld.tiers
 
@@ -138,10 +138,10 @@ class InProcessBackend:
             scales = np.ascontiguousarray(rows[:, ps * hd:]).view(np.float32).reshape(-1)
             self.pool.set_index_k_scale_buffer(layer, loc, torch.from_numpy(keys), torch.from_numpy(scales))
 
-    def store(self, lease: int, keys: Sequence[bytes], slots: np.ndarray) -> None:
+    def store(self, lease: str, keys: Sequence[bytes], slots: np.ndarray) -> None:
         self.cache.store(lease, keys, torch.from_numpy(slots))
 
-    def release(self, lease: int) -> None:
+    def release(self, lease: str) -> None:
         self.cache.release(lease)
 
     def moves(self) -> dict[str, dict[str, int]]:

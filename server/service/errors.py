@@ -1,12 +1,13 @@
-"""Domain errors of the daemon and the ONE place that maps them to gRPC status codes.
+"""The ONE place that maps the daemon's domain errors to gRPC status codes.
 
-Domain code (registry, pool operations, offload store, tiers, transfer) raises these typed errors;
-servicers never pick status codes themselves. :class:`DomainErrorInterceptor`, installed on the
+Domain code (``kvtier.server.daemon``: registry, KV operations, offload store, tiers, transfer,
+tenants) raises the typed errors of :mod:`kvtier.server.daemon.errors`; servicers never pick status
+codes themselves. :class:`DomainErrorInterceptor`, installed on the
 server by :func:`kvtier.server.service.server.create_server`, catches them around every RPC of every
 service and aborts the call with the mapped code and the error's message.
 
-Other modules add their own errors by subclassing one of these (e.g. a tier's "full" error
-subclasses :class:`ResourceExhausted`); the mapping then applies without edits here.
+Other modules add their own errors by subclassing one of the domain errors (e.g. a tier's "full"
+error subclasses :class:`ResourceExhausted`); the mapping then applies without edits here.
 """
 
 from __future__ import annotations
@@ -17,34 +18,20 @@ from typing import Any
 
 import grpc
 
+from kvtier.server.daemon.errors import (
+    AlreadyExists, FailedPrecondition, InvalidArgument, KVTierError, NotFound, ResourceExhausted, Unauthenticated,
+    Unavailable,
+)
+from kvtier.server.service.interceptors import handler_like
+from kvtier.server.tiers.errors import TierUnavailableError
 from kvtier.server.transfer.errors import LayoutMismatchError, TransferEngineUnavailable, TransferError
 
 log = logging.getLogger("kvtier.service")
 
-
-class KVTierError(Exception):
-    """Base of every domain error; the message says what was wrong (it reaches the client)."""
-
-
-class InvalidArgument(KVTierError):
-    """Bad slots, shapes, dtypes, lengths, names or values in a request (INVALID_ARGUMENT)."""
-
-
-class NotFound(KVTierError):
-    """Unknown pool id or key (NOT_FOUND)."""
-
-
-class AlreadyExists(KVTierError):
-    """A pool id or offload key that is already taken (ALREADY_EXISTS)."""
-
-
-class ResourceExhausted(KVTierError):
-    """Not enough free pages, host budget or memory for the request (RESOURCE_EXHAUSTED)."""
-
-
-class FailedPrecondition(KVTierError):
-    """The request does not fit the current layout or state: a host copy or peer whose layout
-    differs from the pool's, indexer data for a skip-topk layer, deleting a busy pool (FAILED_PRECONDITION)."""
+__all__ = [
+    "AlreadyExists", "DomainErrorInterceptor", "FailedPrecondition", "InvalidArgument", "KVTierError", "NotFound",
+    "ResourceExhausted", "STATUS_CODES", "Unauthenticated", "Unavailable", "status_code_for",
+]
 
 
 # The mapping, most specific first. ValueError/TypeError come from the pool core (which never
@@ -55,6 +42,9 @@ STATUS_CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (AlreadyExists, grpc.StatusCode.ALREADY_EXISTS),
     (ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
+    (Unavailable, grpc.StatusCode.UNAVAILABLE),
+    (TierUnavailableError, grpc.StatusCode.UNAVAILABLE),  # a tier that went unhealthy mid-call; retry later
+    (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
     (LayoutMismatchError, grpc.StatusCode.FAILED_PRECONDITION),  # PD peers' layouts differ; nothing moved
     (TransferEngineUnavailable, grpc.StatusCode.FAILED_PRECONDITION),
     (TransferError, grpc.StatusCode.ABORTED),  # moving bytes failed; the destination pages were freed
@@ -113,16 +103,4 @@ class DomainErrorInterceptor(grpc.ServerInterceptor):
         if handler is None:
             return None
         method = handler_call_details.method
-        if handler.unary_unary:
-            return grpc.unary_unary_rpc_method_handler(
-                _wrap_unary(handler.unary_unary, method), handler.request_deserializer, handler.response_serializer)
-        if handler.stream_unary:
-            return grpc.stream_unary_rpc_method_handler(
-                _wrap_unary(handler.stream_unary, method), handler.request_deserializer, handler.response_serializer)
-        if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(
-                _wrap_stream(handler.unary_stream, method), handler.request_deserializer, handler.response_serializer)
-        if handler.stream_stream:
-            return grpc.stream_stream_rpc_method_handler(
-                _wrap_stream(handler.stream_stream, method), handler.request_deserializer, handler.response_serializer)
-        return handler
+        return handler_like(handler, lambda b: _wrap_unary(b, method), streaming=lambda b: _wrap_stream(b, method))

@@ -5,18 +5,31 @@ Other servicers (tiers, transfer) reuse :func:`pool_layout` to describe a pool's
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from typing import TypeVar
+
+from kvtier.server.daemon.core import DaemonStats
+from kvtier.server.daemon.errors import InvalidArgument
+from kvtier.server.daemon.kv_ops import INDEX_K, INDEX_SCALE, LATENT
+from kvtier.server.daemon.pools import PoolEntry
 from kvtier.server.model_config import DSAModelConfig
 from kvtier.server.pool.buffer_info import BufInfos
 from kvtier.server.pool_configurator import PoolPlan
-from kvtier.server.service.errors import InvalidArgument
-from kvtier.server.service.kv_ops import INDEX_K, INDEX_SCALE, LATENT
-from kvtier.server.service.pools import PoolEntry
-from kvtier.server.service.state import DaemonState
 from kvtier.v1 import pool_pb2
+
+M = TypeVar("M")
 
 COMPONENT_TO_PROTO = {LATENT: pool_pb2.COMPONENT_LATENT, INDEX_K: pool_pb2.COMPONENT_INDEX_K,
                       INDEX_SCALE: pool_pb2.COMPONENT_INDEX_SCALE}
 COMPONENT_FROM_PROTO = {v: k for k, v in COMPONENT_TO_PROTO.items()}
+
+
+def chained(first: M, rest: Iterator[M], touch: Callable[[], None]) -> Iterator[M]:
+    """``first`` then every message of ``rest``, calling ``touch()`` as each one arrives (stream liveness)."""
+    yield first
+    for msg in rest:
+        touch()
+        yield msg
 
 
 def component_name(value: int) -> str:
@@ -36,7 +49,7 @@ def pool_layout(model: DSAModelConfig) -> pool_pb2.PoolLayout:
         kv_cache_dtype=fp["kv_cache_dtype"], page_size=fp["page_size"], latent_row_bytes=fp["latent_row_bytes"],
         index_page_bytes=model.index_page_bytes, skip_mask=fp["skip_mask"],
         fingerprint_digest=model.fingerprint_digest(), index_token_bytes=model.index_token_bytes,
-        kv_cache_dim=model.kv_cache_dim,
+        kv_cache_dim=model.kv_cache_dim, start_layer=fp["start_layer"],
     )
 
 
@@ -56,14 +69,15 @@ def pool_info(entry: PoolEntry) -> pool_pb2.PoolInfo:
     for i, buf in enumerate(pool.kv_buffer):
         skip = pool.skip_topk_layers[i]
         layers.append(pool_pb2.LayerInfo(
-            layer_id=i, skips_topk=skip, latent_row_bytes=pool.row_bytes, latent_bytes=int(buf.nbytes),
+            layer_id=pool.start_layer + i, skips_topk=skip, latent_row_bytes=pool.row_bytes, latent_bytes=int(buf.nbytes),
             index_page_bytes=0 if skip else pool.index_page_bytes,
             index_bytes=int(pool.index_k_with_scale_buffer[i].nbytes)))
     info = pool_pb2.PoolInfo(
         pool_id=entry.pool_id, layout=pool_layout(entry.model), role=entry.role, device=str(pool.device),
         size_tokens=alloc.size, total_pages=alloc.num_pages, free_pages=alloc.free_pages, used_pages=alloc.used_pages,
         kv_size_bytes=pool.get_kv_size_bytes(), latent_size_bytes=pool.get_kv_size_bytes() - pool.get_index_size_bytes(),
-        index_size_bytes=pool.get_index_size_bytes(), live_layers=list(pool.live_layers), layers=layers,
+        index_size_bytes=pool.get_index_size_bytes(), live_layers=[pool.start_layer + i for i in pool.live_layers],
+        layers=layers,
     )
     if entry.plan is not None:
         info.plan.CopyFrom(pool_plan(entry.plan))
@@ -71,26 +85,31 @@ def pool_info(entry: PoolEntry) -> pool_pb2.PoolInfo:
 
 
 def buffer_infos(entry: PoolEntry, state: BufInfos, contiguous: BufInfos) -> pool_pb2.BufferInfosResponse:
-    """State (indexer) and contiguous (latent) buffer infos with layer ids, layout and skip mask."""
+    """State (indexer) and contiguous (latent) buffer infos with (model) layer ids, layout and skip mask."""
+    start = entry.pool.start_layer
+
     def infos(triple: BufInfos) -> list[pool_pb2.BufferInfo]:
         ptrs, lens, items = triple
-        return [pool_pb2.BufferInfo(layer_id=i, data_ptr=p, data_len=n, item_len=it)
+        return [pool_pb2.BufferInfo(layer_id=start + i, data_ptr=p, data_len=n, item_len=it)
                 for i, (p, n, it) in enumerate(zip(ptrs, lens, items, strict=True))]
     return pool_pb2.BufferInfosResponse(layout=pool_layout(entry.model), state=infos(state),
                                         contiguous=infos(contiguous), skip_topk_layers=list(entry.pool.skip_topk_layers))
 
 
-def stats(state: DaemonState) -> pool_pb2.StatsResponse:
-    """Per pool and per tier usage plus counters."""
+def stats(s: DaemonStats, max_message_bytes: int) -> pool_pb2.StatsResponse:
+    """The caller's pools and counters, every tier's usage (daemon-wide and the caller's tenant's) and
+    health, the metrics endpoint's URL."""
     pools = []
-    for e in state.pools.list():
+    for e in s.pools:
         used = e.allocator.used_pages * e.page_size
         pools.append(pool_pb2.PoolStats(
             pool_id=e.pool_id, model_name=e.model.name, role=e.role, device=str(e.pool.device),
             size_tokens=e.allocator.size, used_tokens=used, free_tokens=e.allocator.free_tokens,
             kv_size_bytes=e.pool.get_kv_size_bytes()))
-    tiers = [pool_pb2.TierStats(tier=t.tier, used_bytes=t.used_bytes, budget_bytes=t.budget_bytes, entries=t.entries)
-             for t in state.tier_usage()]
+    tiers = [pool_pb2.TierStats(tier=t.tier, used_bytes=t.used_bytes, budget_bytes=t.budget_bytes, entries=t.entries,
+                                tenant_used_bytes=t.tenant_used_bytes, tenant_quota_bytes=t.tenant_quota_bytes,
+                                unhealthy=not t.healthy, unhealthy_reason=t.reason, next_probe_seconds=t.next_probe_in_s)
+             for t in s.tiers]
     return pool_pb2.StatsResponse(
-        version=state.version, uptime_seconds=state.uptime_seconds, device=state.device, pools=pools, tiers=tiers,
-        counters=state.counters.snapshot(), max_message_bytes=state.config.max_message_bytes)
+        version=s.version, uptime_seconds=s.uptime_seconds, device=s.device, pools=pools, tiers=tiers,
+        counters=s.counters, max_message_bytes=max_message_bytes, tenant=s.tenant, metrics_address=s.metrics_address)

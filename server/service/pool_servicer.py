@@ -1,7 +1,9 @@
 """``kvtier.v1.PoolService``: translates messages to domain calls and back, nothing more.
 
-Errors are raised as domain exceptions and mapped to status codes in one place
-(:mod:`kvtier.server.service.errors`).
+Every call runs as the caller the auth interceptor resolved (:func:`~kvtier.server.service.auth.caller_of`);
+errors are raised as domain exceptions and mapped to status codes in one place
+(:mod:`kvtier.server.service.errors`). KV streams hold a stream slot and report each message moved
+(:class:`~kvtier.server.service.streams.StreamGuard`).
 """
 
 from __future__ import annotations
@@ -10,11 +12,14 @@ from collections.abc import Iterator
 
 import grpc
 
-from kvtier.server.service import kv_ops, messages
-from kvtier.server.service.errors import InvalidArgument
-from kvtier.server.service.kv_ops import KVSelection
-from kvtier.server.service.pools import PoolRequest, parse_hf_config
-from kvtier.server.service.state import DaemonState
+from kvtier.server.daemon import kv_ops
+from kvtier.server.daemon.core import Daemon
+from kvtier.server.daemon.errors import InvalidArgument
+from kvtier.server.daemon.kv_ops import KVSelection
+from kvtier.server.daemon.pools import PoolRequest, parse_hf_config
+from kvtier.server.service import messages
+from kvtier.server.service.auth import caller_of
+from kvtier.server.service.streams import StreamGuard
 from kvtier.v1 import pool_pb2, pool_pb2_grpc
 
 
@@ -23,114 +28,122 @@ def _selection(h: pool_pb2.KVHeader) -> KVSelection:
 
 
 class PoolServicer(pool_pb2_grpc.PoolServiceServicer):
-    """Serves :class:`DaemonState`'s pools; see ``pool.proto`` for each RPC's contract."""
+    """Serves :class:`Daemon`'s pools; see ``pool.proto`` for each RPC's contract."""
 
-    def __init__(self, state: DaemonState) -> None:
+    def __init__(self, state: Daemon, streams: StreamGuard) -> None:
         self.state = state
         self.pools = state.pools
+        self.streams = streams
 
     # ----- pools --------------------------------------------------------------------------------
     def CreatePool(self, request: pool_pb2.CreatePoolRequest, context: grpc.ServicerContext) -> pool_pb2.PoolInfo:
-        m = request.model
+        caller, m = caller_of(context), request.model
         source = m.WhichOneof("source")
-        entry = self.pools.create(PoolRequest(
+        entry = self.pools.create(caller, PoolRequest(
             pool_id=request.pool_id, preset=m.preset if source == "preset" else "",
             hf_config=parse_hf_config(m.hf_config_json) if source == "hf_config_json" else None,
-            model_name=m.name, num_layers=m.num_layers, kv_cache_dtype=m.kv_cache_dtype or "fp8",
+            model_name=m.name, num_layers=m.num_layers, start_layer=m.start_layer, end_layer=m.end_layer,
+            kv_cache_dtype=m.kv_cache_dtype or "fp8",
             page_size=m.page_size, role=request.role or "target", device=request.device,
             size_tokens=request.size_tokens, memory_budget_bytes=request.memory_budget_bytes))
-        self.state.counters.add("pools_created")
+        self.state.counters.add(caller, "pools_created")
         return messages.pool_info(entry)
 
     def DescribePool(self, request: pool_pb2.DescribePoolRequest, context: grpc.ServicerContext) -> pool_pb2.PoolInfo:
-        with self.pools.locked(request.pool_id, exclusive=False) as entry:
+        with self.pools.locked(caller_of(context), request.pool_id, exclusive=False) as entry:
             return messages.pool_info(entry)
 
     def ListPools(self, request: pool_pb2.ListPoolsRequest, context: grpc.ServicerContext) -> pool_pb2.ListPoolsResponse:
-        return pool_pb2.ListPoolsResponse(pools=[messages.pool_info(e) for e in self.pools.list()])
+        return pool_pb2.ListPoolsResponse(pools=[messages.pool_info(e) for e in self.pools.list(caller_of(context))])
 
     def DeletePool(self, request: pool_pb2.DeletePoolRequest, context: grpc.ServicerContext) -> pool_pb2.DeletePoolResponse:
-        freed = self.pools.delete(request.pool_id, force=request.force)
-        self.state.counters.add("pools_deleted")
+        caller = caller_of(context)
+        freed = self.pools.delete(caller, request.pool_id, force=request.force)
+        self.state.counters.add(caller, "pools_deleted")
         return pool_pb2.DeletePoolResponse(freed_bytes=freed)
 
     # ----- slots --------------------------------------------------------------------------------
     def AllocateSlots(self, request: pool_pb2.AllocateSlotsRequest, context: grpc.ServicerContext) -> pool_pb2.AllocateSlotsResponse:
-        with self.pools.locked(request.pool_id, exclusive=True) as entry:
+        caller = caller_of(context)
+        with self.pools.locked(caller, request.pool_id, exclusive=True) as entry:
             slots = entry.alloc(request.num_tokens)
             ps = entry.page_size
-        self.state.counters.add("slots_allocated", request.num_tokens)
+        self.state.counters.add(caller, "slots_allocated", request.num_tokens)
         return pool_pb2.AllocateSlotsResponse(pages=slots[::ps].div(ps, rounding_mode="floor").tolist(),
                                               num_tokens=request.num_tokens, page_size=ps)
 
     def FreeSlots(self, request: pool_pb2.FreeSlotsRequest, context: grpc.ServicerContext) -> pool_pb2.FreeSlotsResponse:
-        with self.pools.locked(request.pool_id, exclusive=True) as entry:
+        caller = caller_of(context)
+        with self.pools.locked(caller, request.pool_id, exclusive=True) as entry:
             freed = entry.free(entry.slots(list(request.slots)))
-        self.state.counters.add("pages_freed", freed)
+        self.state.counters.add(caller, "pages_freed", freed)
         return pool_pb2.FreeSlotsResponse(freed_pages=freed)
 
     # ----- KV data ------------------------------------------------------------------------------
     def WriteKV(self, request_iterator: Iterator[pool_pb2.WriteKVRequest], context: grpc.ServicerContext) -> pool_pb2.WriteKVResponse:
-        first = next(request_iterator, None)
-        if first is None or not first.HasField("header"):
-            raise InvalidArgument("WriteKV must start with a message carrying the header")
-        sel = _selection(first.header)
-        buf = kv_ops.KVWriteBuffer(self.pools.get(sel.pool_id), sel)
-        msg = first
-        while msg is not None:
-            if msg is not first and msg.HasField("header"):
-                raise InvalidArgument("WriteKV takes one header, in its first message")
-            if msg.data:
-                buf.add(msg.layer_id, messages.component_name(msg.component), msg.offset, msg.data)
-            msg = next(request_iterator, None)
-        nbytes = kv_ops.write_kv(self.pools, buf)
-        self.state.counters.add("kv_writes")
-        self.state.counters.add("kv_bytes_written", nbytes)
+        caller = caller_of(context)
+        with self.streams.stream(context, "WriteKV") as touch:
+            first = next(request_iterator, None)
+            if first is None or not first.HasField("header"):
+                raise InvalidArgument("WriteKV must start with a message carrying the header")
+            sel = _selection(first.header)
+            buf = kv_ops.KVWriteBuffer(self.pools.get(caller, sel.pool_id), sel)
+            for msg in messages.chained(first, request_iterator, touch):
+                if msg is not first and msg.HasField("header"):
+                    raise InvalidArgument("WriteKV takes one header, in its first message")
+                if msg.data:
+                    buf.add(msg.layer_id, messages.component_name(msg.component), msg.offset, msg.data)
+            nbytes = kv_ops.write_kv(self.pools, caller, buf)
+        self.state.counters.add(caller, "kv_writes")
+        self.state.counters.add(caller, "kv_bytes_written", nbytes)
         return pool_pb2.WriteKVResponse(bytes_written=nbytes, num_slots=buf.slots.numel())
 
     def ReadKV(self, request: pool_pb2.ReadKVRequest, context: grpc.ServicerContext) -> Iterator[pool_pb2.ReadKVResponse]:
-        cfg = self.state.config
-        chunk = request.chunk_bytes or cfg.chunk_bytes
-        if chunk > cfg.max_chunk_bytes:
-            raise InvalidArgument(f"chunk_bytes {chunk} exceeds {cfg.max_chunk_bytes} (max_message_bytes "
-                                  f"{cfg.max_message_bytes} less room for the other fields)")
-        segments = kv_ops.read_kv(self.pools, _selection(request.header))
-        self.state.counters.add("kv_reads")
-        for seg, data in segments:
-            view = memoryview(data)
-            comp = messages.COMPONENT_TO_PROTO[seg.component]
-            for off in range(0, seg.nbytes, chunk):
-                yield pool_pb2.ReadKVResponse(layer_id=seg.layer_id, component=comp, offset=off, data=bytes(view[off:off + chunk]))
-            self.state.counters.add("kv_bytes_read", seg.nbytes)
+        caller, cfg = caller_of(context), self.state.config
+        chunk = kv_ops.chunk_size(request.chunk_bytes, cfg.chunk_bytes, cfg.max_chunk_bytes)
+        with self.streams.stream(context, "ReadKV") as touch:
+            segments = kv_ops.read_kv(self.pools, caller, _selection(request.header))
+            self.state.counters.add(caller, "kv_reads")
+            for seg, data in segments:
+                view, comp = memoryview(data), messages.COMPONENT_TO_PROTO[seg.component]
+                for off in range(0, seg.nbytes, chunk):
+                    touch()
+                    yield pool_pb2.ReadKVResponse(layer_id=seg.layer_id, component=comp, offset=off, data=bytes(view[off:off + chunk]))
+                self.state.counters.add(caller, "kv_bytes_read", seg.nbytes)
 
     def MoveKV(self, request: pool_pb2.MoveKVRequest, context: grpc.ServicerContext) -> pool_pb2.MoveKVResponse:
-        n = kv_ops.move_kv(self.pools, request.pool_id, list(request.tgt_slots), list(request.src_slots))
-        self.state.counters.add("kv_moves")
+        caller = caller_of(context)
+        n = kv_ops.move_kv(self.pools, caller, request.pool_id, list(request.tgt_slots), list(request.src_slots))
+        self.state.counters.add(caller, "kv_moves")
         return pool_pb2.MoveKVResponse(num_slots=n)
 
     # ----- offload / restore --------------------------------------------------------------------
     def Offload(self, request: pool_pb2.OffloadRequest, context: grpc.ServicerContext) -> pool_pb2.OffloadResponse:
-        r = kv_ops.offload(self.pools, self.state.copy_store, request.pool_id, request.key, list(request.slots),
-                           free_slots=request.free_slots)
-        self.state.counters.add("offloads")
-        self.state.counters.add("offload_bytes", r.nbytes)
-        return pool_pb2.OffloadResponse(key=request.key, nbytes=r.nbytes, num_tokens=r.num_tokens, freed_pages=r.freed_pages)
+        caller = caller_of(context)
+        r = kv_ops.offload(self.pools, self.state.offload_store, caller, request.pool_id, request.key,
+                           list(request.slots), free_slots=request.free_slots)
+        self.state.counters.add(caller, "offloads")
+        self.state.counters.add(caller, "offload_bytes", r.nbytes)
+        return pool_pb2.OffloadResponse(key=request.key, nbytes=r.nbytes, num_tokens=r.num_tokens, freed_pages=r.freed_pages,
+                                        durable=r.durable)
 
     def Restore(self, request: pool_pb2.RestoreRequest, context: grpc.ServicerContext) -> pool_pb2.RestoreResponse:
-        slots, nbytes = kv_ops.restore(self.pools, self.state.copy_store, request.pool_id, request.key,
+        caller = caller_of(context)
+        slots, nbytes = kv_ops.restore(self.pools, self.state.offload_store, caller, request.pool_id, request.key,
                                        list(request.slots), drop=request.drop)
-        self.state.counters.add("restores")
-        self.state.counters.add("restore_bytes", nbytes)
+        self.state.counters.add(caller, "restores")
+        self.state.counters.add(caller, "restore_bytes", nbytes)
         return pool_pb2.RestoreResponse(slots=slots.tolist(), nbytes=nbytes)
 
     def Drop(self, request: pool_pb2.DropRequest, context: grpc.ServicerContext) -> pool_pb2.DropResponse:
-        copy = self.state.copy_store.drop(request.key)
-        self.state.counters.add("drops")
-        return pool_pb2.DropResponse(dropped=copy is not None, nbytes=copy.nbytes if copy else 0)
+        caller = caller_of(context)
+        nbytes = self.state.offload_store.drop(caller, request.key)
+        self.state.counters.add(caller, "drops")
+        return pool_pb2.DropResponse(dropped=nbytes is not None, nbytes=nbytes or 0)
 
     # ----- metadata -----------------------------------------------------------------------------
     def GetBufferInfos(self, request: pool_pb2.BufferInfosRequest, context: grpc.ServicerContext) -> pool_pb2.BufferInfosResponse:
-        return messages.buffer_infos(*kv_ops.buffer_infos(self.pools, request.pool_id))
+        return messages.buffer_infos(*kv_ops.buffer_infos(self.pools, caller_of(context), request.pool_id))
 
     def GetStats(self, request: pool_pb2.StatsRequest, context: grpc.ServicerContext) -> pool_pb2.StatsResponse:
-        return messages.stats(self.state)
+        return messages.stats(self.state.stats(caller_of(context)), self.state.config.max_message_bytes)

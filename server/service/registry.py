@@ -2,7 +2,8 @@
 
 Each entry names the service (its full proto name, for the health and reflection services), the
 generated ``add_XServicer_to_server`` function, and a factory that builds the servicer from the
-daemon's :class:`~kvtier.server.service.state.DaemonState`::
+daemon's :class:`~kvtier.server.daemon.core.Daemon` and the server's stream guard
+(:class:`~kvtier.server.service.streams.StreamGuard`)::
 
     ServiceEntry.of(tier_pb2, "TierService", tier_pb2_grpc.add_TierServiceServicer_to_server, TierServicer),
 """
@@ -16,8 +17,9 @@ from typing import Any
 
 import grpc
 
+from kvtier.server.daemon.core import Daemon
 from kvtier.server.service.pool_servicer import PoolServicer
-from kvtier.server.service.state import DaemonState
+from kvtier.server.service.streams import StreamGuard
 from kvtier.server.service.tier_servicer import TierServicer
 from kvtier.server.service.transfer_servicer import TransferServicer
 from kvtier.v1 import pool_pb2, pool_pb2_grpc, tier_pb2, tier_pb2_grpc, transfer_pb2, transfer_pb2_grpc
@@ -30,16 +32,16 @@ class ServiceEntry:
     Attributes:
         name: full service name, e.g. ``kvtier.v1.PoolService`` (health and reflection use it).
         add_to_server: the generated ``add_<Name>Servicer_to_server(servicer, server)``.
-        factory: builds the servicer from the daemon state.
+        factory: builds the servicer from the daemon and the stream guard.
     """
 
     name: str
     add_to_server: Callable[[Any, grpc.Server], None]
-    factory: Callable[[DaemonState], Any]
+    factory: Callable[[Daemon, StreamGuard], Any]
 
     @classmethod
     def of(cls, pb2: ModuleType, service: str, add_to_server: Callable[[Any, grpc.Server], None],
-           factory: Callable[[DaemonState], Any]) -> ServiceEntry:
+           factory: Callable[[Daemon, StreamGuard], Any]) -> ServiceEntry:
         """An entry whose name is looked up in the generated ``pb2`` module (so it cannot be misspelt)."""
         return cls(pb2.DESCRIPTOR.services_by_name[service].full_name, add_to_server, factory)
 

@@ -3,8 +3,16 @@
 :func:`create_server` binds every service of :data:`~kvtier.server.service.registry.SERVICES` plus
 the standard health and reflection services and returns the server with the address it really
 bound (port 0 picks a free port). :func:`serve` runs it until SIGTERM/SIGINT, then stops taking new
-calls, lets in-flight calls finish within ``grace_seconds``, runs the state's shutdown hooks and
-returns 0.
+calls, lets in-flight calls finish within ``grace_seconds``, runs the daemon's shutdown hooks within
+``close_seconds`` and exits -- even if a worker thread is stuck in a call (then it says so).
+
+Where it listens: without ``auth_tokens`` (one tenant) only on a unix socket or a loopback host,
+TLS or not; with tokens, any host, but only with TLS (a bearer token never crosses a network in the
+clear). ``tls_client_ca`` makes TLS mutual (clients must present a certificate that CA signed).
+
+Besides the daemon's services it serves one health service per tier (``kvtier.tier.<name>``, kept in
+step by the tier monitor thread, which :func:`serve` starts once serving) and, with
+``metrics_port``, Prometheus metrics and the RPC latency histogram (``observability``).
 """
 
 from __future__ import annotations
@@ -14,31 +22,64 @@ import logging
 import os
 import signal
 import socket
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvtier.addresses import default_socket_path, is_loopback, is_unix, resolve_address, socket_path
-from kvtier.server.service.config import DaemonConfig
+from kvtier.addresses import (
+    UnsafeSocketDirError, default_socket_path, is_loopback, is_unix, prepare_private_dir, resolve_address, socket_path,
+)
+from kvtier.server.daemon.config import DaemonConfig
+from kvtier.server.daemon.core import Daemon
+from kvtier.server.observe.logs import configure_logging
+from kvtier.server.service.auth import AuthInterceptor
 from kvtier.server.service.errors import DomainErrorInterceptor
+from kvtier.server.service.interceptors import CallTracker
+from kvtier.server.service.observability import build_metrics
 from kvtier.server.service.registry import SERVICES, ServiceEntry
-from kvtier.server.service.state import DaemonState
+from kvtier.server.service.streams import StreamGuard
+from kvtier.server.transfer.engine import check_engine_available
 
 log = logging.getLogger("kvtier.service")
 
+STOP_SLACK_SECONDS = 5.0  # after the grace period: time for cancelled calls to leave their workers
+
 
 class AddressError(ValueError):
-    """The listen address cannot be used (not loopback without TLS, in use, bad path)."""
+    """The listen address cannot be used (not loopback without TLS and tokens, in use, bad path)."""
+
+
+@dataclass
+class DaemonServer:
+    """A built (not started) server and what its shutdown needs.
+
+    Attributes:
+        server: the gRPC server. address: the bound address (``unix:///path`` or ``HOST:PORT``).
+        state: the daemon domain. calls: calls in flight. streams: the stream guard.
+    """
+
+    server: grpc.Server
+    address: str
+    state: Daemon
+    calls: CallTracker
+    streams: StreamGuard
+
+    def __iter__(self):  # ``server, address = create_server(...)`` keeps working
+        return iter((self.server, self.address))
 
 
 def _prepare_unix_socket(path: Path, *, default: bool) -> None:
     if default:
-        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        os.chmod(path.parent, 0o700)
+        try:
+            prepare_private_dir(path.parent)  # ours, not a symlink, 0700; another user's directory is refused
+        except (UnsafeSocketDirError, OSError) as e:
+            raise AddressError(str(e)) from None
     elif not path.parent.is_dir():
         raise AddressError(f"directory {path.parent} of unix socket {path} does not exist")
     if path.exists() or path.is_symlink():
@@ -53,17 +94,47 @@ def _prepare_unix_socket(path: Path, *, default: bool) -> None:
             probe.close()
 
 
-def _bind(server: grpc.Server, config: DaemonConfig) -> str:
-    address = resolve_address(config.listen)
-    creds = None
-    if config.tls_cert:
-        creds = grpc.ssl_server_credentials([(Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes())])
-    if not is_loopback(address) and creds is None:
-        raise AddressError(f"refusing to listen on {address} without TLS: use a loopback host, a unix socket, "
-                           f"or set tls_cert and tls_key")
+def _credentials(config: DaemonConfig) -> grpc.ServerCredentials | None:
+    if not config.tls_cert:
+        return None
+    pair = [(Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes())]
+    if config.tls_client_ca:
+        return grpc.ssl_server_credentials(pair, root_certificates=Path(config.tls_client_ca).read_bytes(),
+                                           require_client_auth=True)
+    return grpc.ssl_server_credentials(pair)
+
+
+def check_listen_address(config: DaemonConfig) -> str:
+    """The resolved listen address, checked (loopback, or TLS and tokens; a unix socket's directory
+    private and no daemon on it) and its socket directory prepared. ``serve`` runs it before
+    allocating anything.
+
+    Raises:
+        AddressError: the address cannot be used.
+    """
+    try:
+        address = resolve_address(config.listen)
+    except ValueError as e:
+        raise AddressError(str(e)) from None
+    if not is_loopback(address):
+        if not config.tls_cert:
+            raise AddressError(f"refusing to listen on {address} without TLS: use a loopback host, a unix socket, "
+                               f"or set tls_cert and tls_key (and auth_tokens)")
+        if not config.auth_tokens:
+            raise AddressError(f"refusing to listen on {address} without --auth-tokens: with one tenant any client "
+                               f"that reaches it could use every pool; use a loopback host or a unix socket, or give "
+                               f"--auth-tokens FILE")
     if is_unix(address):
         path = Path(socket_path(address))
         _prepare_unix_socket(path, default=not config.listen or path == default_socket_path())
+    return address
+
+
+def _bind(server: grpc.Server, config: DaemonConfig) -> str:
+    address = check_listen_address(config)
+    creds = _credentials(config)
+    if is_unix(address):
+        path = Path(socket_path(address))
         old = os.umask(0o177)  # the socket is created 0600
         try:
             port = server.add_secure_port(address, creds) if creds else server.add_insecure_port(address)
@@ -83,47 +154,87 @@ def _bind(server: grpc.Server, config: DaemonConfig) -> str:
     return f"{host}:{port}"
 
 
+def _serve_tier_health(hs: health.HealthServicer, state: Daemon) -> None:
+    """One health service per tier (``kvtier.tier.host``, ``kvtier.tier.disk``, ``kvtier.tier.mooncake``), kept in step with the
+    tier's health by the tier monitor (called from its thread, no lock of the daemon held)."""
+    def status(healthy: bool) -> int:
+        return health_pb2.HealthCheckResponse.SERVING if healthy else health_pb2.HealthCheckResponse.NOT_SERVING
+
+    for t in state.tiers.stack.tiers:
+        hs.set(t.health.service_name, status(t.health.healthy))
+    state.tiers.monitor.add_listener(lambda snap: hs.set(snap.service_name, status(snap.healthy)))
+
+
 def create_server(
     config: DaemonConfig,
-    state: DaemonState | None = None,
+    state: Daemon | None = None,
     *,
     health_servicer: health.HealthServicer | None = None,
     services: list[ServiceEntry] | None = None,
-) -> tuple[grpc.Server, str]:
+) -> DaemonServer:
     """Build (not start) the daemon's server and bind its address.
 
     Args:
-        config: listen address, workers, message limits, TLS.
-        state: shared state for the servicers (default: a fresh ``DaemonState(config)``).
+        config: listen address, workers, stream limits, message limits, TLS, tokens.
+        state: the daemon domain for the servicers (default: a fresh ``Daemon(config)``).
         health_servicer: the health service to register (pass one to flip it to NOT_SERVING on shutdown).
         services: services to serve (default :data:`SERVICES`).
 
     Returns:
-        ``(server, bound_address)``: ``unix:///path`` or ``HOST:PORT`` with the real port.
+        A :class:`DaemonServer` (unpacks as ``(server, bound_address)``: ``unix:///path`` or
+        ``HOST:PORT`` with the real port).
 
     Raises:
         AddressError: the address is not usable.
     """
-    state = state if state is not None else DaemonState(config)
+    state = state if state is not None else Daemon(config)
     services = SERVICES if services is None else services
+    state.metrics = build_metrics(config, state)  # None unless metrics_port is set; served by serve()
+    calls = CallTracker()
+    streams = StreamGuard(config.stream_slots, config.stream_idle_seconds)
+    rpc_timer = state.metrics.interceptor if state.metrics else None
+    # the RPC timer sits inside auth, so it sees the authenticated caller's tenant; auth times its own
+    # refusals through it (UNAUTHENTICATED, no tenant)
+    interceptors = [calls, AuthInterceptor(state.tokens, timer=rpc_timer), *([rpc_timer] if rpc_timer else []),
+                    DomainErrorInterceptor()]
     server = grpc.server(
         ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="kvtier-rpc"),
-        interceptors=[DomainErrorInterceptor()],
+        interceptors=interceptors,
         options=config.grpc_options(),
     )
     for entry in services:
-        entry.add_to_server(entry.factory(state), server)
+        entry.add_to_server(entry.factory(state, streams), server)
     hs = health_servicer or health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)
     names = [e.name for e in services]
     hs.set("", health_pb2.HealthCheckResponse.SERVING)
     for name in names:
         hs.set(name, health_pb2.HealthCheckResponse.SERVING)
-    serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
-    state.tiers.watch_health(lambda tier_service, ok: hs.set(tier_service, serving if ok else not_serving))  # kvtier.tier.<name>
+    _serve_tier_health(hs, state)
     reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    address = _bind(server, config)
-    return server, address
+    try:
+        address = _bind(server, config)
+    except BaseException:
+        streams.close()
+        raise
+    return DaemonServer(server, address, state, calls, streams)
+
+
+def _run_bounded(fn, seconds: float) -> bool:  # type: ignore[no-untyped-def]
+    """Run ``fn`` in a daemon thread; True if it finished within ``seconds``."""
+    t = threading.Thread(target=fn, name="kvtier-close", daemon=True)
+    t.start()
+    t.join(seconds)
+    return not t.is_alive()
+
+
+def _exit_now(code: int) -> None:
+    """Leave the process at once: worker threads stuck in a call would block the interpreter's exit
+    (it joins the executor's threads) forever."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def serve(config: DaemonConfig) -> int:
@@ -131,16 +242,22 @@ def serve(config: DaemonConfig) -> int:
 
     Creates ``config.pools`` before serving, writes the bound address to ``config.ready_file``
     once serving, and on a signal: health NOT_SERVING, no new calls, in-flight calls get
-    ``grace_seconds``, shutdown hooks run, the unix socket and ready file are removed.
+    ``grace_seconds`` (then they are cancelled), the shutdown hooks get ``close_seconds``, the unix
+    socket and ready file are removed. Never waits forever: with a call still stuck in a worker
+    after all that, it logs it and exits at once (0 if the shutdown hooks finished, else 1).
     """
-    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(config.log_level, config.log_format)
+    check_listen_address(config)  # before any pool or tier is allocated: a bad address is one line
+    if config.transfer_engine == "mooncake":
+        check_engine_available()  # likewise a missing library
     import torch
 
     torch.set_num_threads(config.torch_threads)
-    state = DaemonState(config)
+    state = Daemon(config)
     state.create_configured_pools()
     hs = health.HealthServicer()
-    server, address = create_server(config, state, health_servicer=hs)
+    built = create_server(config, state, health_servicer=hs)
+    server, address = built.server, built.address
     stop = threading.Event()
 
     def on_signal(signum: int, _frame: object) -> None:
@@ -150,18 +267,44 @@ def serve(config: DaemonConfig) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     server.start()
+    state.tiers.start_monitor()
+    if state.metrics is not None:
+        try:
+            state.metrics_address = state.metrics.start()
+        except OSError as e:
+            server.stop(0)
+            built.streams.close()
+            state.close()
+            raise AddressError(f"could not serve metrics on {config.metrics_host}:{config.metrics_port}: {e}") from None
+        if not is_loopback(f"{config.metrics_host}:0"):
+            log.warning("metrics are served beyond loopback (%s): they name pools and tiers", state.metrics_address)
     if config.ready_file:
         tmp = Path(config.ready_file + ".tmp")
         tmp.write_text(address)
         tmp.replace(config.ready_file)
-    log.info("kvtier %s serving on %s (device %s, %d pools)", state.version, address, state.device, len(state.pools.list()))
+    mode = f"{len(state.tokens.tenants)} tenants" if state.tokens else "one tenant"
+    log.info("kvtier %s serving on %s (device %s, %d pools, %s)", state.version, address, state.device,
+             len(state.pools.list()), mode)
     while not stop.wait(1.0):
         pass
     hs.enter_graceful_shutdown()
-    server.stop(config.grace_seconds).wait()
-    state.close()
+    stopped = server.stop(config.grace_seconds)
+    stopped.wait(config.grace_seconds + STOP_SLACK_SECONDS)
+    built.streams.close()
+    if state.metrics is not None:
+        state.metrics.stop()
+    stuck = built.calls.in_flight
+    if stuck:
+        log.error("%d calls are still running in worker threads after the %.1f s grace period; closing without them",
+                  stuck, config.grace_seconds)
+    closed = _run_bounded(state.close, config.close_seconds)
+    if not closed:
+        log.error("the shutdown work (moving records down to disk, closing tiers) did not finish in %.0f s "
+                  "(close_seconds); exiting anyway", config.close_seconds)
     if is_unix(address):
         with contextlib.suppress(FileNotFoundError):
             Path(socket_path(address)).unlink()
     log.info("stopped")
+    if stuck or not closed:
+        _exit_now(0 if closed else 1)
     return 0

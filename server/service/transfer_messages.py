@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvtier.server.service.messages import pool_layout as pool_layout_message
-from kvtier.server.service.pools import PoolEntry
+from kvtier.server.daemon.pools import PoolEntry
 from kvtier.server.transfer import LayoutMismatchError, PoolLayout, TransferStats
 from kvtier.v1 import pool_pb2, transfer_pb2
 
@@ -15,22 +15,25 @@ TRANSPORTS = {transfer_pb2.TRANSPORT_UNSPECIFIED: "mooncake", transfer_pb2.TRANS
               transfer_pb2.TRANSPORT_GRPC: "grpc"}
 
 
-def _infos(entries: Sequence[pool_pb2.BufferInfo], what: str) -> tuple[list[int], list[int], list[int]]:
+def _infos(entries: Sequence[pool_pb2.BufferInfo], what: str, start_layer: int) -> tuple[list[int], list[int], list[int]]:
     ids = [e.layer_id for e in entries]
-    if ids != list(range(len(entries))):
-        raise LayoutMismatchError(f"peer {what} buffer infos are not one entry a layer in layer order: layer ids {ids[:12]}")
+    if ids != list(range(start_layer, start_layer + len(entries))):
+        raise LayoutMismatchError(f"peer {what} buffer infos are not one entry a layer in layer order from layer "
+                                  f"{start_layer}: layer ids {ids[:12]}")
     return [e.data_ptr for e in entries], [e.data_len for e in entries], [e.item_len for e in entries]
 
 
-def _buffer_infos(infos: tuple[Sequence[int], Sequence[int], Sequence[int]]) -> list[pool_pb2.BufferInfo]:
-    return [pool_pb2.BufferInfo(layer_id=i, data_ptr=p, data_len=n, item_len=it)
+def _buffer_infos(infos: tuple[Sequence[int], Sequence[int], Sequence[int]], start_layer: int) -> list[pool_pb2.BufferInfo]:
+    return [pool_pb2.BufferInfo(layer_id=start_layer + i, data_ptr=p, data_len=n, item_len=it)
             for i, (p, n, it) in enumerate(zip(*infos))]
 
 
 def transfer_layout(entry: PoolEntry, layout: PoolLayout) -> transfer_pb2.TransferLayout:
-    """The TransferLayout message of a daemon pool (its model layout, buffer infos, engine)."""
+    """The TransferLayout message of a daemon pool (its model layout, buffer infos with model layer ids, engine)."""
+    start = entry.model.start_layer
     return transfer_pb2.TransferLayout(
-        layout=pool_layout_message(entry.model), latent=_buffer_infos(layout.latent), index=_buffer_infos(layout.index),
+        layout=pool_layout_message(entry.model), latent=_buffer_infos(layout.latent, start),
+        index=_buffer_infos(layout.index, start),
         engine_endpoint=layout.endpoint,
         registered=[transfer_pb2.RegisteredRange(ptr=p, nbytes=n) for p, n in layout.registered],
     )
@@ -51,13 +54,13 @@ def peer_layout(msg: transfer_pb2.TransferLayout) -> PoolLayout:
             "name": lay.model_name, "num_layers": lay.num_layers, "kv_lora_rank": lay.kv_lora_rank,
             "qk_rope_head_dim": lay.qk_rope_head_dim, "index_head_dim": lay.index_head_dim,
             "kv_cache_dtype": lay.kv_cache_dtype, "page_size": lay.page_size,
-            "latent_row_bytes": lay.latent_row_bytes, "skip_mask": lay.skip_mask,
+            "latent_row_bytes": lay.latent_row_bytes, "skip_mask": lay.skip_mask, "start_layer": lay.start_layer,
         }
     try:
         return PoolLayout(
             page_size=lay.page_size, latent_row_bytes=lay.latent_row_bytes, index_page_bytes=lay.index_page_bytes,
-            skip_mask=[c == "S" for c in lay.skip_mask], latent=_infos(msg.latent, "latent"),
-            index=_infos(msg.index, "indexer"), fingerprint=fingerprint, endpoint=msg.engine_endpoint,
+            skip_mask=[c == "S" for c in lay.skip_mask], latent=_infos(msg.latent, "latent", lay.start_layer),
+            index=_infos(msg.index, "indexer", lay.start_layer), fingerprint=fingerprint, endpoint=msg.engine_endpoint,
             registered=[(r.ptr, r.nbytes) for r in msg.registered],
         )
     except ValueError as e:

@@ -1,7 +1,9 @@
-"""``kvtier.v1.TransferService``: translates messages to :class:`TransferState` calls and back.
+"""``kvtier.v1.TransferService``: translates messages to ``Daemon.transfer`` calls and back.
 
-Errors are domain exceptions mapped to status codes in one place (:mod:`kvtier.server.service.errors`):
-a layout mismatch is FAILED_PRECONDITION and is raised before any byte moves.
+Every call runs as the caller the auth interceptor resolved (a pool's layout and raw addresses go
+only to its own tenant); PullKV reaches the peer with that caller's credentials. Errors are domain
+exceptions mapped to status codes in one place (:mod:`kvtier.server.service.errors`): a layout
+mismatch is FAILED_PRECONDITION and is raised before any byte moves.
 """
 
 from __future__ import annotations
@@ -11,34 +13,38 @@ from collections.abc import Iterator
 
 import grpc
 
-from kvtier.server.service.errors import InvalidArgument
-from kvtier.server.service.state import DaemonState
+from kvtier.server.daemon.core import Daemon
+from kvtier.server.daemon.errors import InvalidArgument
+from kvtier.server.daemon.transfer import PullSpec
+from kvtier.server.service.auth import caller_of
+from kvtier.server.service.streams import StreamGuard
 from kvtier.server.service.transfer_messages import COMPONENT_FROM_PROTO, TRANSPORTS, pull_response, transfer_layout
-from kvtier.server.service.transfer_ops import PullSpec, TransferState
+from kvtier.server.service.transfer_peer import GrpcPeerConnector
 from kvtier.v1 import transfer_pb2, transfer_pb2_grpc
 
 
 class TransferServicer(transfer_pb2_grpc.TransferServiceServicer):
-    """Serves PD transfer for :class:`DaemonState`'s pools; see ``transfer.proto``."""
+    """Serves PD transfer for :class:`Daemon`'s pools; see ``transfer.proto``."""
 
-    def __init__(self, state: DaemonState) -> None:
-        self.transfer = TransferState(state)
-        state.add_shutdown_hook(self.transfer.close)
+    def __init__(self, state: Daemon, streams: StreamGuard) -> None:
+        self.transfer = state.transfer
+        self.peers = GrpcPeerConnector.for_config(state.config)
+        self.streams = streams
 
     def GetTransferLayout(self, request: transfer_pb2.TransferLayoutRequest, context: grpc.ServicerContext) -> transfer_pb2.TransferLayout:
-        entry, layout = self.transfer.transfer_layout(request.pool_id, list(request.check_pages))
+        entry, layout = self.transfer.transfer_layout(caller_of(context), request.pool_id, list(request.check_pages))
         return transfer_layout(entry, layout)
 
     def PullKV(self, request: transfer_pb2.PullKVRequest, context: grpc.ServicerContext) -> transfer_pb2.PullKVResponse:
         if request.transport not in TRANSPORTS:
             raise InvalidArgument(f"unknown transport {request.transport}")
         remaining = context.time_remaining()
-        result = self.transfer.pull(PullSpec(
+        result = self.transfer.pull(caller_of(context), PullSpec(
             pool_id=request.pool_id, peer_address=request.peer_address, peer_pool_id=request.peer_pool_id,
             src_pages=list(request.src_pages), dst_pages=list(request.dst_pages), src_slots=list(request.src_slots),
             dst_slots=list(request.dst_slots), transport=TRANSPORTS[request.transport],
             max_batch_items=request.max_batch_items,
-            deadline=None if remaining is None else time.monotonic() + remaining, is_active=context.is_active))
+            deadline=None if remaining is None else time.monotonic() + remaining, is_active=context.is_active), self.peers)
         return pull_response(result.stats, result.transport, result.seconds)
 
     def ReadPages(self, request: transfer_pb2.ReadPagesRequest, context: grpc.ServicerContext) -> Iterator[transfer_pb2.ReadPagesResponse]:
@@ -47,5 +53,7 @@ class TransferServicer(transfer_pb2_grpc.TransferServiceServicer):
             if r.component not in COMPONENT_FROM_PROTO:
                 raise InvalidArgument(f"unknown page component {r.component}")
             runs.append((r.layer_id, COMPONENT_FROM_PROTO[r.component], r.first_page, r.num_pages))
-        for run, offset, data in self.transfer.read_pages(request.pool_id, runs, request.chunk_bytes):
-            yield transfer_pb2.ReadPagesResponse(run=run, offset=offset, data=data)
+        with self.streams.stream(context, "ReadPages") as touch:
+            for run, offset, data in self.transfer.read_pages(caller_of(context), request.pool_id, runs, request.chunk_bytes):
+                touch()
+                yield transfer_pb2.ReadPagesResponse(run=run, offset=offset, data=data)

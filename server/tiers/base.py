@@ -72,6 +72,7 @@ class TierStats:
     evictions: int = 0
     bytes_evicted: int = 0
     full_errors: int = 0
+    io_errors: int = 0
     extra: dict[str, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -85,16 +86,21 @@ class Tier(ABC):
     Attributes:
         index: what the tier holds, its byte budget, LRU policy and pins.
         health: :class:`~kvtier.server.tiers.health.TierHealth`; an unhealthy tier is bypassed by the
-            stack until :meth:`probe` succeeds.
+            stack until :meth:`probe` succeeds: it answers every presence question with "absent" and
+            every read with a miss, while its index keeps what its storage holds (see
+            :meth:`held_while_unhealthy`).
+        persistent: records written here outlive the process (the disk tier): a copy the stack put
+            here is "durable" in the sense of an Offload's OK.
     """
 
     name: str = ""
+    persistent: bool = False
 
     def __init__(self, index: TierIndex) -> None:
         self.index = index
         self.health = TierHealth(self.name)
         self._stats = TierStats(self.name, capacity_bytes=index.capacity)
-        self._stats_lock = threading.Lock()
+        self._stats_lock = threading.Lock()  # leaf: taken after index.lock, never before it
 
     def probe(self) -> None:
         """Check that an unhealthy tier can serve again (e.g. a small write and delete); raise an
@@ -102,12 +108,21 @@ class Tier(ABC):
 
     # ----- presence -------------------------------------------------------------------------
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
-        """For each key, whether the tier holds its record."""
+        """For each key, whether the tier holds its record (all False while unhealthy)."""
+        if not self.health.healthy:
+            return [False] * len(keys)
         with self.index.lock:
             return [k in self.index for k in keys]
 
+    def held_while_unhealthy(self, key: bytes) -> bool:
+        """True when the tier is unhealthy and its storage holds ``key``'s record (unreachable until
+        the tier recovers): lets a caller answer "unavailable, retry" instead of "not found"."""
+        return not self.health.healthy and key in self.index
+
     def lookup(self, keys: Sequence[bytes]) -> int:
-        """Length of the longest prefix of ``keys`` whose records are all present."""
+        """Length of the longest prefix of ``keys`` whose records are all present (0 while unhealthy)."""
+        if not self.health.healthy:
+            return 0
         with self.index.lock:
             n = 0
             for k in keys:
@@ -169,16 +184,29 @@ class Tier(ABC):
         already holds a record finishes with its own reference; later reads miss."""
 
     def stats(self) -> TierStats:
-        """A snapshot of usage and counters."""
-        with self._stats_lock, self.index.lock:
+        """A snapshot of usage and counters.
+
+        Monitoring path: takes only the counter lock (a leaf) and reads the index's plain integers
+        without its lock, so it never waits for a write, read or eviction in progress (and a writer
+        holding the index lock, which counts under the counter lock, can never wait for it). Usage
+        and counters are each consistent; together they may be one operation apart.
+        """
+        with self._stats_lock:
             s = TierStats(**{**asdict(self._stats), "extra": dict(self._stats.extra)})
-            s.capacity_bytes = self.index.capacity
-            s.used_bytes = self.index.used
-            s.entries = len(self.index)
-            s.pinned = self.index.total_pins
-            return s
+        s.capacity_bytes = self.index.capacity
+        s.used_bytes = self.index.used
+        s.entries = len(self.index)
+        s.pinned = self.index.total_pins
+        return s
+
+    def counter_snapshot(self) -> TierStats:
+        """The counters only (no usage), under the counters' leaf lock alone: for metrics scrapes,
+        which must never wait for an index lock."""
+        with self._stats_lock:
+            return TierStats(**{**asdict(self._stats), "extra": dict(self._stats.extra)})
 
     def _count(self, **deltas: int) -> None:
+        """Add to counters. Leaf lock: may be called with the index lock held; calls nothing."""
         with self._stats_lock:
             for k, v in deltas.items():
                 setattr(self._stats, k, getattr(self._stats, k) + v)

@@ -18,27 +18,50 @@ The py-lmdb way (DESIGN.md, STYLE.md):
 Thread safety: writes, touches and removals are serialised by the index lock (LMDB allows one writer
 anyway); reads run in parallel read transactions and see a snapshot, so a read racing an eviction
 returns the whole record or a miss.
+
+Faults (:mod:`kvtier.server.tiers.disk_faults`). A storage failure (ENOSPC, EIO, a full reader table,
+a panicked environment) marks the tier unhealthy instead of failing the caller:
+
+* a write whose transaction fails leaves nothing of it visible (LMDB aborts the transaction); the
+  in-memory index is reloaded from what LMDB really holds (a read transaction, which works on a full
+  filesystem), so evictions that did commit before the failure are counted and the rest stay; if even
+  that read fails the index is emptied and rebuilt when the tier recovers. The write raises
+  :class:`~kvtier.server.tiers.errors.TierUnavailableError`; the stack passes the record on (for the
+  last tier: dropped and counted ``<source>->gone``);
+* while unhealthy the tier is bypassed: presence answers "absent", reads miss, writes raise
+  ``TierUnavailableError`` without touching LMDB. Records already on disk stay there, untouched and
+  unread (:meth:`~kvtier.server.tiers.base.Tier.held_while_unhealthy` still knows them); a removal
+  is remembered (a tombstone) and applied when the tier recovers, so a dropped copy never comes back;
+* :meth:`DiskTier.probe` (the daemon's monitor calls it with backoff) checks that the filesystem has
+  room for a record like the largest written so far, writes and deletes such a record in a probe
+  sub-database, applies the tombstones, and reloads the index from LMDB; then the tier serves again
+  and every record it held is back. Reads verify every record's checksum, so a record an I/O error
+  damaged is a miss (counted ``damaged``), never data.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
-import resource
 import struct
-import threading
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
-from pathlib import Path
-from typing import ClassVar
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import lmdb
 import numpy as np
 import torch
 
-from kvtier.server.tiers.base import EvictHook, RecordLike, Tier, TierConfig
-from kvtier.server.tiers.errors import EnvironmentInUseError, RecordError, TierFullError
+from kvtier.server.tiers.base import EvictHook, RecordLike, Tier
+from kvtier.server.tiers.disk_faults import (
+    check_disk_path, check_injected_fault, describe_fault, free_bytes, is_io_fault, open_failure,
+)
+from kvtier.server.tiers.disk_env import (  # noqa: F401 - DiskTierConfig, disk_charge, open_environment: re-exported
+    LMDB_PAGE_BYTES, MAX_KEY_BYTES, DiskTierConfig, close_environment, disk_charge, open_environment,
+)
+from kvtier.server.tiers.errors import EnvironmentInUseError, RecordError, TierFullError, TierUnavailableError
+from kvtier.server.tiers.health import TierHealth
 from kvtier.server.tiers.policy import TierIndex
 from kvtier.server.tiers.record import verify_record
 
@@ -48,97 +71,9 @@ MAP_FULL_RETRY_PAUSES_S: tuple[float, ...] = (0.002, 0.01, 0.03, 0.1, 0.2)
 
 log = logging.getLogger(__name__)
 
-LMDB_PAGE_BYTES = resource.getpagesize()
-_PAGE_HEADER = 16  # LMDB overflow-page header
-_INDEX_OVERHEAD = 256  # leaf nodes of the record and its seq/order entries, charged generously
-MAX_KEY_BYTES = 511
-
 _SEQ = struct.Struct(">Q")  # big-endian: the order sub-database iterates oldest first
-
-_envs: dict[str, tuple[int, lmdb.Environment]] = {}
-_envs_lock = threading.Lock()
-
-
-def open_environment(path: str | Path, **kwargs: object) -> lmdb.Environment:
-    """Open the process's only LMDB environment for ``path`` (a directory, created if missing).
-
-    Raises:
-        EnvironmentInUseError: this process already has an environment open for ``path``.
-    """
-    real = os.path.realpath(path)
-    with _envs_lock:
-        held = _envs.get(real)
-        if held is not None and held[0] == os.getpid():
-            raise EnvironmentInUseError(f"an LMDB environment for {real} is already open in this process")
-        if held is not None:
-            raise EnvironmentInUseError(f"the LMDB environment for {real} was opened by process {held[0]} before "
-                                        f"fork(); environments must not cross fork(): open tiers after forking")
-        os.makedirs(real, exist_ok=True)
-        env = lmdb.open(real, **kwargs)
-        _envs[real] = (os.getpid(), env)
-        return env
-
-
-def close_environment(path: str | Path, env: lmdb.Environment) -> None:
-    """Close ``env`` and forget it (only if this process opened it)."""
-    real = os.path.realpath(path)
-    with _envs_lock:
-        held = _envs.get(real)
-        if held is not None and held[1] is env and held[0] == os.getpid():
-            del _envs[real]
-            env.close()
-
-
-def disk_charge(record_nbytes: int) -> int:
-    """Bytes of the map a record of ``record_nbytes`` takes, as kvtier charges it: whole LMDB overflow
-    pages plus index entries (the simulator charges the same)."""
-    pages = -(-(record_nbytes + _PAGE_HEADER) // LMDB_PAGE_BYTES)
-    return pages * LMDB_PAGE_BYTES + _INDEX_OVERHEAD
-
-
-@dataclass
-class DiskTierConfig(TierConfig):
-    """Disk tier settings.
-
-    Attributes:
-        path: directory of the LMDB environment (created if missing).
-        capacity_bytes: the ``--disk-size`` budget: LMDB's ``map_size`` (default 4 GiB).
-        reserve_fraction: part of the map kept free of records for LMDB's B-tree pages, copy-on-write
-            pages and free-list slack; records may use ``capacity_bytes * (1 - reserve_fraction)``.
-            LMDB reuses pages freed by a transaction only two transactions later, so the reserve must
-            hold about two write batches (``max_txn_bytes``) on top of the B-tree.
-        max_txn_bytes: a write batch commits in transactions of at most this many record bytes.
-        max_readers: LMDB reader slots (concurrent read transactions).
-        sync: fsync on every commit (durable across power loss; slower).
-        scrub_on_open: verify every record's checksum at startup and drop damaged ones.
-        verify_reads: verify each record's checksum when it is read.
-    """
-
-    kind: ClassVar[str] = "disk"
-    path: str = ""
-    capacity_bytes: int = 4 << 30
-    reserve_fraction: float = 0.25
-    max_txn_bytes: int = 64 << 20
-    max_readers: int = 126
-    sync: bool = False
-    scrub_on_open: bool = True
-    verify_reads: bool = True
-
-    def validate(self) -> None:
-        super().validate()
-        if not self.path:
-            raise ValueError("disk tier path must be set")
-        if not 0.0 < self.reserve_fraction < 1.0:
-            raise ValueError(f"disk reserve_fraction must lie in (0, 1), got {self.reserve_fraction!r}")
-        if self.max_txn_bytes <= 0 or self.max_readers <= 0:
-            raise ValueError("disk max_txn_bytes and max_readers must be positive")
-        if self.capacity_bytes and self.capacity_bytes < 64 * LMDB_PAGE_BYTES:
-            raise ValueError(f"disk capacity_bytes must be at least {64 * LMDB_PAGE_BYTES} bytes, got {self.capacity_bytes}")
-
-    @property
-    def record_budget(self) -> int:
-        """Charged bytes records may use (see :func:`disk_charge`)."""
-        return int(self.capacity_bytes * (1.0 - self.reserve_fraction))
+_PROBE_KEY = b"probe"  # in its own sub-database, so a probe left behind is never taken for a record
+_MIN_PROBE_BYTES = 4096
 
 
 class DiskTier(Tier):
@@ -152,11 +87,16 @@ class DiskTier(Tier):
     """
 
     name = "disk"
+    persistent = True
 
     def __init__(self, config: DiskTierConfig) -> None:
         config.validate()
         super().__init__(TierIndex(config.record_budget))
+        self.health = TierHealth(self.name, backoff_initial_s=config.probe_backoff_initial_s,
+                                 backoff_max_s=config.probe_backoff_max_s)
         self.config = config
+        self._tombstones: set[bytes] = set()  # removed while unhealthy: deleted from LMDB on recovery
+        self._largest = 0  # bytes of the largest record written (the probe writes one that size)
         self._env_obj: lmdb.Environment | None = None
         self._pid = -1
         self._seq: dict[bytes, int] = {}
@@ -174,18 +114,57 @@ class DiskTier(Tier):
             if self._env_obj is None:
                 self._env_obj = open_environment(
                     self.config.path, map_size=self.config.capacity_bytes, max_readers=self.config.max_readers,
-                    max_dbs=3, subdir=True, sync=self.config.sync, metasync=self.config.sync, readahead=False,
+                    max_dbs=4, subdir=True, sync=self.config.sync, metasync=self.config.sync, readahead=False,
                     meminit=False,
                 )
                 self._pid = os.getpid()
                 env = self._env_obj
                 self._dbs = (env.open_db(b"records"), env.open_db(b"seq"), env.open_db(b"order"))
+                self._probe_db = env.open_db(b"probe")
                 self._load_index(scrub=self.config.scrub_on_open)
             return (self._env_obj, *self._dbs)
 
     def open(self) -> None:
-        """Open the environment now (and run the startup scrub); otherwise the first use opens it."""
-        self._env()
+        """Open the environment now (and run the startup scrub); otherwise the first use opens it.
+
+        Raises:
+            DiskPathError: the path cannot hold an environment (a file, ``/proc``, a read-only or
+                unwritable filesystem) or LMDB cannot open one there; the message says what to do.
+        """
+        check_disk_path(self.config.path)
+        try:
+            self._env()
+        except (lmdb.Error, OSError) as e:
+            raise open_failure(self.config.path, e) from None
+
+    @contextmanager
+    def _write_txn(self, env: lmdb.Environment) -> Iterator[lmdb.Transaction]:
+        """A write transaction (aborted on any exception), failing while an injected fault is on."""
+        with env.begin(write=True) as txn:
+            check_injected_fault(self.config.fault_file)
+            yield txn
+
+    def _fault(self, exc: BaseException, what: str) -> TierUnavailableError:
+        """Mark the tier unhealthy for a storage failure and return the error to raise."""
+        reason = f"{what}: {describe_fault(exc)}"
+        self._count(io_errors=1)
+        self.health.mark_unhealthy(reason)
+        return TierUnavailableError(self.name, reason)
+
+    def _unavailable(self) -> TierUnavailableError:
+        return TierUnavailableError(self.name, self.health.snapshot().reason)
+
+    def _reload_or_forget(self) -> bool:
+        """After a failed write: the index from what LMDB holds; if LMDB cannot even be read, an empty
+        index (rebuilt by the next successful probe). Returns True if the reload worked."""
+        try:
+            self._load_index(scrub=False)
+            return True
+        except Exception as e:  # noqa: BLE001 - the tier turns unhealthy; the probe reloads
+            log.warning("disk tier: could not reload the index from LMDB (%s); it is rebuilt on recovery", e)
+            self.index.clear()
+            self._seq, self._sizes, self._touched = {}, {}, {}
+            return False
 
     def _load_index(self, *, scrub: bool) -> None:
         """Rebuild the in-memory index (and LRU order) from what LMDB holds; drop damaged records
@@ -218,7 +197,7 @@ class DiskTier(Tier):
             self.index.commit_insert(k, disk_charge(sizes[k]))
         self._next_seq = max((s for s, _ in ordered), default=-1) + 1
         if bad or stray or unordered:
-            with env.begin(write=True) as txn:
+            with self._write_txn(env) as txn:
                 for k in bad:
                     txn.delete(k, db=records)
                     txn.delete(k, db=seqdb)
@@ -232,22 +211,34 @@ class DiskTier(Tier):
             self._count(damaged=len(bad))
 
     # ----- presence ---------------------------------------------------------------------------
+    # While unhealthy nothing below touches the environment: after a panic it is closed until a probe
+    # reopens it, and opening it again must not be tried (and fail) on the data path.
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
-        self._env()
+        if self.health.healthy:
+            self._env()
         return super().contains(keys)
 
     def lookup(self, keys: Sequence[bytes]) -> int:
-        self._env()
+        if self.health.healthy:
+            self._env()
         return super().lookup(keys)
 
     def nbytes(self, keys: Sequence[bytes]) -> list[int | None]:
+        if not self.health.healthy:
+            return [None] * len(keys)
         env, records, _, _ = self._env()
-        with env.begin(db=records, buffers=True) as txn:
-            out = []
-            for k in keys:
-                v = txn.get(k)
-                out.append(None if v is None else len(v))
-            return out
+        try:
+            with env.begin(db=records, buffers=True) as txn:
+                out = []
+                for k in keys:
+                    v = txn.get(k)
+                    out.append(None if v is None else len(v))
+                return out
+        except Exception as e:
+            if not is_io_fault(e):
+                raise
+            self._fault(e, "read")
+            return [None] * len(keys)
 
     # ----- writes -----------------------------------------------------------------------------
     def _stamp(self, txn: lmdb.Transaction, key: bytes) -> None:
@@ -283,6 +274,8 @@ class DiskTier(Tier):
                 raise ValueError(f"disk tier keys must be 1..{MAX_KEY_BYTES} bytes")
             if not isinstance(rec, torch.Tensor) or rec.dtype != torch.uint8 or rec.dim() != 1 or rec.device.type != "cpu":
                 raise ValueError("disk tier records must be 1-D uint8 host tensors")
+        if not self.health.healthy:
+            raise self._unavailable()
         env, records, _, _ = self._env()
         written: list[bytes] = []
         batches: list[list[tuple[bytes, torch.Tensor]]] = [[]]
@@ -303,7 +296,9 @@ class DiskTier(Tier):
                      on_evict: EvictHook | None, replace: bool) -> list[bytes]:
         """Plan the batch on the index, commit the evictions (their pages become reusable), then put
         the records in one transaction. On any failure the index is reloaded from LMDB, so memory
-        and disk agree and nothing of the failed records is visible."""
+        and disk agree and nothing of the failed records is visible; a storage failure also marks
+        the tier unhealthy and raises TierUnavailableError (evictions that committed before it are
+        counted and handed to ``on_evict``)."""
         victims: list[bytes] = []
         puts: list[tuple[bytes, torch.Tensor]] = []
         order: list[bytes] = []  # keys in the order memory saw them (touched or inserted)
@@ -325,13 +320,13 @@ class DiskTier(Tier):
             stored_before = {k: self._sizes[k] for k in victims if k in self._sizes}
             puts = [(k, r) for k, r in puts if k in self.index]  # not evicted again within the batch
             if victims:
-                with env.begin(write=True) as txn:
+                with self._write_txn(env) as txn:
                     for v in victims:
                         self._delete(txn, v)
             recs = dict(puts)
             for attempt, pause in enumerate(MAP_FULL_RETRY_PAUSES_S + (None,)):
                 try:
-                    with env.begin(write=True) as txn:
+                    with self._write_txn(env) as txn:
                         self._stamp_touched(txn)
                         for key in order:
                             if key not in self.index:
@@ -349,55 +344,96 @@ class DiskTier(Tier):
                     log.debug("LMDB map full while readers hold freed pages; retrying in %.3f s (attempt %d)", pause, attempt + 1)
                     time.sleep(pause)
         except BaseException as e:
-            self._load_index(scrub=False)  # the put transaction aborted: back to exactly what LMDB holds
+            if not is_io_fault(e):
+                self._load_index(scrub=False)  # the put transaction aborted: back to exactly what LMDB holds
+            elif self._reload_or_forget():
+                gone = [v for v in dict.fromkeys(victims) if v in stored_before and v not in self.index]
+                self._settle_evictions(gone, stored_before, on_evict)  # their delete committed
             if isinstance(e, (lmdb.MapFullError, TierFullError)):
                 self._count(full_errors=1)
             if isinstance(e, lmdb.MapFullError):
                 raise TierFullError(f"LMDB map full ({self.config.capacity_bytes} bytes): the write was "
                                     f"rolled back") from e
+            if is_io_fault(e):
+                raise self._fault(e, "write") from e
             raise
         put_keys = {k for k, _ in puts}
         evicted = [v for v in dict.fromkeys(victims) if v in stored_before and v not in put_keys]
-        self._count(writes=len(puts), bytes_written=sum(int(r.numel()) for _, r in puts), evictions=len(evicted))
-        for v in evicted:
-            self._sizes.pop(v, None)
+        self._count(writes=len(puts), bytes_written=sum(int(r.numel()) for _, r in puts))
         for k, r in puts:
             self._sizes[k] = int(r.numel())
-        self._count(bytes_evicted=sum(stored_before[v] for v in evicted))
+            self._largest = max(self._largest, int(r.numel()))
+        self._settle_evictions(evicted, stored_before, on_evict)
+        return [k for k, _ in puts]
+
+    def _settle_evictions(self, evicted: list[bytes], stored_before: dict[bytes, int], on_evict: EvictHook | None) -> None:
+        """Count victims whose delete committed and hand them to ``on_evict``."""
+        for v in evicted:
+            self._sizes.pop(v, None)
+        self._count(evictions=len(evicted), bytes_evicted=sum(stored_before[v] for v in evicted))
         if on_evict is not None:
             for v in evicted:
                 on_evict(v, stored_before[v])  # the last tier: its victims' sizes, not their bytes
-        return [k for k, _ in puts]
 
     def remove(self, keys: Sequence[bytes]) -> int:
-        env, _, _, _ = self._env()
-        n = 0
-        with self.index.lock, env.begin(write=True) as txn:
-            self._stamp_touched(txn)
-            for k in keys:
-                if k in self.index:
-                    self._delete(txn, k)
-                    self.index.remove(k)
-                    self._sizes.pop(k, None)
-                    n += 1
-        return n
+        """Drop records; while unhealthy (or when the delete fails on a storage fault) they leave the
+        index at once and are deleted from LMDB when the tier recovers (tombstones)."""
+        if self.health.healthy:
+            self._env()  # opened (and the index loaded) before the index is asked
+        with self.index.lock:
+            present = [k for k in dict.fromkeys(keys) if k in self.index]
+            if not present:
+                return 0
+            if self.health.healthy:
+                try:
+                    env, _, _, _ = self._env()
+                    with self._write_txn(env) as txn:
+                        self._stamp_touched(txn)
+                        for k in present:
+                            self._delete(txn, k)
+                except Exception as e:
+                    if not is_io_fault(e):
+                        raise
+                    self._reload_or_forget()  # the delete aborted: _seq as LMDB has it
+                    self._fault(e, "remove")
+                    present = [k for k in present if k in self.index]
+                else:
+                    for k in present:
+                        self.index.remove(k)
+                        self._sizes.pop(k, None)
+                    return len(present)
+            for k in present:
+                self.index.remove(k)
+                self._sizes.pop(k, None)
+                self._tombstones.add(k)
+            return len(present)
 
     # ----- reads ------------------------------------------------------------------------------
     def read_into(self, keys: Sequence[bytes], outs: Sequence[torch.Tensor]) -> list[int]:
         self._check_outs(keys, outs)
+        if not self.health.healthy:
+            self._count(misses=len(keys))
+            return [0] * len(keys)
         env, records, _, _ = self._env()
         sizes: list[int] = []
-        with env.begin(db=records, buffers=True) as txn:
-            views = [txn.get(k) for k in keys]
-            for k, v, o in zip(keys, views, outs):
-                if v is not None and len(v) > o.numel():
-                    raise ValueError(f"buffer of {o.numel()} bytes is too small for the {len(v)}-byte record of key {k.hex()}")
-            for v, o in zip(views, outs):
-                if v is None:
-                    sizes.append(0)
-                    continue
-                o[:len(v)].numpy()[:] = np.frombuffer(v, dtype=np.uint8)  # copy out inside the txn
-                sizes.append(len(v))
+        try:
+            with env.begin(db=records, buffers=True) as txn:
+                views = [txn.get(k) for k in keys]
+                for k, v, o in zip(keys, views, outs):
+                    if v is not None and len(v) > o.numel():
+                        raise ValueError(f"buffer of {o.numel()} bytes is too small for the {len(v)}-byte record of key {k.hex()}")
+                for v, o in zip(views, outs):
+                    if v is None:
+                        sizes.append(0)
+                        continue
+                    o[:len(v)].numpy()[:] = np.frombuffer(v, dtype=np.uint8)  # copy out inside the txn
+                    sizes.append(len(v))
+        except Exception as e:
+            if not is_io_fault(e):
+                raise
+            self._fault(e, "read")
+            self._count(misses=len(keys))
+            return [0] * len(keys)
         damaged: list[bytes] = []
         if self.config.verify_reads:
             for i, (k, o, n) in enumerate(zip(keys, outs, sizes)):
@@ -416,14 +452,8 @@ class DiskTier(Tier):
                     self.index.touch(k)
                     self._touched.pop(k, None)
                     self._touched[k] = None
-            if damaged:
-                with env.begin(write=True) as txn:
-                    self._stamp_touched(txn)
-                    for k in damaged:
-                        if k in self.index:
-                            self._delete(txn, k)
-                            self.index.remove(k)
-                            self._sizes.pop(k, None)
+        if damaged:
+            self.remove(damaged)
         return sizes
 
     # ----- housekeeping -------------------------------------------------------------------------
@@ -437,19 +467,75 @@ class DiskTier(Tier):
                 "entries": entries}
 
     def stats(self):  # type: ignore[override]
-        self._env()
+        if self._env_obj is None and self.health.healthy:
+            self._env()  # first use only (opens and scrubs); once open, stats take no index lock
         s = super().stats()
-        s.extra = {"scrubbed": self._scrubbed, "map_size": self.config.capacity_bytes}
+        s.extra = {"scrubbed": self._scrubbed, "map_size": self.config.capacity_bytes,
+                   "tombstones": len(self._tombstones)}
         return s
 
+    # ----- health -------------------------------------------------------------------------------
+    def probe(self) -> None:
+        """Check that the tier can serve again and bring it back in step with LMDB.
+
+        Checks that the filesystem has room for a record as large as the largest written so far
+        (at least 4 KiB), writes and deletes such a record in the ``probe`` sub-database, deletes the
+        records removed while unhealthy (tombstones) and reloads the index from LMDB (reopening an
+        environment that panicked). Holds the index lock only while it runs, never while waiting.
+
+        Raises:
+            OSError: too little free space (ENOSPC).
+            lmdb.Error: a probe transaction failed (the tier stays unhealthy).
+        """
+        need = max(self._largest, _MIN_PROBE_BYTES)
+        free = free_bytes(self.config.path)
+        if free < need:
+            raise OSError(errno.ENOSPC, f"No space left on device: {free} bytes free on the filesystem of "
+                                        f"{self.config.path}, a record needs {need}")
+        with self.index.lock:
+            try:
+                env, _, _, _ = self._env()
+                with self._write_txn(env) as txn:
+                    txn.put(_PROBE_KEY, bytes(need), db=self._probe_db)
+                with self._write_txn(env) as txn:
+                    txn.delete(_PROBE_KEY, db=self._probe_db)
+            except lmdb.PanicError:
+                self._reopen()
+                raise
+            if self._tombstones:
+                with self._write_txn(env) as txn:
+                    for k in self._tombstones:
+                        self._delete(txn, k)
+                self._tombstones.clear()
+            self._load_index(scrub=False)
+
+    def _reopen(self) -> None:
+        """Close a panicked environment; the next use opens it again (with the startup scrub)."""
+        env, self._env_obj = self._env_obj, None
+        if env is not None:
+            try:
+                close_environment(self.config.path, env)
+            except lmdb.Error:
+                log.warning("disk tier: closing the panicked LMDB environment failed", exc_info=True)
+
     def flush(self) -> None:
-        """Persist deferred LRU positions and force LMDB's buffers to disk (``env.sync(True)``)."""
+        """Persist deferred LRU positions and tombstones and force LMDB's buffers to disk
+        (``env.sync(True)``). A storage failure is logged, not raised (this runs at shutdown)."""
         with self.index.lock:
             if self._env_obj is not None and self._pid == os.getpid():
-                if self._touched:
-                    with self._env_obj.begin(write=True) as txn:
-                        self._stamp_touched(txn)
-                self._env_obj.sync(True)
+                try:
+                    if self._touched or self._tombstones:
+                        with self._write_txn(self._env_obj) as txn:
+                            for k in self._tombstones:
+                                self._delete(txn, k)
+                            self._stamp_touched(txn)
+                        self._tombstones.clear()
+                    self._env_obj.sync(True)
+                except Exception as e:
+                    if not is_io_fault(e):
+                        raise
+                    log.warning("disk tier: flush failed (%s); %d removals were not written and those records "
+                                "may be back after a restart", describe_fault(e), len(self._tombstones))
 
     def close(self) -> None:
         with self.index.lock:

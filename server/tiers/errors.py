@@ -26,3 +26,27 @@ class LeaseError(TierError, KeyError):
 
 class EnvironmentInUseError(TierError):
     """A second LMDB Environment for a file this process already has open."""
+
+
+class DiskPathError(TierError, ValueError):
+    """The disk tier's directory cannot hold an LMDB environment (a file, a pseudo or read-only
+    filesystem, not writable). Raised when the daemon starts; the message says what to do."""
+
+
+class TierUnavailableError(TierError):
+    """The tier is unhealthy (its storage failed: ENOSPC, EIO, a store whose master went away) and
+    bypassed until a probe succeeds; the tier marked itself unhealthy before raising. Nothing of the
+    failed call is visible in the tier (records of a batch stored before it stay: ``written``).
+
+    Attributes:
+        tier: the tier's name.
+        reason: why it is unhealthy.
+        written: keys of a batch write stored before the failure (they stay; e.g. the Mooncake Store
+            tier's earlier store calls of the batch); empty for a single-record write.
+    """
+
+    def __init__(self, tier: str, reason: str, *, written: tuple[bytes, ...] = ()) -> None:
+        super().__init__(f"the {tier} tier is unhealthy ({reason}); it is bypassed until a probe succeeds")
+        self.tier = tier
+        self.reason = reason
+        self.written = tuple(written)

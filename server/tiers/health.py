@@ -9,6 +9,9 @@ the first probe that succeeds makes it healthy again.
 Lock order: :class:`TierHealth` has one leaf lock. Nothing else is locked, called or logged while it
 is held, so any component may update a tier's health while holding its own locks, and monitoring
 reads (:attr:`TierHealth.healthy`, :meth:`TierHealth.snapshot`) never wait for the data path.
+Listeners (:meth:`TierHealth.add_listener`) are called after the lock is released, on the thread
+that changed the state, possibly inside the caller's data-path locks: they must only wake someone
+(e.g. set a ``threading.Event``), never block or take a lock of the daemon.
 """
 
 from __future__ import annotations
@@ -82,6 +85,15 @@ class TierHealth:
         self._since = clock()
         self._failures = 0
         self._next_probe = 0.0
+        self._listeners: list[Callable[[], None]] = []
+
+    def add_listener(self, listener: Callable[[], None]) -> None:
+        """Call ``listener()`` after every change of state (see the module docstring: it must not block)."""
+        self._listeners.append(listener)
+
+    def _notify(self) -> None:
+        for listener in list(self._listeners):
+            listener()
 
     @property
     def healthy(self) -> bool:
@@ -113,6 +125,7 @@ class TierHealth:
             self._next_probe = now + self._backoff(self._failures)
         if changed:
             log.warning("%s tier is unhealthy and bypassed: %s", self.tier, reason)
+            self._notify()
         return changed
 
     def mark_healthy(self) -> bool:
@@ -125,6 +138,7 @@ class TierHealth:
                 self._since = now
         if changed:
             log.warning("%s tier is healthy again", self.tier)
+            self._notify()
         return changed
 
     def probe_due(self) -> bool:

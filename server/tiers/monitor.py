@@ -1,89 +1,117 @@
-"""A daemon thread that probes unhealthy tiers with their backoff and reports health changes.
+"""The daemon's tier monitor: probes unhealthy tiers with backoff, on one small background thread.
 
-Every ``interval_s`` it calls :meth:`TierStack.probe_due` (an unhealthy tier whose backoff passed is
-probed; a success makes it healthy again), then hands each tier whose health differs from what it
-last reported to ``on_change(service_name, healthy)`` (e.g. the gRPC health service's ``set``), so
-a tier that failed on the data path shows up as NOT_SERVING within one interval, and comes back by
-itself once its probe succeeds.
+A tier marks itself unhealthy on the data path (e.g. the disk tier when LMDB meets ENOSPC or EIO,
+see :mod:`kvtier.server.tiers.health`); the monitor is what brings it back. Each round it
 
-Lock order: it takes no lock of its own while calling probes or ``on_change``; the probes take the
-tiers' own locks (and make store calls) like any data-path call, never a pool or cache lock.
+1. probes every tier whose backoff has passed (:meth:`TierHealth.probe_due`): ``tier.probe()``
+   succeeding makes it healthy, an exception counts as one more failure (the wait doubles);
+2. tells its listeners about every tier whose health changed since the last round (the daemon sets
+   the tier's gRPC health service, ``kvtier.tier.<name>``, SERVING or NOT_SERVING).
+
+Locks: while it waits it holds nothing (an ``Event`` wait); a probe takes only that tier's own locks
+for as long as the probe runs; listeners are called with no lock held. A change on the data path
+wakes it at once (it listens to every tier's :class:`TierHealth`), so health follows within a
+round trip of the thread, not a polling period.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
-from kvtier.server.tiers.stack import TierStack
+from kvtier.server.tiers.base import Tier
+from kvtier.server.tiers.health import HealthSnapshot
 
 log = logging.getLogger(__name__)
 
-HealthCallback = Callable[[str, bool], None]
+#: Joins the failure that made a tier unhealthy and the latest failed probe in its health reason.
+LAST_PROBE = "; last probe: "
+#: Called with a tier's new health after each change the monitor sees.
+HealthListener = Callable[[HealthSnapshot], None]
 
 
 class TierMonitor:
-    """Probes and reports the health of a stack's tiers.
+    """Probes unhealthy tiers and reports health changes.
 
     Args:
-        stack: the tiers to watch.
-        interval_s: seconds between two rounds.
+        tiers: the tiers to watch (e.g. the daemon's stack: host, disk, mooncake).
+        poll_s: the longest sleep between rounds when nothing wakes it.
+
+    Use :meth:`start`/:meth:`stop` for the background thread, or call :meth:`run_once` (tests).
     """
 
-    def __init__(self, stack: TierStack, *, interval_s: float = 0.5) -> None:
-        if interval_s <= 0:
-            raise ValueError(f"interval_s must be positive, got {interval_s!r}")
-        self.stack = stack
-        self.interval_s = interval_s
-        self._callbacks: list[HealthCallback] = []
-        self._reported: dict[str, bool] = {}
-        self._cb_lock = threading.Lock()  # leaf: guards the callbacks and what was reported
+    def __init__(self, tiers: Sequence[Tier], *, poll_s: float = 1.0) -> None:
+        if poll_s <= 0:
+            raise ValueError(f"poll_s must be > 0, got {poll_s}")
+        self.tiers = list(tiers)
+        self.poll_s = poll_s
+        self._listeners: list[HealthListener] = []
+        self._reported = {t.name: True for t in self.tiers}
+        self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.probes = 0
+        for t in self.tiers:
+            t.health.add_listener(self._wake.set)
 
-    def watch(self, on_change: HealthCallback) -> None:
-        """Call ``on_change(service_name, healthy)`` now for every tier, and on every later change."""
-        now = {t.health.service_name: t.health.healthy for t in self.stack.tiers}
-        with self._cb_lock:
-            self._callbacks.append(on_change)
-            self._reported.update(now)
-        for name, ok in now.items():
-            on_change(name, ok)
+    def add_listener(self, listener: HealthListener) -> None:
+        """Call ``listener(snapshot)`` from the monitor's thread after each health change."""
+        self._listeners.append(listener)
 
-    def run_once(self) -> dict[str, bool]:
-        """One round: probe due tiers, report changes. Returns ``{service name: healthy}`` reported."""
-        self.stack.probe_due()
-        now = {t.health.service_name: t.health.healthy for t in self.stack.tiers}
-        with self._cb_lock:
-            changed = {name: ok for name, ok in now.items() if self._reported.get(name) != ok}
-            self._reported.update(changed)
-            callbacks = list(self._callbacks)
-        if changed:
-            for name, ok in changed.items():
-                for cb in callbacks:
-                    try:
-                        cb(name, ok)
-                    except Exception:  # noqa: BLE001 - a broken observer must not stop the probes
-                        log.exception("tier health callback failed for %s", name)
+    def wake(self) -> None:
+        """Run a round now."""
+        self._wake.set()
+
+    def run_once(self) -> list[HealthSnapshot]:
+        """Probe the tiers that are due, then report changes. Returns the snapshots reported."""
+        for t in self.tiers:
+            if not t.health.probe_due():
+                continue
+            self.probes += 1
+            cause = t.health.snapshot().reason.split(LAST_PROBE)[0]
+            try:
+                t.probe()
+            except Exception as e:  # noqa: BLE001 - any failure keeps the tier unhealthy, with the reason
+                t.health.mark_unhealthy(f"{cause}{LAST_PROBE}{' '.join(str(e).split()) or type(e).__name__}")
+            else:
+                t.health.mark_healthy()
+        changed = []
+        for t in self.tiers:
+            snap = t.health.snapshot()
+            if snap.healthy != self._reported[t.name]:
+                self._reported[t.name] = snap.healthy
+                changed.append(snap)
+        for snap in changed:
+            for listener in self._listeners:
+                try:
+                    listener(snap)
+                except Exception:  # noqa: BLE001 - a listener's failure must not stop the monitor
+                    log.exception("tier health listener failed")
         return changed
 
+    def _next_wait(self) -> float:
+        waits = [t.health.snapshot().next_probe_in_s for t in self.tiers if not t.health.healthy]
+        return min([self.poll_s, *waits]) if waits else self.poll_s
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(self._next_wait())
+            self._wake.clear()
+            if self._stop.is_set():
+                return
+            self.run_once()
+
     def start(self) -> None:
-        """Start the thread (once)."""
+        """Start the background thread (once)."""
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="kvtier-tier-monitor", daemon=True)
             self._thread.start()
 
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            try:
-                self.run_once()
-            except Exception:  # noqa: BLE001 - keep watching
-                log.exception("tier monitor round failed")
-
-    def stop(self) -> None:
-        """Stop the thread and wait for its round to end."""
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the thread and wait up to ``timeout`` seconds for a probe in progress to end."""
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
-            self._thread.join()
+            self._thread.join(timeout)
             self._thread = None

@@ -5,12 +5,22 @@ makes it (header with model fingerprint and layer mask, latent rows of every lay
 of the live layers together, xxh3_64 checksum), so an object that is damaged, or not a record, or
 another model's, fails the reader's checks and is a miss (counted ``damaged``, removed), never data.
 
-Keys: the stack hands tiers opaque byte keys that already carry their namespace (``p:`` + the model
-fingerprint digest + the chained page hash; tenant and layer range are added above the tiers). A key
-maps to the store key ``key_prefix + key.hex()``, the same in every daemon, which is how daemons
-share prefixes. Only keys of the configured shared namespaces (``p:``, prefix pages) go to the store:
-offloaded copies (``o:``) are named by each daemon's clients and would collide between daemons; they
-are refused on write and miss on read without a store call.
+Keys: the stack hands tiers opaque byte keys that already carry tenant, namespace, model fingerprint
+and layer range (the daemon's are ``tenant_key(tenant, b"p:" + layout digest) + chained page hash``;
+the digest covers the layer range). A key maps to the store key ``key_prefix + key.hex()``, the same
+in every daemon, which is how daemons share prefixes: a tenant's pages are found by the same tenant
+on another daemon and by no other tenant (its keys differ). Only keys of the configured shared
+namespaces (``p:``, prefix pages, of every tenant) go to the store: offloaded copies (``o:``) are
+named by each daemon's clients and would collide between daemons; they are refused on write and miss
+on read without a store call. The namespace is matched in the key's *body*: what
+:meth:`MooncakeStoreTier.set_key_body` says lies past the part the daemon puts before it (the
+tenant); the tier itself never interprets that part.
+
+Quotas: none per tenant here. The store is shared by daemons (and by the tenants of each), its room
+is the segments its clients mount, and it evicts on its own (approximate LRU), so no daemon can
+enforce a per-tenant byte cap in it; the daemon's ``[quotas]`` cover pools and the host and disk
+tiers only. ``TierIndex`` groups still account the ledger per tenant (``tenant_used_bytes``: bytes
+of the tenant's objects this daemon put).
 
 How records get here: this tier is *shared* (``Tier.shared``). The stack does not cascade evictions
 into it; instead every page the prefix cache adopts at StorePrefix is published to it at once
@@ -25,12 +35,20 @@ daemon put (bounded by ``capacity_bytes``, oldest forgotten first, nothing remov
 ``stats()`` ``used_bytes``/``entries`` count that ledger, hits/misses/damaged/bytes count this
 daemon's reads and writes.
 
-Health: a store call that fails for reasons that are not the caller's (master unreachable -900, peer
-gone -800, client not set up) marks the tier unhealthy (health service ``kvtier.tier.mooncake``);
-while unhealthy every lookup and read is a miss and every write is dropped, without a store call.
-:meth:`MooncakeStoreTier.probe` sets the client up if it never was, then puts, reads back, checks and
-removes a probe object: it succeeds again once the master is back. Store full (-200) is not a failure
-of the store: the write raises :class:`TierFullError`. Facts about the client: ``mooncake_client``.
+Health (the same mechanism as the disk tier's, :mod:`kvtier.server.tiers.health`): a store call that
+fails for reasons that are not the caller's (master unreachable -900, peer gone -800, client not set
+up) marks the tier unhealthy (health service ``kvtier.tier.mooncake``); while unhealthy every lookup
+and read is a miss without a store call, and a write raises
+:class:`~kvtier.server.tiers.errors.TierUnavailableError` (as does the write whose store call
+failed; records of its batch put before the failure are its ``written``): the stack's publish skips
+the records and counts them ``device->mooncake(unhealthy)``. The daemon's tier monitor calls
+:meth:`MooncakeStoreTier.probe` with backoff: it sets the client up if it never was, then puts,
+reads back, checks and removes a probe object, so it succeeds again once the master is back. Store
+full (-200) is not a failure of the store: the write raises :class:`TierFullError`. Facts about the
+client: ``mooncake_client``.
+
+Monitoring: :meth:`stats` (from :class:`~kvtier.server.tiers.base.Tier`) takes only the counter lock
+and reads the ledger's plain integers, never the index lock nor the store.
 
 Bytes move through one registered staging region (:mod:`staging`, swappable source): a write copies
 records into an extent and puts them from there, unless they already lie in the region (records the
@@ -44,14 +62,14 @@ from __future__ import annotations
 import logging
 import threading
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, ClassVar
 
 import torch
 
 from kvtier.server.tiers.base import EvictHook, RecordLike, Tier
-from kvtier.server.tiers.errors import RecordError, TierFullError
+from kvtier.server.tiers.errors import RecordError, TierFullError, TierUnavailableError
 from kvtier.server.tiers.mooncake_client import (
     FULL_CODES, INVALID_PARAMS, MISS_CODES, OBJECT_ALREADY_EXISTS, OBJECT_HAS_LEASE, OBJECT_NOT_FOUND, StoreClient,
     StoreUnavailable, code_name,
@@ -86,6 +104,7 @@ class MooncakeStoreTier(Tier):
         self.staging = StagingArea(config.staging_bytes, buffer_source)
         self._replicate = self.client.replicate_config(config.replicas, config.soft_pin, config.soft_pin_ttl_ms)
         self._namespaces = tuple(n.encode() for n in config.namespaces)
+        self._key_body: Callable[[bytes], bytes] = lambda key: key
         self._read_hint = 0  # largest record seen: what a read reserves per key
         self._hint_lock = threading.Lock()
         self._probe_key = f"{config.key_prefix}probe/{uuid.uuid4().hex}"
@@ -96,9 +115,16 @@ class MooncakeStoreTier(Tier):
         """The store key of a tier key: ``key_prefix + key.hex()``."""
         return self.config.key_prefix + key.hex()
 
+    def set_key_body(self, body_of: Callable[[bytes], bytes]) -> None:
+        """Say where a key's namespace starts: ``body_of(key)`` is the key past whatever its owner
+        puts before the namespace (the daemon: the tenant, ``kvtier.server.daemon.tenants.key_body``).
+        The default is the key itself. The store key is always made of the whole key."""
+        self._key_body = body_of
+
     def is_shared_key(self, key: bytes) -> bool:
-        """Whether ``key`` belongs to a namespace this tier keeps in the store."""
-        return isinstance(key, bytes) and key.startswith(self._namespaces)
+        """Whether ``key`` belongs to a namespace this tier keeps in the store (``namespaces``,
+        matched at the start of the key's body, see :meth:`set_key_body`)."""
+        return isinstance(key, bytes) and self._key_body(key).startswith(self._namespaces)
 
     def _serving(self) -> bool:
         return self.health.healthy and self.client.is_open
@@ -307,13 +333,15 @@ class MooncakeStoreTier(Tier):
     def write(self, items: Sequence[tuple[bytes, RecordLike]], *, on_evict: EvictHook | None = None,
               replace: bool = False) -> list[bytes]:
         """Put records as objects (a key the store holds is kept: the first writer wins, unless
-        ``replace``). ``on_evict`` is never called: the store evicts on its own. While the store fails,
-        records are dropped (counted ``write_failures``), never an error.
+        ``replace``). ``on_evict`` is never called: the store evicts on its own. Records not put
+        because the store fails are counted ``write_failures``.
 
         Raises:
             ValueError: a key outside the shared namespaces, or a record that is not a 1-D uint8 host tensor.
             TierFullError: a record above ``max_object_bytes``, or the store has no room (records of
                 the batch put before it stay).
+            TierUnavailableError: the tier is unhealthy, or a store call failed (the tier is marked
+                unhealthy first); records of the batch put before the failure stay (``written``).
         """
         for key, rec in items:
             if not self.is_shared_key(key):
@@ -324,12 +352,15 @@ class MooncakeStoreTier(Tier):
                 self._count(full_errors=1)
                 raise TierFullError(f"a {rec.numel()}-byte record exceeds the mooncake tier's max_object_bytes "
                                     f"({self.config.max_object_bytes})")
-        if not items or not self._serving():
+        if not items:
+            return []
+        if not self._serving():
             with self._stats_lock:
                 self._extra["write_failures"] += len(items)
-            return []
+            raise TierUnavailableError(self.name, self.health.snapshot().reason or "the store client is not set up")
         written: list[bytes] = []
         full: str = ""
+        failed: TierUnavailableError | None = None
         try:
             start = 0
             while start < len(items):
@@ -341,12 +372,15 @@ class MooncakeStoreTier(Tier):
                 start += group
         except StoreUnavailable as e:
             self._fail("batch_put_from", e)
+            failed = TierUnavailableError(self.name, self.health.snapshot().reason, written=tuple(written))
         except StagingTimeout as e:
             log.warning("mooncake tier: %s; records dropped", e)
         dropped = len(items) - len(written)
         if dropped and not full:
             with self._stats_lock:
                 self._extra["write_failures"] += dropped
+        if failed is not None:
+            raise failed
         if full:
             self._count(full_errors=1)
             raise TierFullError(f"the mooncake store has no room: {full}")

@@ -95,6 +95,13 @@ class TierIndex:
     Pins are reference counts: a pinned key is never chosen as a victim. Take them with
     :meth:`pinned` (a context manager), so they return to zero on every path, exceptions included.
     All methods are thread-safe (one lock per index; callers may hold :attr:`lock` across calls).
+    ``used``, ``total_pins`` and ``len()`` are plain integers a monitoring reader may take without
+    the lock (they are updated under it, one operation at a time).
+
+    Groups (optional, :meth:`set_groups`): keys may belong to groups (the caller's function of the
+    key; the index never interprets keys itself) with a byte quota each. A group over its quota makes
+    room from its *own* least recently used entries first; other groups' entries are evicted only for
+    the shared budget. The daemon uses this for per-tenant tier quotas (keys carry the tenant).
     """
 
     def __init__(self, capacity: int, policy: CachePolicy | None = None) -> None:
@@ -106,6 +113,11 @@ class TierIndex:
         self._charge: dict[Key, int] = {}
         self._pins: dict[Key, int] = {}
         self.used = 0
+        self.total_pins = 0
+        self._group_of: Callable[[Key], str | None] | None = None
+        self._quota_of: Callable[[str], int | None] = lambda g: None
+        self._key_group: dict[Key, str] = {}
+        self._group_used: dict[str, int] = {}
 
     def __contains__(self, key: Key) -> bool:
         return key in self._charge
@@ -127,26 +139,79 @@ class TierIndex:
         return self._pins.get(key, 0)
 
     @property
-    def total_pins(self) -> int:
-        """Sum of all pins (0 whenever no read or load is in flight)."""
-        return sum(self._pins.values())
+    def pinned_keys(self) -> int:
+        """Keys with at least one pin (a plain read)."""
+        return len(self._pins)
 
+    # ----- groups ---------------------------------------------------------------------------------
+    def set_groups(self, group_of: Callable[[Key], str | None], quota_of: Callable[[str], int | None]) -> None:
+        """Account entries per group: ``group_of(key)`` names a key's group (None: no group) and
+        ``quota_of(group)`` its byte quota (None: none). Entries already held are counted now."""
+        with self.lock:
+            self._group_of, self._quota_of = group_of, quota_of
+            self._key_group, self._group_used = {}, {}
+            for key, charge in self._charge.items():
+                self._add_to_group(key, charge)
+
+    def group_used(self, group: str) -> int:
+        """Charged bytes of ``group``'s entries (a plain read; monitoring may call it without the lock)."""
+        return self._group_used.get(group, 0)
+
+    def group_of(self, key: Key) -> str | None:
+        """The group of ``key`` (None without groups or for a key of no group)."""
+        return self._group_of(key) if self._group_of is not None else None
+
+    def _add_to_group(self, key: Key, charge: int) -> None:
+        g = self.group_of(key)
+        if g is not None:
+            self._key_group[key] = g
+            self._group_used[g] = self._group_used.get(g, 0) + charge
+
+    def _drop_from_group(self, key: Key, charge: int) -> None:
+        g = self._key_group.pop(key, None)
+        if g is not None:
+            left = self._group_used[g] - charge
+            if left:
+                self._group_used[g] = left
+            else:
+                del self._group_used[g]
+
+    # ----- inserting ---------------------------------------------------------------------------------
     def plan_insert(self, key: Key, charge: int, exclude: Iterable[Key] = ()) -> list[Key]:
-        """Victims to evict so ``key`` (absent) charged ``charge`` fits; changes nothing.
+        """Victims to evict so ``key`` (absent) charged ``charge`` fits; changes nothing. With groups,
+        a group over its quota gives up its own least recently used entries first.
 
         Raises:
-            TierFullError: larger than the whole budget, or too much of the tier is pinned.
+            TierFullError: larger than the whole budget or the key's group quota, or too much of the
+                tier (or of the group's share) is pinned.
         """
         with self.lock:
             if charge > self.capacity:
                 raise TierFullError(f"a record of {charge} bytes exceeds the tier's budget of {self.capacity} bytes")
             held = set(exclude)
-            need = self.used + charge - self.capacity
-            chosen = self.policy.victims(need, lambda k: self._pins.get(k, 0) == 0 and k not in held)
-            if chosen is None:
+
+            def free(k: Key) -> bool:
+                return self._pins.get(k, 0) == 0 and k not in held
+
+            chosen: list[Key] = []
+            group = self.group_of(key)
+            quota = self._quota_of(group) if group is not None else None
+            if quota is not None:
+                if charge > quota:
+                    raise TierFullError(f"a record of {charge} bytes exceeds its group's quota of {quota} bytes")
+                own_need = self.group_used(group) + charge - quota  # type: ignore[arg-type]
+                own = self.policy.victims(own_need, lambda k: free(k) and self._key_group.get(k) == group)
+                if own is None:
+                    raise TierFullError(f"no room for {charge} bytes within its group's quota of {quota} bytes: "
+                                        f"{self.group_used(group)} used (of which the rest is pinned)")  # type: ignore[arg-type]
+                chosen = own
+            picked = set(chosen)
+            need = self.used + charge - self.capacity - sum(self._charge[k] for k in chosen)
+            more = self.policy.victims(need, lambda k: free(k) and k not in picked)
+            if more is None:
                 raise TierFullError(f"no room for {charge} bytes: {self.used} of {self.capacity} bytes used "
                                     f"and the rest is pinned")
-            return chosen
+            return chosen + more
 
     def commit_insert(self, key: Key, charge: int, victims: Iterable[Key] = ()) -> None:
         """Remove ``victims`` and add ``key`` (after the storage write succeeded)."""
@@ -156,6 +221,7 @@ class TierIndex:
             self.policy.insert(key, charge)
             self._charge[key] = charge
             self.used += charge
+            self._add_to_group(key, charge)
 
     def clear(self) -> None:
         """Forget every entry (pins stay with their holders and are dropped by them)."""
@@ -164,6 +230,8 @@ class TierIndex:
                 self.policy.remove(key)
             self._charge.clear()
             self.used = 0
+            self._key_group.clear()
+            self._group_used.clear()
 
     def touch(self, key: Key) -> None:
         """Record a use of ``key`` if present."""
@@ -179,6 +247,7 @@ class TierIndex:
                 return False
             self.policy.remove(key)
             self.used -= charge
+            self._drop_from_group(key, charge)
             return True
 
     def pin(self, keys: Iterable[Key]) -> list[Key]:
@@ -187,6 +256,7 @@ class TierIndex:
             got = [k for k in keys if k in self._charge]
             for k in got:
                 self._pins[k] = self._pins.get(k, 0) + 1
+            self.total_pins += len(got)  # sum of all pins: 0 whenever no read or load is in flight
             return got
 
     def unpin(self, keys: Iterable[Key]) -> None:
@@ -198,6 +268,7 @@ class TierIndex:
                     self._pins[k] = left
                 else:
                     del self._pins[k]
+                self.total_pins -= 1
 
     @contextmanager
     def pinned(self, keys: Iterable[Key]) -> Iterator[list[Key]]:

@@ -19,13 +19,17 @@ code runs as a size-only simulation (records are sizes), which is how ``--simula
 hit counts of a real run.
 
 Thread safety: every public method takes the cache's lock (calls on one cache are serialised); the
-tiers below have their own locks.
+tiers below have their own locks, taken after it (top tier first). :meth:`snapshot` is the monitoring
+read: it takes no lock at all (plain integers and a dict copy).
+
+Leases are named by 128-bit random ids (32 hex characters), never sequential, so a lease cannot be
+guessed; they belong to the cache's pool.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Sequence
@@ -65,13 +69,13 @@ class PrefixLoad:
     """Answer of :meth:`PrefixCache.load`.
 
     Attributes:
-        lease: the lease to :meth:`store` under and :meth:`release`.
+        lease: the lease id (32 hex characters, 128 random bits) to :meth:`store` under and :meth:`release`.
         slots: ``(total_tokens,)`` int64 slots: the first ``loaded_pages * page_size`` hold the
             loaded prefix, the rest are fresh pages for the caller to fill.
         tiers: tier each loaded page came from (``device``, ``host``, ``disk``, ``mooncake``).
     """
 
-    lease: int
+    lease: str
     slots: torch.Tensor
     tiers: list[str]
 
@@ -86,6 +90,10 @@ class _Lease:
     pinned: list[bytes] = field(default_factory=list)
     fresh: list[int] = field(default_factory=list)
     started: float = field(default_factory=time.monotonic)
+
+
+def _unknown_lease(lease_id: object) -> str:
+    return "the lease is unknown or released"  # its id is not echoed: messages are logged, ids are secrets
 
 
 class PrefixCache:
@@ -119,22 +127,31 @@ class PrefixCache:
         self._lock = threading.RLock()
         self._device = TierIndex(capacity=1 << 62)
         self._pages: dict[bytes, int] = {}
-        self._leases: dict[int, _Lease] = {}
+        self._leases: dict[str, _Lease] = {}
         self.lease_ttl_seconds = lease_ttl_seconds
-        self._ids = itertools.count(1)
         self.counters: dict[str, int] = {"lookups": 0, "loads": 0, "stores": 0, "releases": 0,
                                          "hit_pages_device": 0, "hit_pages_host": 0, "hit_pages_disk": 0,
-                                         "fresh_pages": 0, "failed_loads": 0, "expired_leases": 0}
+                                         "miss_pages": 0, "fresh_pages": 0, "failed_loads": 0, "expired_leases": 0,
+                                         "evicted_pages": 0}
+        for name in stack.names:  # every key exists from the start: snapshot() copies a dict of fixed size
+            self.counters.setdefault(f"hit_pages_{name}", 0)
 
     # ----- keys ---------------------------------------------------------------------------------
     def _tier_key(self, key: bytes) -> bytes:
         return self.namespace + key
 
     @staticmethod
-    def _check_keys(keys: Sequence[bytes]) -> list[bytes]:
+    def _check_keys(keys: Sequence[bytes], *, unique: bool = False) -> list[bytes]:
         keys = list(keys)
         if any(not isinstance(k, bytes) or not 1 <= len(k) <= 64 for k in keys):
             raise ValueError("page keys must be byte strings of 1..64 bytes")
+        if unique and len(set(keys)) != len(keys):
+            seen: dict[bytes, int] = {}
+            for i, k in enumerate(keys):
+                if k in seen:
+                    raise ValueError(f"page key {k.hex()} repeats (positions {seen[k]} and {i}); chained page keys "
+                                     f"of one request never repeat")
+                seen[k] = i
         return keys
 
     # ----- presence -----------------------------------------------------------------------------
@@ -161,8 +178,7 @@ class PrefixCache:
             now = time.monotonic()
             old = [i for i, lease in self._leases.items() if now - lease.started >= self.lease_ttl_seconds]
             for i in old:
-                log.warning("prefix cache: lease %d was not released within %.0f s; releasing it", i,
-                            self.lease_ttl_seconds)
+                log.warning("prefix cache: a lease was not released within %.0f s; releasing it", self.lease_ttl_seconds)
                 self.release(i)
             self.counters["expired_leases"] += len(old)
             return len(old)
@@ -217,6 +233,7 @@ class PrefixCache:
         del self._pages[key]
         self._device.remove(key)
         self.allocator.free_pages_by_id([page])
+        self.counters["evicted_pages"] += 1
 
     def _page_record(self, page: int, out: torch.Tensor | None = None) -> RecordLike:
         if self.pool is None:
@@ -237,10 +254,10 @@ class PrefixCache:
             :class:`PrefixLoad`; the device pages of the loaded prefix are pinned under its lease.
 
         Raises:
-            ValueError: bad keys or ``total_tokens``.
+            ValueError: bad or repeated keys, or a bad ``total_tokens``.
             TierFullError: the pool cannot make room (too much is pinned); nothing changed.
         """
-        keys = self._check_keys(keys)
+        keys = self._check_keys(keys, unique=True)
         total = len(keys) * self.page_size if total_tokens is None else total_tokens
         if isinstance(total, bool) or not isinstance(total, int) or total < 0:
             raise ValueError(f"total_tokens must be a non-negative integer, got {total_tokens!r}")
@@ -250,10 +267,11 @@ class PrefixCache:
             found = found[: total // self.page_size]
             lower = [(i, key) for i, (key, t) in enumerate(zip(keys, found)) if t != DEVICE]
             device_hits = [k for k, t in zip(keys, found) if t == DEVICE]
-            lease_id = next(self._ids)
+            lease_id = self._new_lease_id()
             lease = _Lease()
             lease.pinned = self._device.pin(device_hits)
             held = {t.name: t.index.pin([self._tier_key(k) for _, k in lower]) for t in self.stack.tiers}
+            unplaced: list[int] = []
             try:
                 for k in lease.pinned:
                     self._device.touch(k)
@@ -268,25 +286,33 @@ class PrefixCache:
                 new_pages = new_pages.tolist()
                 self._leases[lease_id] = lease
                 lease.fresh.extend(new_pages[len(lower):])
+                unplaced = list(new_pages[:len(lower)])  # neither a cached page nor a fresh one yet
                 page_of = {i: self._pages[k] for i, (k, t) in enumerate(zip(keys, found)) if t == DEVICE}
                 loaded = len(found)
                 pairs = list(zip(lower, new_pages))
                 for run in self._tier_runs(pairs, found):
-                    got = self._load_pages(found[run[0][0][0]], [(key, page) for (_, key), page in run])
+                    if run[0][0][0] < loaded:
+                        got = self._load_pages(found[run[0][0][0]], [(key, page) for (_, key), page in run])
+                    else:  # past a failed load: the prefix ended there, nothing more is read
+                        got = [0] * len(run)
                     for ((i, key), page), nbytes in zip(run, got):
                         if i < loaded and nbytes:
                             self.stack.count_move(found[i], DEVICE, nbytes)
-                            page_of[i] = page
                             self._pages[key] = page
                             self._device.commit_insert(key, 1)
+                            unplaced.remove(page)
+                            page_of[i] = page
                             lease.pinned.extend(self._device.pin([key]))
                             continue
                         if i < loaded:  # a damaged or vanished record: the prefix ends here
                             self.counters["failed_loads"] += 1
                             loaded = i
+                        unplaced.remove(page)
                         lease.fresh.insert(0, page)
             except BaseException:
                 if lease_id in self._leases:
+                    if unplaced:  # a page being loaded when the error came: free it with the lease
+                        lease.fresh.extend(unplaced)
                     self.release(lease_id)
                 raise
             finally:
@@ -307,7 +333,8 @@ class PrefixCache:
             slots = slots_of_pages(torch.tensor(prefix_pages + fresh_pages, dtype=torch.int64), self.page_size)[:total]
             self.counters["loads"] += 1
             for t in tiers:
-                self.counters[f"hit_pages_{t}"] = self.counters.get(f"hit_pages_{t}", 0) + 1
+                self.counters[f"hit_pages_{t}"] += 1
+            self.counters["miss_pages"] += min(len(keys), total // self.page_size) - loaded
             self.counters["fresh_pages"] += len(fresh_pages)
             return PrefixLoad(lease_id, slots, tiers)
 
@@ -348,7 +375,13 @@ class PrefixCache:
                 out.append(rec if isinstance(rec, int) else int(rec.numel()))
         return out
 
-    def store(self, lease_id: int, keys: Sequence[bytes], slots: Any) -> int:
+    def _new_lease_id(self) -> str:
+        while True:
+            lease_id = secrets.token_hex(16)  # 128 random bits
+            if lease_id not in self._leases:
+                return lease_id
+
+    def store(self, lease_id: str, keys: Sequence[bytes], slots: Any) -> int:
         """Hand the lease's fresh pages holding ``keys`` to the cache (no copy; they become device-tier
         pages, pinned until :meth:`release`).
 
@@ -362,13 +395,14 @@ class PrefixCache:
 
         Raises:
             LeaseError: unknown lease.
-            ValueError: wrong slot count, pages not whole or not this lease's fresh pages; nothing stored.
+            ValueError: repeated keys, wrong slot count, pages not whole or not this lease's fresh pages;
+                nothing stored.
         """
-        keys = self._check_keys(keys)
+        keys = self._check_keys(keys, unique=True)
         with self._lock:
             lease = self._leases.get(lease_id)
             if lease is None:
-                raise LeaseError(f"lease {lease_id} is unknown or released")
+                raise LeaseError(_unknown_lease(lease_id))
             s = torch.as_tensor(slots, dtype=torch.int64).reshape(-1).cpu()
             if s.numel() != len(keys) * self.page_size:
                 raise ValueError(f"{len(keys)} keys need {len(keys) * self.page_size} slots, got {s.numel()}")
@@ -397,7 +431,7 @@ class PrefixCache:
                                    record_size=self.page_record_bytes)
             return len(adopted)
 
-    def release(self, lease_id: int) -> None:
+    def release(self, lease_id: str) -> None:
         """Unpin the lease's pages and free its fresh pages.
 
         Raises:
@@ -406,7 +440,7 @@ class PrefixCache:
         with self._lock:
             lease = self._leases.pop(lease_id, None)
             if lease is None:
-                raise LeaseError(f"lease {lease_id} is unknown or released")
+                raise LeaseError(_unknown_lease(lease_id))
             self._device.unpin(lease.pinned)
             if lease.fresh:
                 self.allocator.free_pages_by_id(lease.fresh)
@@ -440,10 +474,15 @@ class PrefixCache:
         return self._device.keys()
 
     def stats(self) -> dict[str, Any]:
-        """Counters, device usage and the stack's stats and moves."""
-        with self._lock:
-            out = self.stack.stats()
-            out["device"] = {"pages": len(self._pages), "pinned_pages": self._pinned_pages(),
-                             "free_pages": self.allocator.free_pages, "open_leases": len(self._leases)}
-            out["counters"] = dict(self.counters)
-            return out
+        """Counters, device usage and the stack's stats and moves (the same as :meth:`snapshot`)."""
+        return self.snapshot()
+
+    def snapshot(self) -> dict[str, Any]:
+        """Counters, device usage and the stack's stats and moves, for monitoring: takes no lock of
+        the cache, the pool or a tier index (plain integers, dict lengths and a copy of a dict whose
+        keys never change), so it never waits for a load, store or eviction in progress."""
+        out = self.stack.stats()
+        out["device"] = {"pages": len(self._pages), "pinned_pages": self._device.pinned_keys,
+                         "free_pages": self.allocator.free_pages, "open_leases": len(self._leases)}
+        out["counters"] = dict(self.counters)
+        return out

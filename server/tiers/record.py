@@ -124,7 +124,7 @@ def model_from_fingerprint(fp: dict[str, Any]) -> DSAModelConfig:
         name=str(fp["name"]), num_layers=int(fp["num_layers"]), kv_lora_rank=int(fp["kv_lora_rank"]),
         qk_rope_head_dim=int(fp["qk_rope_head_dim"]), index_head_dim=int(fp["index_head_dim"]),
         kv_cache_dtype=str(fp["kv_cache_dtype"]), page_size=int(fp["page_size"]),
-        skip_topk_layers=tuple(c == "S" for c in str(fp["skip_mask"])),
+        skip_topk_layers=tuple(c == "S" for c in str(fp["skip_mask"])), start_layer=int(fp["start_layer"]),
     )
 
 

@@ -2,7 +2,8 @@
 
 Built from a list of typed configs by a loop (:func:`build_tier` looks the class up by config type).
 An eviction from tier ``i`` writes the record to tier ``i + 1`` when tier ``i`` is write-back; when it
-is write-through the record went down when it entered, and eviction just drops it. The last tier's
+is write-through the record went down when it entered, and eviction just drops it (unless the tier
+below does not hold it: a copy skipped while that tier was unhealthy goes down now). The last tier's
 victims are gone.
 
 Shared tiers (``tier.shared``, e.g. the Mooncake Store tier, which many daemons read) are not part of
@@ -11,10 +12,14 @@ counted ``device->mooncake``), so other daemons see a prefix at once; victims of
 dropped there as before (the shared tier keeps its own copy until its own eviction). Lookups and loads
 ask every tier, shared ones included, fastest first.
 
-Unhealthy tiers (``tier.health.healthy`` False) are bypassed: they answer no lookup (misses), a record
-the cascade would write into one goes to the tier after it (past the last: ``<source>->gone``), a
-publish to one is dropped (``device-><tier>(unhealthy)``). :meth:`TierStack.probe_due` probes them
-with their backoff (a daemon thread calls it, see :mod:`kvtier.server.tiers.monitor`).
+Unhealthy tiers (:mod:`kvtier.server.tiers.health`) are bypassed: they answer no lookup (misses); a
+record the cascade would write into one is passed on to the next tier, and past the last one it is
+dropped and counted (``host->gone``); a tier whose storage fails during a write
+(``TierUnavailableError``) is bypassed the same way. A publish to an unhealthy shared tier (or one
+that fails during the publish) is skipped and counted ``device-><tier>(unhealthy)`` (0 bytes: nothing
+moved), not ``->gone``: the page stays on the device and in the cascade, only the shared copy is not
+made. The daemon's monitor thread (:mod:`kvtier.server.tiers.monitor`) probes unhealthy tiers with
+backoff.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from typing import Any
 
 from kvtier.server.tiers.base import RecordLike, Tier, TierConfig, record_nbytes
 from kvtier.server.tiers.disk import DiskTier, DiskTierConfig
-from kvtier.server.tiers.errors import TierFullError
+from kvtier.server.tiers.errors import TierFullError, TierUnavailableError
 from kvtier.server.tiers.host import HostTier, HostTierConfig
 from kvtier.server.tiers.mooncake_config import MooncakeStoreTierConfig
 from kvtier.server.tiers.mooncake_store import MooncakeStoreTier
@@ -102,29 +107,38 @@ class TierStack:
         """The tier called ``name``, or None."""
         return next((t for t in self.tiers if t.name == name), None)
 
-    def count_move(self, src: str, dst: str, nbytes: int) -> None:
-        """Add one move of ``nbytes`` from ``src`` to ``dst``."""
+    def count_move(self, src: str, dst: str, nbytes: int, *, records: int = 1) -> None:
+        """Add ``records`` moves (one by default) of ``nbytes`` in all from ``src`` to ``dst``."""
         with self._moves_lock:
             m = self.moves.setdefault(f"{src}->{dst}", {"count": 0, "bytes": 0})
-            m["count"] += 1
+            m["count"] += records
             m["bytes"] += nbytes
 
+    def _held_below(self, key: bytes, level: int) -> bool:
+        return any(t.contains([key])[0] for t in self.cascade[level + 1:])
+
     # ----- writes and the cascade ---------------------------------------------------------------
-    def put(self, key: bytes, rec: RecordLike, *, source: str, level: int = 0) -> bool:
+    def put(self, key: bytes, rec: RecordLike, *, source: str, level: int = 0, count_gone: bool = True) -> list[str]:
         """Store ``rec`` under ``key`` in tier ``level`` (and below it when that tier is
-        write-through), cascading evictions down (``level`` indexes :attr:`cascade`). Returns False if
-        it fit nowhere (counted as ``source->gone``)."""
+        write-through), cascading evictions down (``level`` indexes :attr:`cascade`: shared tiers are
+        published to, never put into); unhealthy tiers are passed over.
+
+        Returns:
+            Names of the tiers that now hold the record (empty: it fit nowhere and was counted
+            ``source->gone``, unless ``count_gone`` is False).
+        """
         if level >= len(self.cascade):
-            self.count_move(source, "gone", record_nbytes(rec))
-            return False
+            if count_gone:
+                self.count_move(source, "gone", record_nbytes(rec))
+            return []
         tier = self.cascade[level]
         if not tier.health.healthy:
-            return self.put(key, rec, source=source, level=level + 1)
+            return self.put(key, rec, source=source, level=level + 1, count_gone=count_gone)
         below = level + 1 < len(self.cascade)
 
         def on_evict(victim: bytes, vrec: RecordLike | None) -> None:
             n = record_nbytes(vrec) if vrec is not None else 0
-            if _write_back(tier) and below and vrec is not None:
+            if below and vrec is not None and (_write_back(tier) or not self._held_below(victim, level)):
                 self.put(victim, vrec, source=tier.name, level=level + 1)
             else:
                 self.count_move(tier.name, "gone", n)
@@ -133,12 +147,18 @@ class TierStack:
             written = tier.write([(key, rec)], on_evict=on_evict)
         except TierFullError as e:
             log.info("%s tier: no room for %s (%s); passing it down", tier.name, key.hex(), e)
-            return self.put(key, rec, source=source, level=level + 1)
+            return self.put(key, rec, source=source, level=level + 1, count_gone=count_gone)
+        except TierUnavailableError as e:
+            log.debug("%s", e)
+            return self.put(key, rec, source=source, level=level + 1, count_gone=count_gone)
         if written:
             self.count_move(source, tier.name, record_nbytes(rec))
+        placed = [tier.name]
         if not _write_back(tier) and below:
-            self.put(key, rec, source=tier.name, level=level + 1)
-        return True
+            # write-through: a copy below that cannot be made now (tier full or unhealthy) is not
+            # "gone" (the record is here); eviction writes it down later if the tier below lacks it
+            placed += self.put(key, rec, source=tier.name, level=level + 1, count_gone=False)
+        return placed
 
     def publish(self, keys: Sequence[bytes], make_record: Callable[[int, Any], RecordLike], *, source: str,
                 record_size: int | None = None) -> int:
@@ -146,20 +166,26 @@ class TierStack:
         batch writes). ``make_record(i, out)`` builds the record of ``keys[i]`` (only for absent ones),
         in ``out`` when it is a tensor: with ``record_size`` (bytes of each record) given, a tier that
         stages its transfers (``tier.staged``) lends its registered memory, so the record is built
-        where the store reads it (no staging copy). Never raises for a full or failing tier (counted
-        by the tier). Returns records written."""
+        where the store reads it (no staging copy).
+
+        Never raises for a full or failing tier: a full one keeps what fit (the tier counts
+        ``full_errors``); records not written because the tier is (or turned) unhealthy are counted
+        ``source-><tier>(unhealthy)``, one per record, 0 bytes. Returns records written."""
         written = 0
         for tier in self.shared:
             if not keys:
                 break
             if not tier.health.healthy:
-                for _ in keys:
-                    self.count_move(source, f"{tier.name}(unhealthy)", 0)
+                self.count_move(source, f"{tier.name}(unhealthy)", 0, records=len(keys))
                 continue
             held = tier.contains(keys)
             missing = [i for i, h in enumerate(held) if not h]
             staged = getattr(tier, "staged", None) if record_size else None
-            while missing and tier.health.healthy:
+            while missing:
+                if not tier.health.healthy:  # failed during this publish (a presence check or a write)
+                    self.count_move(source, f"{tier.name}(unhealthy)", 0, records=len(missing))
+                    break
+                items: list[tuple[bytes, RecordLike]] = []
                 try:
                     if staged is not None:
                         with staged([record_size] * len(missing)) as bufs:
@@ -176,6 +202,10 @@ class TierStack:
                 except TierFullError as e:
                     log.info("%s tier: no room to publish records (%s)", tier.name, e)
                     break
+                except TierUnavailableError as e:
+                    log.debug("%s", e)
+                    done = list(e.written)
+                    self.count_move(source, f"{tier.name}(unhealthy)", 0, records=len(items) - len(done))
                 sizes = {k: record_nbytes(r) for k, r in items}
                 for k in done:
                     self.count_move(source, tier.name, sizes[k])
@@ -199,22 +229,10 @@ class TierStack:
                 return i
         return None
 
-    def probe_due(self) -> list[tuple[Tier, bool]]:
-        """Probe every unhealthy tier whose backoff has passed: healthy again if :meth:`Tier.probe`
-        succeeds, else the next probe waits longer. Returns ``(tier, healthy)`` for each tier probed."""
-        probed = []
-        for t in self.tiers:
-            if not t.health.probe_due():
-                continue
-            try:
-                t.probe()
-            except Exception as e:  # noqa: BLE001 - any failure keeps it unhealthy; the reason is kept
-                t.health.mark_unhealthy(f"probe failed: {e}")
-                probed.append((t, False))
-            else:
-                t.health.mark_healthy()
-                probed.append((t, True))
-        return probed
+    def moves_snapshot(self) -> dict[str, dict[str, int]]:
+        """A copy of :attr:`moves`, under the move counters' leaf lock only (for metrics)."""
+        with self._moves_lock:
+            return {k: dict(v) for k, v in self.moves.items()}
 
     def stats(self) -> dict[str, Any]:
         """``{"tiers": {name: TierStats dict}, "moves": {...}}``."""
@@ -223,13 +241,17 @@ class TierStack:
         return {"tiers": {t.name: t.stats().to_dict() for t in self.tiers}, "moves": moves}
 
     def spill_down(self) -> int:
-        """Write every record of each write-back tier to the tier below it (oldest first), e.g. before
-        shutdown, so a restart finds in the last tier what the faster tiers held. Returns records moved."""
+        """Write every record of each tier that the tier below lacks to it (oldest first), e.g. before
+        shutdown, so a restart finds in the last tier what the faster tiers held; an unhealthy tier
+        below is skipped. Returns records moved."""
         moved = 0
         for level, tier in enumerate(self.cascade[:-1]):
-            if not _write_back(tier):
-                continue  # write-through: everything is below already
             below = self.cascade[level + 1]
+            if not below.health.healthy:
+                log.warning("%s tier is unhealthy: %d records of the %s tier are not moved down",
+                            below.name, len(tier.index), tier.name)
+                continue
+            # write-through tiers too: a copy skipped while the tier below was unhealthy goes down now
             for key in tier.index.keys():
                 if below.contains([key])[0]:
                     continue

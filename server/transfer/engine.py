@@ -89,9 +89,20 @@ class TransferEngineConfig:
 def _load_engine_class() -> Any:
     try:
         from mooncake.engine import TransferEngine
-    except ImportError as e:
-        raise TransferEngineUnavailable(f"the Mooncake Transfer Engine is not available ({e}); {INSTALL_HINT}") from e
+    except ImportError as e:  # no wheel, or its shared libraries (libibverbs.so.1, ...) are missing
+        reason = " ".join(str(e).split())
+        raise TransferEngineUnavailable(f"the Mooncake Transfer Engine is not available ({reason}); {INSTALL_HINT}") from None
     return TransferEngine
+
+
+def check_engine_available() -> None:
+    """Import the Mooncake Transfer Engine now (the daemon does, before it allocates any pool).
+
+    Raises:
+        TransferEngineUnavailable: the wheel or one of its Debian libraries is missing (one line that
+            names what is missing and how to install it).
+    """
+    _load_engine_class()
 
 
 class MooncakeTransferEngine:

@@ -89,8 +89,13 @@ class PoolLayout:
 
     @property
     def live_layers(self) -> tuple[int, ...]:
-        """Layers that own an indexer buffer."""
+        """Positions (in buffer-info order) of the layers that own an indexer buffer."""
         return tuple(i for i, s in enumerate(self.skip_mask) if not s)
+
+    @property
+    def start_layer(self) -> int:
+        """Model layer id of entry 0 (a pipeline stage's first layer; 0 when the fingerprint says none)."""
+        return int(self.fingerprint.get("start_layer", 0))
 
     def infos(self, component: str) -> BufInfos:
         """Buffer infos of ``"latent"`` or ``"index_k"``."""
@@ -153,12 +158,13 @@ def _self_check(layout: PoolLayout, side: str) -> str | None:
 def layout_mismatch(local: PoolLayout, remote: PoolLayout) -> str | None:
     """Why ``remote``'s pages cannot be copied onto ``local``'s by page id; None when they can.
 
-    Compared in this order (the first difference is reported): layer count, page size, latent row
-    bytes, indexer page bytes, skip mask, model fingerprint (when both have one), then each side's
-    item lengths against its own geometry (zero exactly on skip layers).
+    Compared in this order (the first difference is reported): layer range (count and first model
+    layer), page size, latent row bytes, indexer page bytes, skip mask, model fingerprint (when both
+    have one), then each side's item lengths against its own geometry (zero exactly on skip layers).
     """
-    if local.num_layers != remote.num_layers:
-        return f"layer counts differ: {local.num_layers} here, {remote.num_layers} on the peer"
+    if local.num_layers != remote.num_layers or local.start_layer != remote.start_layer:
+        return (f"layer ranges differ: model layers {local.start_layer}-{local.start_layer + local.num_layers - 1} here, "
+                f"{remote.start_layer}-{remote.start_layer + remote.num_layers - 1} on the peer")
     if local.page_size != remote.page_size:
         return f"page sizes differ: {local.page_size} tokens here, {remote.page_size} on the peer"
     if local.latent_row_bytes != remote.latent_row_bytes:
@@ -166,8 +172,9 @@ def layout_mismatch(local: PoolLayout, remote: PoolLayout) -> str | None:
     if local.index_page_bytes != remote.index_page_bytes:
         return f"indexer page bytes differ: {local.index_page_bytes} here, {remote.index_page_bytes} on the peer"
     if local.skip_mask != remote.skip_mask:
-        only_remote = [i for i, (a, b) in enumerate(zip(local.skip_mask, remote.skip_mask)) if a and not b]
-        only_local = [i for i, (a, b) in enumerate(zip(local.skip_mask, remote.skip_mask)) if b and not a]
+        first = local.start_layer
+        only_remote = [first + i for i, (a, b) in enumerate(zip(local.skip_mask, remote.skip_mask)) if a and not b]
+        only_local = [first + i for i, (a, b) in enumerate(zip(local.skip_mask, remote.skip_mask)) if b and not a]
         parts = []
         if only_remote:
             parts.append(f"layers {_layers(only_remote)} own an indexer buffer on the peer but skip top-k here")

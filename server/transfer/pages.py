@@ -14,19 +14,21 @@ from kvtier.server.transfer.errors import PageMappingError
 
 
 def layer_bytes(pool: Any, component: str, layer_id: int) -> tuple[torch.Tensor, int]:
-    """A flat uint8 view of one layer's buffer and its ``item_len`` (bytes a page).
+    """A flat uint8 view of model layer ``layer_id``'s buffer and its ``item_len`` (bytes a page).
 
     Raises:
         PageMappingError: unknown component or layer, or a layer without a buffer (skip layer).
     """
-    if not 0 <= layer_id < pool.layer_num:
-        raise PageMappingError(f"layer {layer_id} outside [0, {pool.layer_num})")
+    start = getattr(pool, "start_layer", 0)
+    if not start <= layer_id < start + pool.layer_num:
+        raise PageMappingError(f"layer {layer_id} outside the pool's layers [{start}, {start + pool.layer_num})")
+    pos = layer_id - start
     if component == "latent":
-        return pool.kv_buffer[layer_id].view(torch.uint8).view(-1), pool.row_bytes * pool.page_size
+        return pool.kv_buffer[pos].view(torch.uint8).view(-1), pool.row_bytes * pool.page_size
     if component == "index_k":
-        if pool.skip_topk_layers[layer_id]:
+        if pool.skip_topk_layers[pos]:
             raise PageMappingError(f"layer {layer_id} skips top-k and has no indexer buffer")
-        return pool.index_k_with_scale_buffer[layer_id].view(-1), pool.index_page_bytes
+        return pool.index_k_with_scale_buffer[pos].view(-1), pool.index_page_bytes
     raise PageMappingError(f"component must be 'latent' or 'index_k', got {component!r}")
 
 

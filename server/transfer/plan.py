@@ -109,18 +109,21 @@ class TransferPlan:
         items: every range, layer by layer (latent, then indexer), runs in source page order.
         batches: ``items`` cut into consecutive batches.
         num_layers, num_pages: sizes of the mapping.
+        first_layer: model layer id of the first buffer-info entry (a pipeline stage's start layer);
+            item layer ids are model layer ids.
     """
 
     items: tuple[TransferItem, ...]
     batches: tuple[tuple[TransferItem, ...], ...]
     num_layers: int
     num_pages: int
+    first_layer: int = 0
 
     def stats(self) -> TransferStats:
         """Bytes and requests per component and layer this plan moves."""
-        layers = [LayerStats(i) for i in range(self.num_layers)]
+        layers = [LayerStats(self.first_layer + i) for i in range(self.num_layers)]
         for it in self.items:
-            s = layers[it.layer_id]
+            s = layers[it.layer_id - self.first_layer]
             if it.component == "latent":
                 s.latent_bytes += it.nbytes
                 s.latent_requests += 1
@@ -156,6 +159,7 @@ def plan_transfer(
     max_batch_items: int = DEFAULT_BATCH_ITEMS,
     src_registered: Sequence[tuple[int, int]] = (),
     dst_registered: Sequence[tuple[int, int]] = (),
+    first_layer: int = 0,
 ) -> TransferPlan:
     """Plan copying pages ``src_pages[i]`` of ``src`` onto pages ``dst_pages[i]`` of ``dst``.
 
@@ -166,6 +170,7 @@ def plan_transfer(
         max_batch_items: items per batch, 1 .. 1024.
         src_registered, dst_registered: ranges each side's engine registered; when given, every
             range must lie inside one of them.
+        first_layer: model layer id of entry 0 (both sides hold the same layers).
 
     Returns:
         A :class:`TransferPlan`. Entries with ``item_len == 0`` on both sides contribute nothing.
@@ -191,10 +196,11 @@ def plan_transfer(
     src_regions, dst_regions = _Regions(src_registered), _Regions(dst_registered)
 
     items: list[TransferItem] = []
-    for layer in range(num_layers):
+    for pos in range(num_layers):
+        layer = first_layer + pos
         for comp in COMPONENTS:
-            s_ptr, s_len, s_item = (part[layer] for part in src[comp])
-            d_ptr, d_len, d_item = (part[layer] for part in dst[comp])
+            s_ptr, s_len, s_item = (part[pos] for part in src[comp])
+            d_ptr, d_len, d_item = (part[pos] for part in dst[comp])
             if s_item == 0 and d_item == 0:
                 continue  # no buffer on either side (skip-topk layer): zero bytes, zero requests
             if s_item != d_item or s_len == 0 or d_len == 0:
@@ -216,7 +222,7 @@ def plan_transfer(
                     raise LayoutMismatchError(f"layer {layer} {comp} destination pages {dp}..{dp + n - 1} lie outside every locally registered range")
                 items.append(it)
     batches = tuple(tuple(items[i:i + max_batch_items]) for i in range(0, len(items), max_batch_items))
-    return TransferPlan(tuple(items), batches, num_layers, int(s_pages.size))
+    return TransferPlan(tuple(items), batches, num_layers, int(s_pages.size), first_layer)
 
 
 def plan_pull(
@@ -236,4 +242,5 @@ def plan_pull(
         {"latent": local.latent, "index_k": local.index},
         src_pages, dst_pages, max_batch_items=max_batch_items,
         src_registered=remote.registered, dst_registered=local.registered,
+        first_layer=int(local.fingerprint.get("start_layer", 0)),
     )

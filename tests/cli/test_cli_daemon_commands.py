@@ -50,3 +50,32 @@ def test_status_without_a_daemon_says_so(tmp_path):
     result = CliRunner().invoke(main, ["status", "--server", f"unix://{tmp_path}/none.sock", "--timeout", "2"])
     assert result.exit_code == 1
     assert "no kvtier daemon answers there" in result.output
+
+
+def test_status_and_pools_honour_kvtier_token(tmp_path):
+    """On a daemon with tenants, `kvtier status` and `kvtier pools` use KVTIER_TOKEN; without a known
+    token they stop with one line saying to set it."""
+    import os
+
+    from kvtier.client.spawn import DaemonProcess
+
+    token = "cli-tenant-token-0123456789"
+    tokens = tmp_path / "tokens.toml"
+    tokens.write_text(f'[tokens]\n"{token}" = "cli"\n')
+    os.chmod(tokens, 0o600)
+    with DaemonProcess(extra_args=["--device", "cpu", "--auth-tokens", str(tokens), "--log-level", "WARNING"]) as d:
+        from kvtier.client import KVTierClient
+
+        with KVTierClient(d.address, token=token) as c:
+            c.create_pool("glm-5.2", num_layers=2, size_tokens=128, pool_id="mine")
+        runner = CliRunner()
+        r = runner.invoke(main, ["status", "--server", d.address, "--json"], env={"KVTIER_TOKEN": token})
+        assert r.exit_code == 0, r.output
+        s = json.loads(r.output)
+        assert s["tenant"] == "cli" and [p["pool_id"] for p in s["pools"]] == ["mine"]
+        t = runner.invoke(main, ["status", "--server", d.address], env={"KVTIER_TOKEN": token}, terminal_width=200)
+        assert t.exit_code == 0 and "tenant cli: 1 pools" in t.output
+        for cmd in ("status", "pools"):
+            bad = runner.invoke(main, [cmd, "--server", d.address], env={"KVTIER_TOKEN": None})
+            assert bad.exit_code == 1 and "set KVTIER_TOKEN" in bad.output and "Traceback" not in bad.output
+            assert len(bad.output.strip().splitlines()) == 1

@@ -110,3 +110,31 @@ def test_a_budget_below_one_page_is_an_error():
     # exact accounting, one skip-aware GLM-5.2 page: 78 layers x 2 pages x 64 rows x 656 bytes (padding
     # page included) + 21 live layers x 2 indexer pages x 8448 bytes = 6,549,504 + 354,816
     assert "do not hold one page" in result.output and "6,904,320" in result.output
+
+
+def test_pp_size_plans_each_stage_with_sglangs_layer_split():
+    """GLM-5.2 on 4 stages: layers 0-18, 19-37, 38-57, 58-77; stage 1's first layer (19) skips top-k."""
+    result = CliRunner().invoke(main, GLM_ARGS + ["--pp-size", "4", "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    ranges = [(s["start_layer"], s["end_layer"]) for s in data["stages"]]
+    assert ranges == [(0, 19), (19, 38), (38, 58), (58, 78)]
+    tokens = []
+    for s, (start, end) in zip(data["stages"], ranges):
+        live = [layer for layer in GLM52_LIVE if start <= layer < end]
+        assert s["live_indexer_layer_ids"] == live
+        assert s["first_layer_skips_topk"] == (start not in GLM52_LIVE)
+        cell = (end - start) * 576 + len(live) * 132  # SGLang's estimate: 576-byte latent rows
+        assert s["skip_aware_cell_bytes"] == cell and s["naive_cell_bytes"] == (end - start) * (576 + 132)
+        assert s["skip_aware_tokens"] == 134227000000 // cell // 64 * 64
+        tokens.append(s["skip_aware_tokens"])
+    assert [s["first_layer_skips_topk"] for s in data["stages"]] == [False, True, False, False]
+    assert data["skip_aware_tokens"] == min(tokens) and data["bounding_stage"] == tokens.index(min(tokens))
+    table = CliRunner().invoke(main, GLM_ARGS + ["--pp-size", "4"])
+    assert table.exit_code == 0 and "19-37" in table.output and "skips top-k" in table.output
+    assert f"{min(tokens):,}" in table.output
+
+
+def test_pp_partition_must_add_up():
+    result = CliRunner().invoke(main, GLM_ARGS + ["--pp-size", "2", "--pp-partition", "30,30"])
+    assert result.exit_code == 2 and "adding up to 78" in result.output

@@ -43,3 +43,40 @@ def verify_same(a: KVData, b: KVData) -> None:
     """Two reads hold identical bytes."""
     verify_kv(a, {l: t.contiguous().view(torch.uint8).view(t.shape[0], -1) for l, t in b.latent.items()},
               {l: (b.index_k[l], b.index_scale[l]) for l in b.index_k})
+
+
+# ----- offloaded copies of one page on a 4-layer GLM-5.2 pool (live indexer layers 0, 1, 2) -----
+LAYERS4 = range(4)
+LIVE4 = (0, 1, 2)
+
+
+def offload_page(client, pool_id: str, key: str, seed: int, *, free_slots: bool = True):
+    """Allocate one page, write seeded KV into it and offload it under ``key``; returns the OffloadResult."""
+    slots = client.allocate_slots(pool_id, PAGE_SIZE)
+    latent, index = random_kv(PAGE_SIZE, seed, layers=LAYERS4, live=LIVE4)
+    client.write_kv(pool_id, slots, latent=latent, index=index)
+    return client.offload(pool_id, key, slots, free_slots=free_slots)
+
+
+def verify_restored_page(client, pool_id: str, key: str, seed: int) -> None:
+    """Restore ``key`` into fresh slots, check every byte against the seeded KV, free the slots."""
+    slots = client.restore(pool_id, key)
+    try:
+        verify_kv(client.read_kv(pool_id, slots), *random_kv(PAGE_SIZE, seed, layers=LAYERS4, live=LIVE4))
+    finally:
+        client.free_slots(pool_id, slots)
+
+
+def put_prefix_pages(client, pool_id: str, keys: list[bytes], seed: int) -> list[str]:
+    """One request over ``keys``: load what is cached, write seeded KV into the rest, store, release.
+    Returns the tier each loaded page came from."""
+    lease = client.load_prefix(pool_id, keys)
+    try:
+        fresh = lease.slots[lease.loaded_pages * PAGE_SIZE:]
+        if fresh.numel():
+            latent, index = random_kv(fresh.numel(), seed, layers=LAYERS4, live=LIVE4)
+            client.write_kv(pool_id, fresh, latent=latent, index=index)
+            client.store_prefix(lease, keys[lease.loaded_pages:], fresh)
+        return list(lease.tiers)
+    finally:
+        client.release_prefix(lease)

@@ -61,3 +61,55 @@ def test_reads_see_whole_writes(daemon, client, pool):
     assert seen and all(len(s) == 1 for s in seen), [s for s in seen if len(s) != 1][:3]
     final = client.read_kv(pool, slots, index_layers=[])
     assert all(bool((final.latent[l] == 20).all()) for l in layers)
+
+
+def test_offloads_racing_tier_stats_never_hang(tmp_path):
+    """Regression (issue 8, defect 1), the issue's repro: one client offloads copies (dropping the one
+    20 back) through a 1 MiB host tier that spills each older copy to LMDB while another polls
+    GetTierStats. It hung after 6-23 offloads (the host tier's index lock and its counter lock were
+    taken in opposite orders); afterwards AllocateSlots never returned and SIGTERM did not stop the
+    daemon. Every call here has a 15 s deadline, so a hang fails the test instead of stalling it."""
+    import signal
+
+    from kvtier.client.spawn import DaemonProcess
+
+    args = ["--device", "cpu", "--pool", "default=glm-5.2:4096", "--pool-layers", "4", "--host-memory", "1MiB",
+            "--disk-path", str(tmp_path / "disk"), "--disk-size", "64MiB", "--log-level", "WARNING"]
+    errors: list[BaseException] = []
+    done = threading.Event()
+    polls = [0]
+    with DaemonProcess(extra_args=args) as d:
+        def offloader() -> None:
+            try:
+                with KVTierClient(d.address, timeout=15, retries=0) as c:
+                    slots = c.allocate_slots("default", 256)
+                    for i in range(60):
+                        c.offload("default", f"k{i}", slots)
+                        if i >= 20:
+                            c.drop(f"k{i - 20}")
+            except BaseException as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+            finally:
+                done.set()
+
+        def poller() -> None:
+            try:
+                with KVTierClient(d.address, timeout=15, retries=0) as c:
+                    while not done.is_set():
+                        c.tier_stats("")
+                        polls[0] += 1
+            except BaseException as e:  # noqa: BLE001
+                errors.append(e)
+
+        threads = [threading.Thread(target=offloader, daemon=True), threading.Thread(target=poller, daemon=True)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        assert not errors and not any(t.is_alive() for t in threads), errors
+        with KVTierClient(d.address, timeout=15, retries=0) as c:
+            assert c.allocate_slots("default", 64).numel() == 64
+            moves = c.tier_stats("").moves
+            assert moves["device->host"]["count"] == 60 and moves["host->disk"]["count"] == 59 and polls[0] > 0
+        d.signal(signal.SIGTERM)
+        assert d.wait(60) == 0

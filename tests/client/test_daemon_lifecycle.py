@@ -138,3 +138,56 @@ def test_tls_daemon_on_tcp(tmp_path):
             assert c.describe_pool("default").size_tokens == 1024
         with pytest.raises(KVTierError), KVTierClient(d.address, timeout=2, retries=0) as plain:
             plain.describe_pool("default")
+
+
+def test_shutdown_never_waits_forever_for_a_stuck_worker():
+    """Regression (issue 8, defect 1): after the deadlock SIGTERM no longer stopped the daemon: the
+    interpreter's exit waits for every worker thread, and a worker stuck in a call never ends. Here a
+    PullKV without a deadline waits 30 s for a peer that never answers; with --grace 1 the daemon
+    still exits (well before the peer call could end), says which calls it left, and exits 0 because
+    its shutdown work finished."""
+    import threading
+    from concurrent import futures
+
+    from kvtier.v1 import transfer_pb2, transfer_pb2_grpc
+
+    release = threading.Event()
+
+    class SilentPeer(transfer_pb2_grpc.TransferServiceServicer):
+        def GetTransferLayout(self, request, context):
+            release.wait(120)
+            context.abort(grpc.StatusCode.UNAVAILABLE, "never answered")
+
+    peer = grpc.server(futures.ThreadPoolExecutor(2))
+    transfer_pb2_grpc.add_TransferServiceServicer_to_server(SilentPeer(), peer)
+    port = peer.add_insecure_port("127.0.0.1:0")
+    peer.start()
+    d = DaemonProcess(extra_args=[*POOL_ARGS[:-2], "--log-level", "INFO", "--grace", "1"])
+    try:
+        d.start()
+        with KVTierClient(d.address) as c:
+            dst = c.allocate_slots("default", 64)
+        stuck = threading.Thread(target=_pull_without_deadline, args=(d.address, f"127.0.0.1:{port}", int(dst[0]) // 64),
+                                 daemon=True)
+        stuck.start()
+        time.sleep(1.0)  # let the pull reach the peer (not a timing assertion: a faster stop only helps)
+        d.signal(signal.SIGTERM)
+        assert d.wait(20) == 0, d.log_tail()  # the peer call alone would hold the worker for 30 s
+        assert "still running in worker threads" in d.log_tail() and "stopped" in d.log_tail()
+    finally:
+        release.set()
+        peer.stop(0)
+        d.stop()
+        d.cleanup()
+
+
+def _pull_without_deadline(address: str, peer: str, page: int) -> None:
+    from kvtier.v1 import transfer_pb2, transfer_pb2_grpc
+
+    with grpc.insecure_channel(address) as ch:
+        try:
+            transfer_pb2_grpc.TransferServiceStub(ch).PullKV(transfer_pb2.PullKVRequest(
+                pool_id="default", peer_address=peer, peer_pool_id="default", src_pages=[1], dst_pages=[page],
+                transport=transfer_pb2.TRANSPORT_GRPC))
+        except grpc.RpcError:
+            pass  # cancelled by the stopping daemon

@@ -30,3 +30,57 @@ def test_forms():
                                        ("example.com:1", False)])
 def test_loopback(addr, loop):
     assert is_loopback(addr) is loop
+
+
+def test_a_bare_path_is_a_unix_socket(tmp_path, monkeypatch):
+    """Regression (issue 8, defect 8): ``--server /path/kv.sock`` used to end in a traceback."""
+    monkeypatch.chdir(tmp_path)
+    assert resolve_address("/run/kvtier/kv.sock") == "unix:///run/kvtier/kv.sock"
+    assert resolve_address("./kv.sock") == f"unix://{tmp_path}/kv.sock"
+    assert resolve_address("socks/kv.sock") == f"unix://{tmp_path}/socks/kv.sock"
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert resolve_address("~/kv.sock") == f"unix://{tmp_path}/kv.sock"
+    assert resolve_address("localhost:7600") == "localhost:7600"  # HOST:PORT never has a slash
+    with pytest.raises(ValueError, match="socket path such as ./kvtier.sock"):
+        resolve_address("kv.sock")
+
+
+def test_private_dir_is_created_0700_and_a_loose_own_dir_is_tightened(tmp_path):
+    import os
+    import stat
+
+    from kvtier.addresses import prepare_private_dir
+
+    new = prepare_private_dir(tmp_path / "a" / "kvtier")
+    assert stat.S_IMODE(os.stat(new).st_mode) == 0o700
+    loose = tmp_path / "loose"
+    loose.mkdir(mode=0o755)
+    os.chmod(loose, 0o755)
+    prepare_private_dir(loose)
+    assert stat.S_IMODE(os.stat(loose).st_mode) == 0o700
+
+
+def test_private_dir_of_another_user_or_a_symlink_is_refused_untouched(tmp_path):
+    """Regression (issue 8, defect 6): a pre-existing socket directory owned by another user, or a
+    symlink, was accepted and chmod'ed. Now it is refused and left as it was."""
+    import os
+    import stat
+
+    from kvtier.addresses import UnsafeSocketDirError, prepare_private_dir
+
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o777)
+    os.chmod(theirs, 0o777)
+    os.chown(theirs, 65534, 65534)  # tests run as root: hand it to "nobody"
+    with pytest.raises(UnsafeSocketDirError, match="owned by uid 65534"):
+        prepare_private_dir(theirs)
+    assert stat.S_IMODE(os.stat(theirs).st_mode) == 0o777 and os.stat(theirs).st_uid == 65534
+    target = tmp_path / "target"
+    target.mkdir(mode=0o700)
+    link = tmp_path / "link"
+    link.symlink_to(target)
+    with pytest.raises(UnsafeSocketDirError, match="is a symlink"):
+        prepare_private_dir(link)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(UnsafeSocketDirError, match="not a directory"):
+        prepare_private_dir(tmp_path / "file")

@@ -78,8 +78,10 @@ class PoolLayout(_message.Message):
     FINGERPRINT_DIGEST_FIELD_NUMBER: _builtins.int
     INDEX_TOKEN_BYTES_FIELD_NUMBER: _builtins.int
     KV_CACHE_DIM_FIELD_NUMBER: _builtins.int
+    START_LAYER_FIELD_NUMBER: _builtins.int
     model_name: _builtins.str
     num_layers: _builtins.int
+    """layers the pool holds (a stage's count for a pipeline stage)"""
     kv_lora_rank: _builtins.int
     qk_rope_head_dim: _builtins.int
     index_head_dim: _builtins.int
@@ -99,6 +101,8 @@ class PoolLayout(_message.Message):
     """indexer bytes a token on a live layer (132)"""
     kv_cache_dim: _builtins.int
     """elements of a latent row (656 uint8 or 576 bf16)"""
+    start_layer: _builtins.int
+    """model layer id of the pool's first layer (a pipeline stage's);"""
     def __init__(
         self,
         *,
@@ -115,10 +119,11 @@ class PoolLayout(_message.Message):
         fingerprint_digest: _builtins.str = ...,
         index_token_bytes: _builtins.int = ...,
         kv_cache_dim: _builtins.int = ...,
+        start_layer: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["fingerprint_digest", b"fingerprint_digest", "index_head_dim", b"index_head_dim", "index_page_bytes", b"index_page_bytes", "index_token_bytes", b"index_token_bytes", "kv_cache_dim", b"kv_cache_dim", "kv_cache_dtype", b"kv_cache_dtype", "kv_lora_rank", b"kv_lora_rank", "latent_row_bytes", b"latent_row_bytes", "model_name", b"model_name", "num_layers", b"num_layers", "page_size", b"page_size", "qk_rope_head_dim", b"qk_rope_head_dim", "skip_mask", b"skip_mask"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fingerprint_digest", b"fingerprint_digest", "index_head_dim", b"index_head_dim", "index_page_bytes", b"index_page_bytes", "index_token_bytes", b"index_token_bytes", "kv_cache_dim", b"kv_cache_dim", "kv_cache_dtype", b"kv_cache_dtype", "kv_lora_rank", b"kv_lora_rank", "latent_row_bytes", b"latent_row_bytes", "model_name", b"model_name", "num_layers", b"num_layers", "page_size", b"page_size", "qk_rope_head_dim", b"qk_rope_head_dim", "skip_mask", b"skip_mask", "start_layer", b"start_layer"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -139,18 +144,24 @@ class ModelSpec(_message.Message):
     KV_CACHE_DTYPE_FIELD_NUMBER: _builtins.int
     PAGE_SIZE_FIELD_NUMBER: _builtins.int
     NAME_FIELD_NUMBER: _builtins.int
+    START_LAYER_FIELD_NUMBER: _builtins.int
+    END_LAYER_FIELD_NUMBER: _builtins.int
     preset: _builtins.str
     """e.g. "glm-5.2", "deepseek-v3.2" """
     hf_config_json: _builtins.str
     """the text of an HF config.json"""
     num_layers: _builtins.int
-    """0: the model's own layer count; else the first N layers"""
+    """0: to end_layer (or the model's last); else N layers from start_layer"""
     kv_cache_dtype: _builtins.str
     """"" = "fp8" """
     page_size: _builtins.int
     """0 = 64"""
     name: _builtins.str
     """model name for an hf_config_json source ("" = its model_type)"""
+    start_layer: _builtins.int
+    """first model layer of the pool (a pipeline stage), default 0"""
+    end_layer: _builtins.int
+    """one past its last layer; 0 = the model's last (or start + num_layers)"""
     def __init__(
         self,
         *,
@@ -160,10 +171,12 @@ class ModelSpec(_message.Message):
         kv_cache_dtype: _builtins.str = ...,
         page_size: _builtins.int = ...,
         name: _builtins.str = ...,
+        start_layer: _builtins.int = ...,
+        end_layer: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["hf_config_json", b"hf_config_json", "preset", b"preset", "source", b"source"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["hf_config_json", b"hf_config_json", "kv_cache_dtype", b"kv_cache_dtype", "name", b"name", "num_layers", b"num_layers", "page_size", b"page_size", "preset", b"preset", "source", b"source"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["end_layer", b"end_layer", "hf_config_json", b"hf_config_json", "kv_cache_dtype", b"kv_cache_dtype", "name", b"name", "num_layers", b"num_layers", "page_size", b"page_size", "preset", b"preset", "source", b"source", "start_layer", b"start_layer"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_source: _TypeAlias = _typing.Literal["preset", "hf_config_json"]  # noqa: Y015
     _WhichOneofArgType_source: _TypeAlias = _typing.Literal["source", b"source"]  # noqa: Y015
@@ -801,11 +814,14 @@ class OffloadResponse(_message.Message):
     NBYTES_FIELD_NUMBER: _builtins.int
     NUM_TOKENS_FIELD_NUMBER: _builtins.int
     FREED_PAGES_FIELD_NUMBER: _builtins.int
+    DURABLE_FIELD_NUMBER: _builtins.int
     key: _builtins.str
     nbytes: _builtins.int
     """host bytes the copy takes"""
     num_tokens: _builtins.int
     freed_pages: _builtins.int
+    durable: _builtins.bool
+    """committed to the disk tier's LMDB before this reply (write-through"""
     def __init__(
         self,
         *,
@@ -813,10 +829,11 @@ class OffloadResponse(_message.Message):
         nbytes: _builtins.int = ...,
         num_tokens: _builtins.int = ...,
         freed_pages: _builtins.int = ...,
+        durable: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["freed_pages", b"freed_pages", "key", b"key", "nbytes", b"nbytes", "num_tokens", b"num_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["durable", b"durable", "freed_pages", b"freed_pages", "key", b"key", "nbytes", b"nbytes", "num_tokens", b"num_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1072,11 +1089,27 @@ class TierStats(_message.Message):
     USED_BYTES_FIELD_NUMBER: _builtins.int
     BUDGET_BYTES_FIELD_NUMBER: _builtins.int
     ENTRIES_FIELD_NUMBER: _builtins.int
+    TENANT_USED_BYTES_FIELD_NUMBER: _builtins.int
+    TENANT_QUOTA_BYTES_FIELD_NUMBER: _builtins.int
+    UNHEALTHY_FIELD_NUMBER: _builtins.int
+    UNHEALTHY_REASON_FIELD_NUMBER: _builtins.int
+    NEXT_PROBE_SECONDS_FIELD_NUMBER: _builtins.int
     tier: _builtins.str
     """"device", "host", "disk" """
     used_bytes: _builtins.int
+    """daemon-wide, all tenants"""
     budget_bytes: _builtins.int
     entries: _builtins.int
+    tenant_used_bytes: _builtins.int
+    """the caller's tenant's bytes there (device: its pools)"""
+    tenant_quota_bytes: _builtins.int
+    """the caller's tenant's quota there; unset: none"""
+    unhealthy: _builtins.bool
+    """bypassed since its storage failed (health service kvtier.tier.<tier> NOT_SERVING)"""
+    unhealthy_reason: _builtins.str
+    """why, e.g. "write: mdb_txn_commit: Input/output error" """
+    next_probe_seconds: _builtins.float
+    """while unhealthy: seconds until it is probed again"""
     def __init__(
         self,
         *,
@@ -1084,12 +1117,19 @@ class TierStats(_message.Message):
         used_bytes: _builtins.int = ...,
         budget_bytes: _builtins.int = ...,
         entries: _builtins.int = ...,
+        tenant_used_bytes: _builtins.int = ...,
+        tenant_quota_bytes: _builtins.int | None = ...,
+        unhealthy: _builtins.bool = ...,
+        unhealthy_reason: _builtins.str = ...,
+        next_probe_seconds: _builtins.float = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_tenant_quota_bytes", b"_tenant_quota_bytes", "tenant_quota_bytes", b"tenant_quota_bytes"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["budget_bytes", b"budget_bytes", "entries", b"entries", "tier", b"tier", "used_bytes", b"used_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_tenant_quota_bytes", b"_tenant_quota_bytes", "budget_bytes", b"budget_bytes", "entries", b"entries", "next_probe_seconds", b"next_probe_seconds", "tenant_quota_bytes", b"tenant_quota_bytes", "tenant_used_bytes", b"tenant_used_bytes", "tier", b"tier", "unhealthy", b"unhealthy", "unhealthy_reason", b"unhealthy_reason", "used_bytes", b"used_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__tenant_quota_bytes: _TypeAlias = _typing.Literal["tenant_quota_bytes"]  # noqa: Y015
+    _WhichOneofArgType__tenant_quota_bytes: _TypeAlias = _typing.Literal["_tenant_quota_bytes", b"_tenant_quota_bytes"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__tenant_quota_bytes) -> _WhichOneofReturnType__tenant_quota_bytes | None: ...
 
 Global___TierStats: _TypeAlias = TierStats  # noqa: Y015
 
@@ -1124,16 +1164,24 @@ class StatsResponse(_message.Message):
     TIERS_FIELD_NUMBER: _builtins.int
     COUNTERS_FIELD_NUMBER: _builtins.int
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _builtins.int
+    TENANT_FIELD_NUMBER: _builtins.int
+    METRICS_ADDRESS_FIELD_NUMBER: _builtins.int
     version: _builtins.str
     uptime_seconds: _builtins.float
     device: _builtins.str
     max_message_bytes: _builtins.int
+    tenant: _builtins.str
+    """the tenant the call was made as ("default" without --auth-tokens)"""
+    metrics_address: _builtins.str
+    """http://HOST:PORT/metrics of the Prometheus endpoint ("" when off)"""
     @_builtins.property
     def pools(self) -> _containers.RepeatedCompositeFieldContainer[Global___PoolStats]: ...
     @_builtins.property
     def tiers(self) -> _containers.RepeatedCompositeFieldContainer[Global___TierStats]: ...
     @_builtins.property
-    def counters(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]: ...
+    def counters(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """the caller's tenant's counters"""
+
     def __init__(
         self,
         *,
@@ -1144,10 +1192,12 @@ class StatsResponse(_message.Message):
         tiers: _abc.Iterable[Global___TierStats] | None = ...,
         counters: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
         max_message_bytes: _builtins.int = ...,
+        tenant: _builtins.str = ...,
+        metrics_address: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["counters", b"counters", "device", b"device", "max_message_bytes", b"max_message_bytes", "pools", b"pools", "tiers", b"tiers", "uptime_seconds", b"uptime_seconds", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["counters", b"counters", "device", b"device", "max_message_bytes", b"max_message_bytes", "metrics_address", b"metrics_address", "pools", b"pools", "tenant", b"tenant", "tiers", b"tiers", "uptime_seconds", b"uptime_seconds", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -11,7 +11,10 @@ indexer keys+scales of the live layers) or not at all.
 One request: LookupPrefix (pins nothing) -> LoadPrefix (a lease: the present prefix is brought
 into device slots and pinned, fresh slots are allocated for the rest) -> the worker writes its
 new KV into the fresh slots (PoolService.WriteKV) -> StorePrefix (those pages join the cache) ->
-ReleasePrefix (unpins; fresh pages not stored are freed). Regenerate the Python stubs with
+ReleasePrefix (unpins; fresh pages not stored are freed). Pools, page keys and leases belong to the
+caller's tenant: another tenant's are NOT_FOUND, and equal prompts of two tenants never share or
+probe each other's pages. Tier-wide figures (capacity, use, counters, moves) are daemon-wide.
+Regenerate the Python stubs with
 `python proto/generate.py`.
 """
 
@@ -140,7 +143,8 @@ class LoadPrefixResponse(_message.Message):
     SLOTS_FIELD_NUMBER: _builtins.int
     PAGE_TIERS_FIELD_NUMBER: _builtins.int
     LOADED_PAGES_FIELD_NUMBER: _builtins.int
-    lease_id: _builtins.int
+    lease_id: _builtins.str
+    """32 hex characters, 128 random bits; belongs to the caller's tenant"""
     loaded_pages: _builtins.int
     @_builtins.property
     def slots(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -153,7 +157,7 @@ class LoadPrefixResponse(_message.Message):
     def __init__(
         self,
         *,
-        lease_id: _builtins.int = ...,
+        lease_id: _builtins.str = ...,
         slots: _abc.Iterable[_builtins.int] | None = ...,
         page_tiers: _abc.Iterable[_builtins.str] | None = ...,
         loaded_pages: _builtins.int = ...,
@@ -175,7 +179,7 @@ class StorePrefixRequest(_message.Message):
     PAGE_KEYS_FIELD_NUMBER: _builtins.int
     SLOTS_FIELD_NUMBER: _builtins.int
     pool_id: _builtins.str
-    lease_id: _builtins.int
+    lease_id: _builtins.str
     @_builtins.property
     def page_keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
         """k keys"""
@@ -188,7 +192,7 @@ class StorePrefixRequest(_message.Message):
         self,
         *,
         pool_id: _builtins.str = ...,
-        lease_id: _builtins.int = ...,
+        lease_id: _builtins.str = ...,
         page_keys: _abc.Iterable[_builtins.bytes] | None = ...,
         slots: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
@@ -227,12 +231,12 @@ class ReleasePrefixRequest(_message.Message):
     POOL_ID_FIELD_NUMBER: _builtins.int
     LEASE_ID_FIELD_NUMBER: _builtins.int
     pool_id: _builtins.str
-    lease_id: _builtins.int
+    lease_id: _builtins.str
     def __init__(
         self,
         *,
         pool_id: _builtins.str = ...,
-        lease_id: _builtins.int = ...,
+        lease_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
@@ -365,6 +369,9 @@ class TierCounters(_message.Message):
     EVICTIONS_FIELD_NUMBER: _builtins.int
     BYTES_EVICTED_FIELD_NUMBER: _builtins.int
     FULL_ERRORS_FIELD_NUMBER: _builtins.int
+    TENANT_USED_BYTES_FIELD_NUMBER: _builtins.int
+    TENANT_QUOTA_BYTES_FIELD_NUMBER: _builtins.int
+    IO_ERRORS_FIELD_NUMBER: _builtins.int
     tier: _builtins.str
     capacity_bytes: _builtins.int
     used_bytes: _builtins.int
@@ -380,6 +387,12 @@ class TierCounters(_message.Message):
     evictions: _builtins.int
     bytes_evicted: _builtins.int
     full_errors: _builtins.int
+    tenant_used_bytes: _builtins.int
+    """bytes of the caller's tenant's records in this tier"""
+    tenant_quota_bytes: _builtins.int
+    """the caller's tenant's quota in this tier; unset: none"""
+    io_errors: _builtins.int
+    """storage failures (ENOSPC, EIO) that made the tier unhealthy"""
     def __init__(
         self,
         *,
@@ -397,12 +410,17 @@ class TierCounters(_message.Message):
         evictions: _builtins.int = ...,
         bytes_evicted: _builtins.int = ...,
         full_errors: _builtins.int = ...,
+        tenant_used_bytes: _builtins.int = ...,
+        tenant_quota_bytes: _builtins.int | None = ...,
+        io_errors: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_tenant_quota_bytes", b"_tenant_quota_bytes", "tenant_quota_bytes", b"tenant_quota_bytes"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_evicted", b"bytes_evicted", "bytes_read", b"bytes_read", "bytes_written", b"bytes_written", "capacity_bytes", b"capacity_bytes", "damaged", b"damaged", "entries", b"entries", "evictions", b"evictions", "full_errors", b"full_errors", "hits", b"hits", "misses", b"misses", "pinned", b"pinned", "tier", b"tier", "used_bytes", b"used_bytes", "writes", b"writes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_tenant_quota_bytes", b"_tenant_quota_bytes", "bytes_evicted", b"bytes_evicted", "bytes_read", b"bytes_read", "bytes_written", b"bytes_written", "capacity_bytes", b"capacity_bytes", "damaged", b"damaged", "entries", b"entries", "evictions", b"evictions", "full_errors", b"full_errors", "hits", b"hits", "io_errors", b"io_errors", "misses", b"misses", "pinned", b"pinned", "tenant_quota_bytes", b"tenant_quota_bytes", "tenant_used_bytes", b"tenant_used_bytes", "tier", b"tier", "used_bytes", b"used_bytes", "writes", b"writes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__tenant_quota_bytes: _TypeAlias = _typing.Literal["tenant_quota_bytes"]  # noqa: Y015
+    _WhichOneofArgType__tenant_quota_bytes: _TypeAlias = _typing.Literal["_tenant_quota_bytes", b"_tenant_quota_bytes"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__tenant_quota_bytes) -> _WhichOneofReturnType__tenant_quota_bytes | None: ...
 
 Global___TierCounters: _TypeAlias = TierCounters  # noqa: Y015
 

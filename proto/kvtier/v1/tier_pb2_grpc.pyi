@@ -11,7 +11,10 @@ indexer keys+scales of the live layers) or not at all.
 One request: LookupPrefix (pins nothing) -> LoadPrefix (a lease: the present prefix is brought
 into device slots and pinned, fresh slots are allocated for the rest) -> the worker writes its
 new KV into the fresh slots (PoolService.WriteKV) -> StorePrefix (those pages join the cache) ->
-ReleasePrefix (unpins; fresh pages not stored are freed). Regenerate the Python stubs with
+ReleasePrefix (unpins; fresh pages not stored are freed). Pools, page keys and leases belong to the
+caller's tenant: another tenant's are NOT_FOUND, and equal prompts of two tenants never share or
+probe each other's pages. Tier-wide figures (capacity, use, counters, moves) are daemon-wide.
+Regenerate the Python stubs with
 `python proto/generate.py`.
 """
 

@@ -199,16 +199,6 @@ def test_concurrent_clients_on_one_pool_leave_consistent_pages_and_no_pins(kvtie
     verify_nothing_pinned(d)
 
 
-def test_a_daemon_without_tier_budgets_keeps_the_plain_offload_store():
-    from kvtier.server.service.config import DaemonConfig
-    from kvtier.server.service.offload_store import OffloadStore
-    from kvtier.server.service.state import DaemonState
-
-    state = DaemonState(DaemonConfig(host_memory_bytes=0, device="cpu"))
-    assert isinstance(state.copy_store, OffloadStore) and state.tiers.stack.tiers == []
-    state.close()
-
-
 def test_pool_calls_cannot_free_pages_the_prefix_cache_holds(tiny):
     """Regression: FreeSlots / Offload(free_slots) on a cached page freed it while the cache still
     indexed it; the page was handed out again and a later LoadPrefix served another client's KV
@@ -242,4 +232,23 @@ def test_pool_calls_cannot_free_pages_the_prefix_cache_holds(tiny):
     verify_loaded(d, again, keys, written)  # the cached pages still hold their own KV
     c.release_prefix(again)
     assert c.tier_stats(d.pool_id).device["pages"] == stats_before["pages"]
+    verify_nothing_pinned(d)
+
+
+def test_a_repeated_key_in_a_lower_tier_is_invalid_argument_and_leaks_no_page(tiny):
+    """Regression (issue 8, defect 2): load_prefix(pool, [k, k]) with k in a lower tier was INTERNAL
+    (``KeyError ... already in the policy``) and leaked one pool page per call. Now it is
+    INVALID_ARGUMENT before anything is pinned or allocated; free pages stay as they were."""
+    d = tiny
+    c = d.client
+    keys = d.page_keys(9)
+    write_pages(d, keys[:1], seed=1)
+    write_pages(d, keys[1:], seed=2)  # 8 newer pages fill the 8-page pool: keys[0] goes to the host tier
+    assert c.where_is(d.pool_id, keys[:1]) == [["host"]]
+    free = c.describe_pool(d.pool_id).free_pages
+    for _ in range(3):
+        with pytest.raises(InvalidArgumentError, match="repeats"):
+            c.load_prefix(d.pool_id, [keys[0], keys[0]])
+    assert c.describe_pool(d.pool_id).free_pages == free
+    assert c.where_is(d.pool_id, keys[:1]) == [["host"]]
     verify_nothing_pinned(d)

@@ -5,13 +5,14 @@ from __future__ import annotations
 import pytest
 
 from kvtier.server.model_config import DSAModelConfig
-from kvtier.server.service.pools import PoolRegistry, PoolRequest
+from kvtier.server.daemon.pools import PoolRegistry, PoolRequest
+from kvtier.server.daemon.tenants import Caller
 from kvtier.server.service.transfer_messages import peer_layout, transfer_layout
 from kvtier.server.transfer import LayoutMismatchError, check_compatible, pool_layout
 
 
 def test_layout_round_trip_keeps_fingerprint_infos_and_engine():
-    entry = PoolRegistry("cpu").create(PoolRequest(pool_id="p", preset="glm-5.2", num_layers=8, size_tokens=512))
+    entry = PoolRegistry("cpu").create(Caller.default(), PoolRequest(pool_id="p", preset="glm-5.2", num_layers=8, size_tokens=512))
     local = pool_layout(entry.pool, entry.model.fingerprint()).with_engine("127.0.0.1:1234", [(4096, 100)])
     back = peer_layout(transfer_layout(entry, local))
     assert back == local
@@ -20,7 +21,7 @@ def test_layout_round_trip_keeps_fingerprint_infos_and_engine():
 
 
 def test_malformed_peer_layouts_are_layout_mismatches():
-    entry = PoolRegistry("cpu").create(PoolRequest(pool_id="p", preset="glm-5.2", num_layers=8, size_tokens=512))
+    entry = PoolRegistry("cpu").create(Caller.default(), PoolRequest(pool_id="p", preset="glm-5.2", num_layers=8, size_tokens=512))
     msg = transfer_layout(entry, pool_layout(entry.pool, entry.model.fingerprint()))
     shuffled = type(msg)()
     shuffled.CopyFrom(msg)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kvtier.server.tiers import DiskTier, DiskTierConfig, EnvironmentInUseError, TierFullError, disk_charge
+from kvtier.server.tiers.errors import TierUnavailableError
 from tierkit import record_of
 
 MiB = 1 << 20
@@ -141,8 +142,9 @@ def test_map_full_write_is_rolled_back_and_invisible(tmp_path, records, codec):
 
 
 def test_a_write_failing_half_way_through_a_batch_is_invisible(tmp_path, records, codec, monkeypatch):
-    """The batch's transaction fails after its second record (an injected fault): none of the batch
-    is visible, memory agrees with LMDB, and the tier keeps working."""
+    """The batch's transaction fails after its second record (an injected I/O fault): none of the
+    batch is visible, memory agrees with LMDB, the tier turns unhealthy (bypassed: presence says
+    absent) and serves again, with the record it held, once a probe succeeds."""
     size = codec.page_nbytes()
     keys = list(records)
     disk = disk_at(tmp_path)
@@ -157,9 +159,13 @@ def test_a_write_failing_half_way_through_a_batch_is_invisible(tmp_path, records
         return real_stamp(self, txn, key)
 
     monkeypatch.setattr(DiskTier, "_stamp", failing_stamp)
-    with pytest.raises(OSError, match="injected"):
+    with pytest.raises(TierUnavailableError, match="injected"):
         disk.write([(k, records[k]) for k in keys[1:5]])
     monkeypatch.undo()
+    assert not disk.health.healthy and "injected" in disk.health.snapshot().reason
+    assert disk.contains(keys[:5]) == [False] * 5 and disk.held_while_unhealthy(keys[0])
+    disk.probe()
+    disk.health.mark_healthy()
     assert disk.contains(keys[:5]) == [True, False, False, False, False]
     assert disk.index.keys() == [keys[0]] and disk.lmdb_info()["entries"] == 1
     disk.write([(keys[1], records[keys[1]])])

@@ -12,7 +12,7 @@ import torch
 
 from kvtier.server.model_config import DSAModelConfig
 from kvtier.server.pool import PagedTokenAllocator, create_pool
-from kvtier.server.tiers import PrefixCache, RecordCodec, TierFullError, TierStack
+from kvtier.server.tiers import PrefixCache, RecordCodec, TierFullError, TierStack, TierUnavailableError
 from kvtier.server.tiers.mooncake_store import MooncakeStoreTier, MooncakeStoreTierConfig
 from kvtier.server.tiers.record import verify_record
 
@@ -242,9 +242,10 @@ def test_another_models_keys_and_records_are_misses(open_tier, model, pool, code
 
 
 def test_master_killed_lookups_miss_and_restart_recovers(mooncake_master, open_tier, codec, pool):
-    """Scenario: the master dies. Lookups and reads are misses, writes are dropped, nothing raises;
-    the tier is unhealthy and the stack bypasses it. The master comes back (empty): the probe succeeds,
-    the tier is healthy again and serves new objects."""
+    """Scenario: the master dies. Lookups and reads are misses (nothing raises), a write raises
+    TierUnavailableError without a store call (the faults contract: the stack's publish skips it and
+    counts it); the tier is unhealthy and the stack bypasses it. The master comes back (empty): the
+    probe succeeds, the tier is healthy again and serves new objects."""
     t = open_tier()
     stack = TierStack([t])
     keys, recs = shared_keys(3, seed=8), records(codec, pool, 3, seed=8)
@@ -255,7 +256,9 @@ def test_master_killed_lookups_miss_and_restart_recovers(mooncake_master, open_t
     assert stack.where(keys) == [[], [], []]
     with t.borrow(keys) as got:
         assert got == [None] * 3
-    assert t.write(list(zip(keys, recs))) == []
+    with pytest.raises(TierUnavailableError, match="RPC_FAIL") as err:
+        t.write(list(zip(keys, recs)))
+    assert err.value.tier == "mooncake" and err.value.written == ()
     assert t.stats().extra["write_failures"] == 3
     with pytest.raises(Exception):
         t.probe()

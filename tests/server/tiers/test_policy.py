@@ -56,3 +56,43 @@ def test_record_larger_than_budget_is_refused():
     ix = TierIndex(10)
     with pytest.raises(TierFullError, match="exceeds"):
         ix.plan_insert("x", 11)
+
+
+def _grouped(capacity: int, quotas: dict[str, int]) -> TierIndex:
+    ix = TierIndex(capacity)
+    ix.set_groups(lambda k: k[0] if k[0] in "AB" else None, quotas.get)
+    return ix
+
+
+def test_a_group_over_its_quota_evicts_its_own_lru_entries_not_others():
+    """A(quota 40) holds a1, a2; B holds B1 (older than both): A's third entry evicts a1, never B1."""
+    ix = _grouped(200, {"A": 40})
+    for k in ("B1", "A1", "A2"):
+        ix.commit_insert(k, 20)
+    assert (ix.group_used("A"), ix.group_used("B")) == (40, 20)
+    victims = ix.plan_insert("A3", 20)
+    assert victims == ["A1"]
+    ix.commit_insert("A3", 20, victims)
+    assert ix.keys() == ["B1", "A2", "A3"] and ix.group_used("A") == 40 and ix.used == 60
+
+
+def test_the_shared_budget_still_evicts_lru_across_groups_after_the_groups_own():
+    """Budget 60, A quota 40: A3 first evicts A1 for the quota; the shared budget then needs no more."""
+    ix = _grouped(60, {"A": 40})
+    for k in ("B1", "A1", "A2"):
+        ix.commit_insert(k, 20)
+    assert ix.plan_insert("A3", 20) == ["A1"]
+    assert ix.plan_insert("B2", 20) == ["B1"]  # B has no quota: plain LRU over everything
+
+
+def test_group_quota_refusals_change_nothing():
+    ix = _grouped(200, {"A": 30})
+    ix.commit_insert("A1", 20)
+    with pytest.raises(TierFullError, match="exceeds its group's quota of 30"):
+        ix.plan_insert("A2", 31)
+    with ix.pinned(["A1"]):
+        with pytest.raises(TierFullError, match="within its group's quota"):
+            ix.plan_insert("A2", 20)
+    assert ix.keys() == ["A1"] and ix.group_used("A") == 20
+    ix.remove("A1")
+    assert ix.group_used("A") == 0 and ix.used == 0

@@ -174,3 +174,57 @@ def test_a_lease_never_released_expires_and_unpins(pool, allocator, codec, stack
     assert cache.counters["expired_leases"] == 1
     verify_nothing_pinned(cache)
     assert allocator.free_pages == 16 - 4
+
+
+def test_a_repeated_key_is_refused_and_leaks_no_page(pool, allocator, codec, stack):
+    """Regression (issue 8, defect 2): load([k, k]) with k in a lower tier failed with
+    ``KeyError ... already in the policy`` (INTERNAL over gRPC) and leaked one pool page per call.
+    Chained page keys of one request never repeat: a repeat is a ValueError (INVALID_ARGUMENT)
+    before anything is pinned or allocated, and store refuses it likewise."""
+    cache = PrefixCache(stack, allocator, codec, pool=pool)
+    keys = keys_for(17)
+    store_pages(cache, pool, keys[:1], seed=1)
+    store_pages(cache, pool, keys[1:17], seed=2)  # 16 newer pages push keys[0] down to the host tier
+    assert cache.where_is(keys[:1]) == [["host"]]
+    free = allocator.free_pages
+    for _ in range(3):
+        with pytest.raises(ValueError, match="repeats"):
+            cache.load([keys[0], keys[0]])
+    assert allocator.free_pages == free
+    ld = cache.load(keys[1:2])
+    with pytest.raises(ValueError, match="repeats"):
+        cache.store(ld.lease, [keys[0], keys[0]], torch.cat([ld.slots, ld.slots]))
+    cache.release(ld.lease)
+    assert allocator.free_pages == free and cache.where_is(keys[:1]) == [["host"]]
+    verify_nothing_pinned(cache)
+
+
+def test_a_load_failing_while_a_page_comes_up_frees_that_page(pool, allocator, codec, stack, monkeypatch):
+    """A lower-tier page whose load raises (not a damaged record: an unexpected error) leaves no
+    page allocated and no pin behind: the page being filled goes back with the lease."""
+    cache = PrefixCache(stack, allocator, codec, pool=pool)
+    keys = keys_for(17)
+    store_pages(cache, pool, keys[:1], seed=1)
+    store_pages(cache, pool, keys[1:17], seed=2)
+
+    def broken(*_a, **_k):
+        raise RuntimeError("copy failed")
+
+    monkeypatch.setattr(cache.codec, "load_page", broken)
+    with pytest.raises(RuntimeError, match="copy failed"):
+        cache.load(keys[:1])
+    assert allocator.used_pages == cache.device_pages  # every allocated page is a cached one (eviction made room)
+    verify_nothing_pinned(cache)
+
+
+def test_lease_ids_are_128_bit_random():
+    """Lease ids are 32 hex characters of fresh randomness, never sequential."""
+    from kvtier.server.model_config import DSAModelConfig
+    from kvtier.server.pool import PagedTokenAllocator
+    from kvtier.server.tiers import RecordCodec
+
+    model = DSAModelConfig.from_preset("glm-5.2", num_layers=4)
+    cache = PrefixCache(TierStack([]), PagedTokenAllocator(64 * 64, 64), RecordCodec(model), pool=None)
+    ids = [cache.load(keys_for(1, seed=i)).lease for i in range(50)]
+    assert all(len(i) == 32 and int(i, 16) >= 0 for i in ids) and len(set(ids)) == 50
+    assert len({i[:4] for i in ids}) > 40  # no common prefix, no counter

@@ -1,11 +1,12 @@
 """The stack with a shared tier (size-only twins, as ``--simulate`` builds them): pages reach it when
 the prefix cache stores them, evictions never cascade into it, lookups and loads use it, and
-unhealthy tiers are bypassed and come back through ``probe_due``."""
+unhealthy tiers are bypassed (a publish they cannot take is counted ``device-><tier>(unhealthy)``)
+and come back through the tier monitor's probes."""
 
 from __future__ import annotations
 
 from kvtier.server.pool import PagedTokenAllocator
-from kvtier.server.tiers import PrefixCache, SimTierConfig, TierStack
+from kvtier.server.tiers import PrefixCache, SimTier, SimTierConfig, TierStack, TierUnavailableError
 from kvtier.server.tiers.health import TierHealth
 from kvtier.server.tiers.mooncake_store import MooncakeStoreTierConfig
 from kvtier.server.tiers.monitor import TierMonitor
@@ -61,14 +62,47 @@ def test_unhealthy_tiers_are_bypassed_and_come_back_by_probe(codec):
     request(cache, keys[2:])  # published nowhere: dropped and counted
     assert stack.moves["device->mooncake(unhealthy)"]["count"] == 2
     host.health.mark_unhealthy("disk full")
-    assert stack.put(b"p:xk", 100, source="device") is False  # the only cascade tier is bypassed
+    assert stack.put(b"p:xk", 100, source="device") == []  # the only cascade tier is bypassed
     assert stack.moves["device->gone"]["count"] >= 1
-    monitor = TierMonitor(stack)
+    monitor = TierMonitor(stack.tiers)
     reported = {}
-    monitor.watch(lambda name, ok: reported.__setitem__(name, ok))
+    monitor.add_listener(lambda snap: reported.__setitem__(snap.service_name, snap.healthy))
+    assert [(s.tier, s.healthy) for s in monitor.run_once()] == [("host", False), ("mooncake", False)]
+    assert monitor.probes == 0  # no probe due yet
     assert reported == {"kvtier.tier.host": False, "kvtier.tier.mooncake": False}
-    assert monitor.run_once() == {}  # no probe due yet: nothing changed
+    assert monitor.run_once() == []  # nothing changed
     now[0] += 1.0  # the first backoff has passed
-    assert monitor.run_once() == {"kvtier.tier.host": True, "kvtier.tier.mooncake": True}
+    assert [(s.tier, s.healthy) for s in monitor.run_once()] == [("host", True), ("mooncake", True)]
+    assert monitor.probes == 2
     assert reported == {"kvtier.tier.host": True, "kvtier.tier.mooncake": True}
     assert cache.lookup(keys[:2]).per_tier["mooncake"] == 2
+
+
+class FailingSharedTier(SimTier):
+    """A shared size-only tier whose store fails after ``ok`` records of a write, as the Mooncake tier
+    does when its master goes away mid-batch: it marks itself unhealthy and raises
+    TierUnavailableError naming the records put before the failure."""
+
+    def __init__(self, ok: int) -> None:
+        super().__init__(SimTierConfig(capacity_bytes=1 << 30, name="mooncake", shared=True))
+        self.ok = ok
+
+    def write(self, items, *, on_evict=None, replace=False):
+        done = super().write(items[:self.ok])
+        self.health.mark_unhealthy("master went away")
+        raise TierUnavailableError(self.name, "master went away", written=tuple(done))
+
+
+def test_publish_to_a_tier_failing_mid_batch_counts_what_it_took_and_skips_the_rest():
+    """Scenario: 5 pages are published; the shared tier takes 2, then its store fails. The 2 are
+    moves to it (with their bytes), the other 3 are ``device->mooncake(unhealthy)`` (0 bytes: the
+    pages stay on the device); nothing raises. A later publish while it is unhealthy skips every page."""
+    shared = FailingSharedTier(ok=2)
+    stack = TierStack([shared])
+    keys = [b"p:k%d" % i for i in range(5)]
+    assert stack.publish(keys, lambda i, out: 100 + i, source="device") == 2
+    assert stack.moves["device->mooncake"] == {"count": 2, "bytes": 100 + 101}
+    assert stack.moves["device->mooncake(unhealthy)"] == {"count": 3, "bytes": 0}
+    assert shared.health.healthy is False and len(shared.index) == 2
+    assert stack.publish([b"p:k9", b"p:k8"], lambda i, out: 1, source="device") == 0
+    assert stack.moves["device->mooncake(unhealthy)"]["count"] == 5

@@ -8,7 +8,12 @@ untouched.
 KV streams are made of *segments*: one per (layer, component), holding that component's bytes for
 every slot in slot order. Components: ``latent`` (``latent_row_bytes`` a token), ``index_k``
 (``index_head_dim`` FP8 bytes a token) and ``index_scale`` (``index_head_dim // 128`` FP32 values a
-token); the indexer components exist on live layers only.
+token); the indexer components exist on live layers only. A data message carries at least
+:data:`MIN_CHUNK_BYTES` unless it ends its segment, so a stream's message count stays bounded by its
+bytes (a 1-byte-chunk stream cannot hold a worker for hours).
+
+Every operation takes the :class:`~kvtier.server.daemon.tenants.Caller` explicitly: it sees only its
+tenant's pools and copies.
 """
 
 from __future__ import annotations
@@ -21,9 +26,11 @@ import numpy as np
 import torch
 
 from kvtier.server.pool.buffer_info import BufInfos
-from kvtier.server.service.errors import FailedPrecondition, InvalidArgument
-from kvtier.server.service.offload_store import CopyStore, HostCopy
-from kvtier.server.service.pools import PoolEntry, PoolRegistry
+from kvtier.server.daemon.config import MIN_CHUNK_BYTES
+from kvtier.server.daemon.errors import FailedPrecondition, InvalidArgument
+from kvtier.server.daemon.offload_store import HostCopy, OffloadStore
+from kvtier.server.daemon.pools import PoolEntry, PoolRegistry
+from kvtier.server.daemon.tenants import Caller
 
 LATENT, INDEX_K, INDEX_SCALE = "latent", "index_k", "index_scale"
 COMPONENTS = (LATENT, INDEX_K, INDEX_SCALE)
@@ -51,6 +58,21 @@ class KVSelection:
     """If set, the layout the caller assumes: the pool's fingerprint digest must equal it."""
 
 
+def chunk_size(requested: int, default: int, maximum: int) -> int:
+    """Data bytes a streamed message may carry: ``requested`` (0: ``default``), checked.
+
+    Raises:
+        InvalidArgument: below :data:`MIN_CHUNK_BYTES` (a stream of tiny messages would hold a
+            worker for hours) or above ``maximum`` (``max_message_bytes`` less the message overhead).
+    """
+    chunk = requested or default
+    if chunk < MIN_CHUNK_BYTES:
+        raise InvalidArgument(f"chunk_bytes {chunk} is below the minimum of {MIN_CHUNK_BYTES}")
+    if chunk > maximum:
+        raise InvalidArgument(f"chunk_bytes {chunk} exceeds {maximum} (max_message_bytes less room for the other fields)")
+    return chunk
+
+
 def token_bytes(entry: PoolEntry, component: str) -> int:
     """Bytes a token of ``component`` takes in ``entry``'s pool."""
     pool = entry.pool
@@ -59,6 +81,7 @@ def token_bytes(entry: PoolEntry, component: str) -> int:
 
 def plan_segments(entry: PoolEntry, sel: KVSelection, n_slots: int) -> list[Segment]:
     """The segments of ``sel`` in stream order (latent layers, then per index layer keys then scales).
+    Layers are model layer ids (a pipeline stage's pool holds ``[start_layer, end_layer)``).
 
     Raises:
         InvalidArgument: a layer out of range or repeated, or nothing selected.
@@ -69,18 +92,19 @@ def plan_segments(entry: PoolEntry, sel: KVSelection, n_slots: int) -> list[Segm
         raise FailedPrecondition(
             f"pool {entry.pool_id!r} has layout {entry.model.fingerprint_digest()}, not the {sel.layout_digest} the "
             f"request assumes (was the pool re-created?)")
-    num_layers = entry.pool.layer_num
+    pool = entry.pool
+    start, end = pool.start_layer, pool.end_layer
     for what, layers in (("latent_layers", sel.latent_layers), ("index_layers", sel.index_layers)):
-        bad = [x for x in layers if not 0 <= x < num_layers]
+        bad = [x for x in layers if not start <= x < end]
         if bad:
-            raise InvalidArgument(f"{what} has layer {bad[0]} outside [0, {num_layers})")
+            raise InvalidArgument(f"{what} has layer {bad[0]} outside the pool's layers [{start}, {end})")
         if len(set(layers)) != len(layers):
             raise InvalidArgument(f"{what} repeats a layer")
-    skipped = [x for x in sel.index_layers if entry.pool.skip_topk_layers[x]]
+    skipped = [x for x in sel.index_layers if pool.skip_topk_layers[x - start]]
     if skipped:
         raise FailedPrecondition(
             f"layer {skipped[0]} skips top-k in pool {entry.pool_id!r} and owns no indexer buffer "
-            f"(live layers: {list(entry.pool.live_layers)})")
+            f"(live layers: {[start + i for i in pool.live_layers]})")
     if not sel.latent_layers and not sel.index_layers:
         raise InvalidArgument("select at least one latent or index layer")
     segs = [Segment(x, LATENT, n_slots * token_bytes(entry, LATENT)) for x in sel.latent_layers]
@@ -120,7 +144,8 @@ class KVWriteBuffer:
 
         Raises:
             InvalidArgument: a segment not in the header, an offset other than the bytes received so
-                far for it (gap, overlap or reordering), or more bytes than the segment holds.
+                far for it (gap, overlap or reordering), more bytes than the segment holds, or a piece
+                under :data:`MIN_CHUNK_BYTES` that does not end its segment.
         """
         key = (layer_id, component)
         buf = self._bufs.get(key)
@@ -132,6 +157,9 @@ class KVWriteBuffer:
         end = offset + len(data)
         if end > buf.size:
             raise InvalidArgument(f"layer {layer_id} {component} gets {end} bytes; it holds {buf.size}")
+        if len(data) < MIN_CHUNK_BYTES and end != buf.size:
+            raise InvalidArgument(f"chunk of {len(data)} bytes for layer {layer_id} {component}: pieces must hold at "
+                                  f"least {MIN_CHUNK_BYTES} bytes unless they end their segment")
         buf[offset:end] = np.frombuffer(data, dtype=np.uint8)
         self._filled[key] = end
 
@@ -147,7 +175,7 @@ class KVWriteBuffer:
         return torch.from_numpy(self._bufs[(layer_id, component)])
 
 
-def write_kv(registry: PoolRegistry, buf: KVWriteBuffer) -> int:
+def write_kv(registry: PoolRegistry, caller: Caller, buf: KVWriteBuffer) -> int:
     """Commit a complete :class:`KVWriteBuffer` into its pool; returns the bytes written.
 
     The slots are checked again under the pool's exclusive lock (the allocation may have changed
@@ -158,7 +186,7 @@ def write_kv(registry: PoolRegistry, buf: KVWriteBuffer) -> int:
     """
     buf.check_complete()
     sel = buf.selection
-    with registry.locked(sel.pool_id, exclusive=True) as entry:
+    with registry.locked(caller, sel.pool_id, exclusive=True) as entry:
         slots = entry.slots(buf.slots, unique=True)
         n = slots.numel()
         pool = entry.pool
@@ -172,7 +200,7 @@ def write_kv(registry: PoolRegistry, buf: KVWriteBuffer) -> int:
     return buf.nbytes
 
 
-def read_kv(registry: PoolRegistry, sel: KVSelection) -> list[tuple[Segment, np.ndarray]]:
+def read_kv(registry: PoolRegistry, caller: Caller, sel: KVSelection) -> list[tuple[Segment, np.ndarray]]:
     """Gather the selected KV under the pool's shared lock (a consistent snapshot).
 
     Returns:
@@ -181,7 +209,7 @@ def read_kv(registry: PoolRegistry, sel: KVSelection) -> list[tuple[Segment, np.
     Raises:
         NotFound, InvalidArgument, FailedPrecondition: see :func:`plan_segments`, :meth:`PoolEntry.slots`.
     """
-    with registry.locked(sel.pool_id, exclusive=False) as entry:
+    with registry.locked(caller, sel.pool_id, exclusive=False) as entry:
         slots = entry.slots(sel.slots)
         if slots.numel() == 0:
             raise InvalidArgument("a KV read needs at least one slot")
@@ -201,13 +229,13 @@ def read_kv(registry: PoolRegistry, sel: KVSelection) -> list[tuple[Segment, np.
         return out
 
 
-def move_kv(registry: PoolRegistry, pool_id: str, tgt: Any, src: Any) -> int:
+def move_kv(registry: PoolRegistry, caller: Caller, pool_id: str, tgt: Any, src: Any) -> int:
     """Copy the KV of ``src`` slots onto ``tgt`` slots (every layer, latent and indexer); returns the count.
 
     Raises:
         InvalidArgument: bad, unallocated or duplicate target slots, or unequal lengths.
     """
-    with registry.locked(pool_id, exclusive=True) as entry:
+    with registry.locked(caller, pool_id, exclusive=True) as entry:
         t = entry.slots(tgt, "tgt_slots", unique=True)
         s = entry.slots(src, "src_slots")
         if t.numel() != s.numel():
@@ -218,34 +246,38 @@ def move_kv(registry: PoolRegistry, pool_id: str, tgt: Any, src: Any) -> int:
 
 @dataclass(frozen=True)
 class OffloadResult:
-    """What :func:`offload` did: bytes stored, tokens copied, pages freed."""
+    """What :func:`offload` did: bytes stored, tokens copied, pages freed, and whether the copy is
+    durable (committed to the disk tier's LMDB before the call returned)."""
 
     nbytes: int
     num_tokens: int
     freed_pages: int
+    durable: bool = False
 
 
-def offload(registry: PoolRegistry, store: CopyStore, pool_id: str, key: str, slots: Any, *, free_slots: bool) -> OffloadResult:
-    """Copy ``slots`` (latent + live-layer indexer) into ``store`` under ``key``; optionally free them.
+def offload(registry: PoolRegistry, store: OffloadStore, caller: Caller, pool_id: str, key: str, slots: Any, *,
+            free_slots: bool) -> OffloadResult:
+    """Copy ``slots`` (latent + live-layer indexer) into ``store`` under ``caller``'s ``key``; optionally free them.
 
     Raises:
         InvalidArgument: bad, unallocated, duplicate or no slots; empty key.
-        AlreadyExists: ``key`` is taken. ResourceExhausted: the store's budget is too small.
-        FailedPrecondition: ``free_slots`` with slots on pages the prefix cache holds.
+        AlreadyExists: the tenant's ``key`` is taken. ResourceExhausted: no tier (within the tenant's
+            quotas) can take the copy. FailedPrecondition: ``free_slots`` with slots on pages the prefix cache holds.
     """
-    with registry.locked(pool_id, exclusive=free_slots) as entry:
+    store.check_key(key)
+    with registry.locked(caller, pool_id, exclusive=free_slots) as entry:
         t = entry.slots(slots, unique=True)
         if t.numel() == 0:
             raise InvalidArgument("offload needs at least one slot")
         if free_slots:  # checked before anything is stored, so a refusal leaves no copy behind
             entry.check_client_owned(torch.unique(t // entry.page_size), "offload slots")
         nbytes = entry.pool.cpu_copy_nbytes(t)
-        store.check_room(key, nbytes)
+        store.check_room(caller, key, nbytes)
         copy = entry.pool.get_cpu_copy(t)
-        store.put(key, HostCopy(copy, nbytes, t.numel(), entry.model.fingerprint(),
-                                entry.model.fingerprint_digest(), entry.pool_id))
+        durable = bool(store.put(caller, key, HostCopy(copy, nbytes, t.numel(), entry.model.fingerprint(),
+                                                       entry.model.fingerprint_digest(), entry.pool_id)))
         freed = entry.free(t) if free_slots else 0
-        return OffloadResult(nbytes, t.numel(), freed)
+        return OffloadResult(nbytes, t.numel(), freed, durable)
 
 
 def _layout_difference(a: dict[str, Any], b: dict[str, Any]) -> str:
@@ -253,19 +285,21 @@ def _layout_difference(a: dict[str, Any], b: dict[str, Any]) -> str:
     return ", ".join(f"{k}: copy {a.get(k)!r} vs pool {b.get(k)!r}" for k in keys)
 
 
-def restore(registry: PoolRegistry, store: CopyStore, pool_id: str, key: str, slots: Sequence[int] | None,
-            *, drop: bool) -> tuple[torch.Tensor, int]:
-    """Load the copy under ``key`` into ``slots`` (or newly allocated slots when None/empty).
+def restore(registry: PoolRegistry, store: OffloadStore, caller: Caller, pool_id: str, key: str,
+            slots: Sequence[int] | None, *, drop: bool) -> tuple[torch.Tensor, int]:
+    """Load ``caller``'s copy under ``key`` into ``slots`` (or newly allocated slots when None/empty;
+    unpinned prefix-cache pages are evicted to make room, as LoadPrefix does).
 
     Returns:
         ``(slots (n,) int64, nbytes)``.
 
     Raises:
-        NotFound: no copy under ``key``. FailedPrecondition: the copy's layout differs from the pool's.
+        NotFound: no copy under ``key`` (or another tenant's). FailedPrecondition: the copy's layout differs from the pool's.
         InvalidArgument: bad slots or a count other than the copy's. ResourceExhausted: no free pages.
     """
-    hc = store.get(key)
-    with registry.locked(pool_id, exclusive=True) as entry:
+    registry.get(caller, pool_id)  # an unknown pool is NOT_FOUND before the copy is decoded
+    hc = store.get(caller, key)
+    with registry.locked(caller, pool_id, exclusive=True) as entry:
         if hc.layout_digest != entry.model.fingerprint_digest():
             raise FailedPrecondition(
                 f"copy {key!r} has another layout than pool {pool_id!r}: "
@@ -284,11 +318,12 @@ def restore(registry: PoolRegistry, store: CopyStore, pool_id: str, key: str, sl
                 entry.free(t)
             raise
     if drop:
-        store.drop(key)
+        store.drop(caller, key)
     return t, hc.nbytes
 
 
-def buffer_infos(registry: PoolRegistry, pool_id: str) -> tuple[PoolEntry, BufInfos, BufInfos]:
-    """``(entry, state buffer infos (indexer), contiguous buffer infos (latent))``, one entry a layer."""
-    with registry.locked(pool_id, exclusive=False) as entry:
+def buffer_infos(registry: PoolRegistry, caller: Caller, pool_id: str) -> tuple[PoolEntry, BufInfos, BufInfos]:
+    """``(entry, state buffer infos (indexer), contiguous buffer infos (latent))``, one entry a layer.
+    Raw addresses: only the pool's own tenant gets them (another tenant's pool is NOT_FOUND)."""
+    with registry.locked(caller, pool_id, exclusive=False) as entry:
         return entry, entry.pool.get_state_buf_infos(), entry.pool.get_contiguous_buf_infos()

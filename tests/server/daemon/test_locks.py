@@ -1,31 +1,10 @@
-"""The readers-writer lock and the one mapping from domain errors to status codes."""
+"""The daemon's readers-writer lock: readers share it, a writer is alone, a waiting writer blocks new readers."""
 
 from __future__ import annotations
 
 import threading
 
-import grpc
-
-from kvtier.server.pool import AllocatorError
-from kvtier.server.service.errors import (
-    AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, status_code_for,
-)
-from kvtier.server.service.locks import RWLock
-
-
-def test_status_codes():
-    assert status_code_for(InvalidArgument("x")) == grpc.StatusCode.INVALID_ARGUMENT
-    assert status_code_for(NotFound("x")) == grpc.StatusCode.NOT_FOUND
-    assert status_code_for(AlreadyExists("x")) == grpc.StatusCode.ALREADY_EXISTS
-    assert status_code_for(ResourceExhausted("x")) == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert status_code_for(FailedPrecondition("x")) == grpc.StatusCode.FAILED_PRECONDITION
-
-    class TierFull(ResourceExhausted):
-        pass
-
-    assert status_code_for(TierFull("x")) == grpc.StatusCode.RESOURCE_EXHAUSTED  # subclasses map too
-    assert status_code_for(AllocatorError("double free")) == grpc.StatusCode.INVALID_ARGUMENT  # pool core ValueError
-    assert status_code_for(RuntimeError("bug")) == grpc.StatusCode.INTERNAL
+from kvtier.server.daemon.locks import RWLock
 
 
 def test_readers_share_writer_waits():

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from kvtier.server.service.tier_runtime import build_stack
-from kvtier.server.service.tier_settings import TierSettings, mooncake_config
+from kvtier.server.daemon.tier_runtime import build_stack
+from kvtier.server.daemon.tier_settings import TierSettings, mooncake_config
 
 MiB = 1 << 20
 

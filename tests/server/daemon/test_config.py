@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier.server.service.config import DaemonConfig, PoolSpec, parse_bytes
+from kvtier.server.daemon.config import DaemonConfig, PoolSpec, parse_bytes
 
 
 def test_defaults():

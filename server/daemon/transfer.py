@@ -1,6 +1,8 @@
-"""PD transfer on a daemon: the engine and its registrations, layouts, PullKV, ReadPages.
+"""PD transfer on a daemon, the domain half: the engine and its registrations, layouts, PullKV, ReadPages.
 
-One :class:`TransferState` per daemon (built by the TransferService factory). With
+One :class:`TransferState` per daemon (``Daemon.transfer``). The peer daemon is reached through a
+:class:`PeerConnector` the caller passes in (the gRPC one lives in ``kvtier.server.service.transfer_peer``),
+so nothing here imports grpc. With
 ``transfer_engine = "mooncake"`` it starts a Mooncake Transfer Engine on ``transfer_host`` and
 registers a pool's buffers (one range per component arena, from its buffer infos) the first time
 the pool takes part in a transfer; registrations of deleted pools are dropped on the next call
@@ -25,24 +27,27 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-import grpc
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Protocol
+
 import numpy as np
 import torch
 
 from kvtier.addresses import resolve_address
+from kvtier.server.daemon.errors import FailedPrecondition, InvalidArgument
+from kvtier.server.daemon.kv_ops import chunk_size
+from kvtier.server.daemon.pools import PoolEntry, PoolRegistry
+from kvtier.server.daemon.tenants import Caller
 from kvtier.server.pool import slots_of_pages
-from kvtier.server.service.errors import FailedPrecondition, InvalidArgument, NotFound
-from kvtier.server.service.pools import PoolEntry, PoolRegistry
-from kvtier.server.service.state import DaemonState
-from kvtier.server.service.transfer_messages import COMPONENT_TO_PROTO, peer_layout
 from kvtier.server.transfer import (
-    DEFAULT_BATCH_ITEMS, MooncakeTransferEngine, MooncakeTransport, PageMappingError, PoolLayout,
-    TransferEngineConfig, TransferError, TransferPlan, TransferStats, check_page_mapping, fail_batch_from_env,
+    DEFAULT_BATCH_ITEMS, MooncakeTransferEngine, MooncakeTransport, PageMappingError, PageTransport, PoolLayout,
+    TransferEngineConfig, TransferError, TransferStats, check_page_mapping, fail_batch_from_env,
     pages_from_slots, plan_pull, pool_layout, pull_pages, registration_ranges,
 )
-from kvtier.server.transfer.engine import check_injected_failure
 from kvtier.server.transfer.pages import page_run
-from kvtier.v1 import transfer_pb2, transfer_pb2_grpc
+
+if TYPE_CHECKING:
+    from kvtier.server.daemon.core import Daemon
 
 log = logging.getLogger("kvtier.transfer")
 
@@ -93,14 +98,6 @@ class PullResult:
     seconds: float
 
 
-def _write_bytes(dst: torch.Tensor, data: bytes) -> None:
-    src = np.frombuffer(data, dtype=np.uint8)
-    if dst.device.type == "cpu":
-        dst.numpy()[:] = src
-    else:
-        dst.copy_(torch.from_numpy(src.copy()), non_blocking=False)
-
-
 def _check_allocated(entry: PoolEntry, pages: np.ndarray, what: str) -> None:
     limit = entry.page_allocated.numel()
     if pages.size and int(pages.min()) < 0:
@@ -112,40 +109,27 @@ def _check_allocated(entry: PoolEntry, pages: np.ndarray, what: str) -> None:
         raise InvalidArgument(f"{what} contains page {int(bad[0])}, which is not allocated in pool {entry.pool_id!r}")
 
 
-class GrpcPageTransport:
-    """Fallback :class:`PageTransport`: each batch is one ReadPages stream from the peer daemon,
-    written into the destination pool's pages as chunks arrive."""
+class PeerLink(Protocol):
+    """One open connection to a peer daemon (a PullKV's source)."""
 
-    name = "grpc"
+    def layout(self, pool_id: str, check_pages: list[int], spec: PullSpec) -> PoolLayout:
+        """The peer pool's layout; ``check_pages`` must be allocated there. Bounded by ``spec.remaining``.
 
-    def __init__(self, stub: transfer_pb2_grpc.TransferServiceStub, peer: str, peer_pool_id: str,
-                 entry: PoolEntry, chunk_bytes: int, fail_batch: int | None, spec: PullSpec) -> None:
-        self.stub, self.peer, self.peer_pool_id = stub, peer, peer_pool_id
-        self.entry, self.chunk_bytes, self.fail_batch = entry, chunk_bytes, fail_batch
-        self.spec = spec
+        Raises:
+            NotFound / InvalidArgument: the peer's answer (unknown pool, unallocated pages).
+            TransferError: the peer could not be asked.
+        """
 
-    def pull(self, remote: PoolLayout, plan: TransferPlan) -> None:
-        for b, batch in enumerate(plan.batches):
-            check_injected_failure(self.fail_batch, b, "grpc")
-            targets = [page_run(self.entry.pool, it.component, it.layer_id, it.dst_page, it.num_pages) for it in batch]
-            got = [0] * len(batch)
-            request = transfer_pb2.ReadPagesRequest(pool_id=self.peer_pool_id, chunk_bytes=self.chunk_bytes, runs=[
-                transfer_pb2.PageRun(layer_id=it.layer_id, component=COMPONENT_TO_PROTO[it.component],
-                                     first_page=it.src_page, num_pages=it.num_pages) for it in batch])
-            try:
-                for msg in self.stub.ReadPages(request, timeout=self.spec.remaining(PEER_STREAM_TIMEOUT_S)):
-                    r, n = msg.run, len(msg.data)
-                    if r >= len(batch) or msg.offset != got[r] or got[r] + n > batch[r].nbytes:
-                        raise TransferError(f"grpc: ReadPages from {self.peer} sent an out-of-order chunk (run {r}, offset {msg.offset})", batch=b)
-                    _write_bytes(targets[r][got[r]:got[r] + n], msg.data)
-                    got[r] += n
-            except grpc.RpcError as e:
-                raise TransferError(f"grpc: ReadPages from {self.peer} failed in batch {b + 1} of {len(plan.batches)}: "
-                                    f"{e.code().name}: {e.details()}", batch=b) from None
-            short = [i for i, it in enumerate(batch) if got[i] != it.nbytes]
-            if short:
-                raise TransferError(f"grpc: ReadPages from {self.peer} ended early in batch {b + 1} "
-                                    f"({got[short[0]]} of {batch[short[0]].nbytes} bytes of a run)", batch=b)
+    def page_transport(self, entry: PoolEntry, chunk_bytes: int, fail_batch: int | None, spec: PullSpec) -> PageTransport:
+        """A transport that streams page runs from the peer into ``entry``'s pool (the fallback without an engine)."""
+
+
+class PeerConnector(Protocol):
+    """Opens :class:`PeerLink` s to peer daemons by address."""
+
+    def connect(self, address: str, caller: Caller) -> AbstractContextManager[PeerLink]:
+        """A link to the daemon at ``address`` (``unix:///path`` or ``HOST:PORT``) on behalf of
+        ``caller`` (whose credentials the link presents), closed on exit."""
 
 
 class TransferState:
@@ -155,11 +139,10 @@ class TransferState:
         TransferEngineUnavailable: ``transfer_engine = "mooncake"`` but the engine cannot start.
     """
 
-    def __init__(self, state: DaemonState) -> None:
+    def __init__(self, state: Daemon) -> None:
         cfg = state.config
         self.pools: PoolRegistry = state.pools
         self.counters = state.counters
-        self.grpc_options = cfg.grpc_options()
         self.chunk_bytes = cfg.chunk_bytes
         self.max_chunk_bytes = cfg.max_chunk_bytes
         self.fail_batch = fail_batch_from_env()
@@ -167,7 +150,7 @@ class TransferState:
         if cfg.transfer_engine == "mooncake":
             self.engine = MooncakeTransferEngine(TransferEngineConfig(host=cfg.transfer_host, fail_batch=self.fail_batch))
             log.info("Mooncake Transfer Engine at %s", self.engine.endpoint)
-        self._registered: dict[str, tuple[PoolEntry, list[tuple[int, int]]]] = {}
+        self._registered: dict[tuple[str, str], tuple[PoolEntry, list[tuple[int, int]]]] = {}  # (tenant, pool id)
         self._lock = threading.Lock()
 
     # ----- registrations and layouts ------------------------------------------------------------
@@ -175,19 +158,20 @@ class TransferState:
         """Register ``entry``'s buffers once (dropping those of deleted pools first)."""
         assert self.engine is not None
         with self._lock:
+            key = (entry.tenant, entry.pool_id)
             for pid, (old, ranges) in list(self._registered.items()):
-                if old.deleted or (pid == entry.pool_id and old is not entry):
+                if old.deleted or (pid == key and old is not entry):
                     del self._registered[pid]
                     try:
                         self.engine.unregister(ranges)
                     except TransferError:
-                        log.warning("could not unregister the buffers of deleted pool %r", pid, exc_info=True)
-            if entry.pool_id not in self._registered:
+                        log.warning("could not unregister the buffers of deleted pool %r", pid[1], exc_info=True)
+            if key not in self._registered:
                 pool = entry.pool
                 ranges = registration_ranges(pool.get_contiguous_buf_infos(), pool.get_state_buf_infos())
                 self.engine.register(ranges)
-                self._registered[entry.pool_id] = (entry, ranges)
-            return self._registered[entry.pool_id][1]
+                self._registered[key] = (entry, ranges)
+            return self._registered[key][1]
 
     def layout(self, entry: PoolEntry) -> PoolLayout:
         """``entry``'s layout, naming the engine endpoint and registered ranges when there is an engine."""
@@ -196,9 +180,10 @@ class TransferState:
             return layout
         return layout.with_engine(self.engine.endpoint, self._registration(entry))
 
-    def transfer_layout(self, pool_id: str, check_pages: Sequence[int]) -> tuple[PoolEntry, PoolLayout]:
-        """GetTransferLayout: the pool's layout; ``check_pages`` must be allocated (InvalidArgument)."""
-        with self.pools.locked(pool_id, exclusive=False) as entry:
+    def transfer_layout(self, caller: Caller, pool_id: str, check_pages: Sequence[int]) -> tuple[PoolEntry, PoolLayout]:
+        """GetTransferLayout: ``caller``'s pool's layout (raw addresses: the owner only; another
+        tenant's pool is NOT_FOUND); ``check_pages`` must be allocated (InvalidArgument)."""
+        with self.pools.locked(caller, pool_id, exclusive=False) as entry:
             if len(check_pages):
                 try:
                     pages = np.asarray(list(check_pages), dtype=np.int64)
@@ -216,8 +201,9 @@ class TransferState:
             return check_page_mapping(list(spec.src_pages), list(spec.dst_pages))
         return pages_from_slots(list(spec.src_slots), list(spec.dst_slots), page_size)
 
-    def pull(self, spec: PullSpec) -> PullResult:
-        """PullKV: move pages of the peer's pool onto this daemon's pool (module docstring).
+    def pull(self, caller: Caller, spec: PullSpec, peers: PeerConnector) -> PullResult:
+        """PullKV: move pages of the peer's pool onto ``caller``'s pool (module docstring); the peer
+        is reached through ``peers`` with ``caller``'s credentials (its tenant there is the token's).
 
         Raises:
             InvalidArgument/PageMappingError: bad mapping, unknown transport, destination pages not allocated.
@@ -231,18 +217,17 @@ class TransferState:
         if spec.transport == "mooncake" and self.engine is None:
             raise FailedPrecondition("this daemon runs without a transfer engine (--transfer-engine none); use transport 'grpc'")
         batch_items = spec.max_batch_items or DEFAULT_BATCH_ITEMS
-        page_size = self.pools.get(spec.pool_id).page_size
+        page_size = self.pools.get(caller, spec.pool_id).page_size
         src, dst = self._mapping(spec, page_size)
         try:
             address = resolve_address(spec.peer_address)
         except ValueError as e:
             raise InvalidArgument(f"peer_address: {e}") from None
-        with grpc.insecure_channel(address, options=self.grpc_options) as channel:
-            stub = transfer_pb2_grpc.TransferServiceStub(channel)
-            remote = self._peer_layout(stub, address, spec.peer_pool_id, src, spec)
+        with peers.connect(address, caller) as peer:
+            remote = peer.layout(spec.peer_pool_id, src.tolist(), spec)
             if spec.transport == "mooncake" and not remote.endpoint:
                 raise FailedPrecondition(f"peer {address} runs without a transfer engine; use transport 'grpc'")
-            with self.pools.locked(spec.pool_id, exclusive=True) as entry:
+            with self.pools.locked(caller, spec.pool_id, exclusive=True) as entry:
                 _check_allocated(entry, dst, "destination pages")
                 # a failed pull frees its destination pages: they must be the caller's to free
                 entry.check_client_owned(dst, "destination pages")
@@ -251,37 +236,23 @@ class TransferState:
                     raise InvalidArgument(f"pool {spec.pool_id!r} would pull from itself; use MoveKV to copy pages within a pool")
                 plan = plan_pull(local, remote, src, dst, max_batch_items=batch_items)
                 transport = (MooncakeTransport(self.engine) if spec.transport == "mooncake" and self.engine
-                             else GrpcPageTransport(stub, address, spec.peer_pool_id, entry, self.chunk_bytes,
-                                                    self.fail_batch, spec))
+                             else peer.page_transport(entry, self.chunk_bytes, self.fail_batch, spec))
                 start = time.perf_counter()
                 try:
                     stats = pull_pages(transport, remote, plan)
                 except Exception as e:
                     freed = entry.free(slots_of_pages(torch.from_numpy(dst), entry.page_size))
-                    self.counters.add("pulls_failed")
+                    self.counters.add(caller, "pulls_failed")
                     raise TransferError(f"pull from {address} pool {spec.peer_pool_id!r} failed; the {freed} destination "
                                         f"pages {dst.tolist()[:16]} were freed: {e}") from e
                 seconds = time.perf_counter() - start
-        self.counters.add("pulls")
-        self.counters.add("pull_bytes", stats.total_bytes)
+        self.counters.add(caller, "pulls")
+        self.counters.add(caller, "pull_bytes", stats.total_bytes)
         return PullResult(stats, spec.transport, seconds)
 
-    def _peer_layout(self, stub: transfer_pb2_grpc.TransferServiceStub, address: str, pool_id: str,
-                     src: np.ndarray, spec: PullSpec) -> PoolLayout:
-        request = transfer_pb2.TransferLayoutRequest(pool_id=pool_id, check_pages=src.tolist())
-        try:
-            msg = stub.GetTransferLayout(request, timeout=spec.remaining(PEER_LAYOUT_TIMEOUT_S))
-        except grpc.RpcError as e:
-            code, details = e.code(), e.details()
-            if code == grpc.StatusCode.NOT_FOUND:
-                raise NotFound(f"peer {address}: {details}") from None
-            if code == grpc.StatusCode.INVALID_ARGUMENT:
-                raise InvalidArgument(f"peer {address}: {details}") from None
-            raise TransferError(f"peer {address} GetTransferLayout failed: {code.name}: {details}") from None
-        return peer_layout(msg)
-
     # ----- page streams (source side of the gRPC fallback) --------------------------------------
-    def read_pages(self, pool_id: str, runs: Sequence[tuple[int, str, int, int]], chunk_bytes: int) -> Iterator[tuple[int, int, bytes]]:
+    def read_pages(self, caller: Caller, pool_id: str, runs: Sequence[tuple[int, str, int, int]],
+                   chunk_bytes: int) -> Iterator[tuple[int, int, bytes]]:
         """ReadPages: ``(run index, offset, data)`` chunks of each ``(layer, component, first_page, num_pages)`` run.
 
         Every run is checked (layer, component, page range, pages allocated) before the first chunk.
@@ -289,17 +260,15 @@ class TransferState:
         Raises:
             InvalidArgument/PageMappingError: a bad run or chunk size.
         """
-        chunk = chunk_bytes or self.chunk_bytes
-        if chunk > self.max_chunk_bytes:
-            raise InvalidArgument(f"chunk_bytes {chunk} exceeds {self.max_chunk_bytes} (max_message_bytes less chunk overhead)")
+        chunk = chunk_size(chunk_bytes, self.chunk_bytes, self.max_chunk_bytes)
         if not runs:
             raise PageMappingError("ReadPages needs at least one page run")
-        with self.pools.locked(pool_id, exclusive=False) as entry:
+        with self.pools.locked(caller, pool_id, exclusive=False) as entry:
             for layer, comp, first, n in runs:
                 page_run(entry.pool, comp, layer, first, n)
                 _check_allocated(entry, np.arange(first, first + n, dtype=np.int64), f"run of layer {layer} {comp}")
         for i, (layer, comp, first, n) in enumerate(runs):
-            with self.pools.locked(pool_id, exclusive=False) as entry:  # a consistent copy of the run...
+            with self.pools.locked(caller, pool_id, exclusive=False) as entry:  # a consistent copy of the run...
                 view = page_run(entry.pool, comp, layer, first, n)
                 pieces = [view[off:off + chunk].cpu().numpy().tobytes() for off in range(0, view.numel(), chunk)]
             for k, data in enumerate(pieces):  # ...streamed without holding the lock
@@ -314,5 +283,5 @@ class TransferState:
                 try:
                     self.engine.unregister(ranges)
                 except TransferError:
-                    log.warning("could not unregister the buffers of pool %r at shutdown", pid, exc_info=True)
+                    log.warning("could not unregister the buffers of pool %r at shutdown", pid[1], exc_info=True)
             self._registered.clear()

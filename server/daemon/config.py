@@ -26,14 +26,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvtier.server.service.config_keys import check_known_keys
-from kvtier.server.service.tier_settings import TierSettings
+from kvtier.server.daemon.config_keys import check_known_keys
+from kvtier.server.daemon.quotas import Quotas
+from kvtier.server.daemon.tenants import DEFAULT_TENANT, check_tenant_name
+from kvtier.server.daemon.tier_settings import TierSettings
 
 MiB = 1 << 20
 GiB = 1 << 30
 DEFAULT_MAX_MESSAGE_BYTES = 4 * MiB
 CHUNK_OVERHEAD_BYTES = 1024  # room a KV chunk message needs beside its data (field tags, lengths)
+MIN_CHUNK_BYTES = 4096  # smallest data piece of a KV stream (but the last piece of a segment)
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+LOG_FORMATS = ("text", "json")
 DEVICES = ("auto", "cpu", "cuda")
 TRANSFER_ENGINES = ("none", "mooncake")
 
@@ -70,15 +74,22 @@ class PoolSpec:
     role: str = "target"
     """``target`` (skip-aware), ``draft`` or ``hisparse`` (indexer on every layer)."""
     num_layers: int = 0
-    """Use only the first N layers (scaled-down pools); 0 = all of the model's layers."""
+    """Use only N layers from ``start_layer`` (scaled-down pools); 0 = up to ``end_layer``."""
+    start_layer: int = 0
+    """First model layer of the pool: a pipeline-parallel stage holds layers ``[start_layer, end_layer)``."""
+    end_layer: int = 0
+    """One past the pool's last model layer; 0 = the model's last (or ``start_layer + num_layers``)."""
     kv_cache_dtype: str = "fp8"
     """``fp8`` (656-byte DSA rows) or ``bf16``."""
     page_size: int = 64
     """Tokens per page."""
+    tenant: str = DEFAULT_TENANT
+    """The tenant that owns the pool (``--pool`` pools belong to ``default``)."""
 
     def __post_init__(self) -> None:
         if not self.model:
             raise ValueError("a pool needs a model")
+        check_tenant_name(self.tenant)
         if (self.tokens == 0) == (self.memory_bytes == 0):
             raise ValueError(f"pool {self.pool_id!r}: give exactly one of tokens and memory_bytes")
 
@@ -114,6 +125,12 @@ class DaemonConfig:
     """Cap on the bytes of all pools together; 0 = no cap beyond what the device can allocate."""
     workers: int = 16
     """gRPC worker threads (each in-flight call, streams included, holds one)."""
+    max_streams: int = 0
+    """KV streams (WriteKV, ReadKV, ReadPages) in flight at once; one more is refused at once with
+    RESOURCE_EXHAUSTED. 0: half the workers (at least 1), so the other half always serve control calls."""
+    stream_idle_seconds: float = 30.0
+    """A stream that moves no message for this long (a stalled sender or a reader that stopped
+    reading) is cancelled, freeing its worker thread and stream slot."""
     torch_threads: int = 1
     """torch intra-op threads. Calls already run in parallel on the workers; more than 1 made row
     gathers/scatters ~30x slower on a busy 2-core machine (OpenMP threads spin against each other)."""
@@ -127,19 +144,44 @@ class DaemonConfig:
     at most ``max_message_bytes - 1024``."""
     grace_seconds: float = 10.0
     """On SIGTERM/SIGINT: how long in-flight calls may run on before they are cancelled."""
+    close_seconds: float = 60.0
+    """After the grace period: how long the shutdown work (moving device and host records down to
+    the disk tier, closing LMDB) may take; past it, or with a call stuck in a worker, the daemon
+    logs what is left and exits anyway."""
     tls_cert: str = ""
     """PEM certificate file; with ``tls_key`` the daemon serves TLS and may listen beyond loopback."""
     tls_key: str = ""
     """PEM private key file for ``tls_cert``."""
+    tls_client_ca: str = ""
+    """PEM file of the CA that signs client certificates: with it (and ``tls_cert``), every client
+    must present a certificate it signed (mutual TLS)."""
+    peer_tls_ca: str = ""
+    """PEM CA file for PullKV's calls to peer daemons: set it to reach peers over TLS (the daemon's
+    own ``tls_cert``/``tls_key`` are presented as its client certificate). Without it peers are
+    reached in plaintext, and then only on loopback or unix sockets when a token is forwarded."""
+    auth_tokens: str = ""
+    """TOML file with a ``[tokens]`` table (token -> tenant), owned by the daemon's user, mode 0600.
+    With it every call needs ``authorization: Bearer <token>``; without it there is one tenant
+    ``default`` and the daemon listens only on its private unix socket or loopback."""
+    quotas: Quotas = field(default_factory=Quotas)
+    """Per-tenant byte quotas, ``[quotas.<tenant>]`` tables (``pool_bytes``, ``host_bytes``,
+    ``disk_bytes``; ``[quotas."*"]`` for every tenant without its own), see ``kvtier.server.daemon.quotas``."""
     ready_file: str = ""
     """If set, the bound address is written to this file once the daemon serves (for port 0)."""
     pools: tuple[PoolSpec, ...] = field(default=())
     """Pools created at start."""
-    tiers: TierSettings = field(default_factory=TierSettings)  # [tiers] table / --disk-* flags (kvtier.server.service.tier_settings)
+    tiers: TierSettings = field(default_factory=TierSettings)  # [tiers] table / --disk-* flags (kvtier.server.daemon.tier_settings)
     transfer_engine: str = "none"
     """PD transfer engine: ``mooncake`` (Mooncake Transfer Engine, registers pool buffers) or ``none`` (gRPC fallback only)."""
     transfer_host: str = "127.0.0.1"
     """Address the transfer engine binds and publishes to peers."""
+    metrics_port: int | None = None
+    """Serve Prometheus metrics on ``http://metrics_host:metrics_port/metrics`` (0: a free port, shown by
+    ``kvtier status``); unset: no metrics endpoint and no RPC timing."""
+    metrics_host: str = "127.0.0.1"
+    """Address the metrics endpoint binds (loopback by default: it names pools)."""
+    log_format: str = "text"
+    """``text`` or ``json`` (one JSON object a line: ts, level, logger, message, thread, exception)."""
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
@@ -152,19 +194,39 @@ class DaemonConfig:
             raise ValueError(f"torch_threads must be >= 1, got {self.torch_threads}")
         if self.max_message_bytes < 64 * 1024:
             raise ValueError(f"max_message_bytes must be at least 65536, got {self.max_message_bytes}")
-        if not 0 < self.chunk_bytes <= self.max_message_bytes - CHUNK_OVERHEAD_BYTES:
+        if not MIN_CHUNK_BYTES <= self.chunk_bytes <= self.max_message_bytes - CHUNK_OVERHEAD_BYTES:
             raise ValueError(
-                f"chunk_bytes must be in (0, max_message_bytes - {CHUNK_OVERHEAD_BYTES}] = "
-                f"(0, {self.max_message_bytes - CHUNK_OVERHEAD_BYTES}], got {self.chunk_bytes}")
+                f"chunk_bytes must be in [{MIN_CHUNK_BYTES}, max_message_bytes - {CHUNK_OVERHEAD_BYTES}] = "
+                f"[{MIN_CHUNK_BYTES}, {self.max_message_bytes - CHUNK_OVERHEAD_BYTES}], got {self.chunk_bytes}")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("tls_cert and tls_key go together")
+        if self.tls_client_ca and not self.tls_cert:
+            raise ValueError("tls_client_ca (mutual TLS) needs tls_cert and tls_key")
+        if self.max_streams < 0:
+            raise ValueError(f"max_streams must be >= 0, got {self.max_streams}")
+        if self.stream_idle_seconds <= 0:
+            raise ValueError(f"stream_idle_seconds must be > 0, got {self.stream_idle_seconds}")
+        if self.close_seconds <= 0:
+            raise ValueError(f"close_seconds must be > 0, got {self.close_seconds}")
+        if not isinstance(self.quotas, Quotas):
+            raise ValueError("quotas must be a Quotas object (a [quotas.<tenant>] table in TOML)")
         if self.transfer_engine not in TRANSFER_ENGINES:
             raise ValueError(f"transfer_engine must be one of {TRANSFER_ENGINES}, got {self.transfer_engine!r}")
+        if self.metrics_port is not None and (isinstance(self.metrics_port, bool) or not isinstance(self.metrics_port, int)
+                                              or not 0 <= self.metrics_port <= 65535):
+            raise ValueError(f"metrics_port must be 0..65535, got {self.metrics_port!r}")
+        if self.log_format not in LOG_FORMATS:
+            raise ValueError(f"log_format must be one of {LOG_FORMATS}, got {self.log_format!r}")
         if self.grace_seconds < 0:
             raise ValueError(f"grace_seconds must be >= 0, got {self.grace_seconds}")
         ids = [p.pool_id for p in self.pools]
         if len(set(ids)) != len(ids):
             raise ValueError(f"pool ids repeat: {ids}")
+
+    @property
+    def stream_slots(self) -> int:
+        """KV streams allowed in flight at once (``max_streams``, or half the workers)."""
+        return self.max_streams or max(1, self.workers // 2)
 
     @property
     def max_chunk_bytes(self) -> int:
@@ -188,6 +250,8 @@ class DaemonConfig:
         for key in ("host_memory_bytes", "pool_memory_bytes", "max_message_bytes", "chunk_bytes"):
             if key in kwargs:
                 kwargs[key] = parse_bytes(kwargs[key], key)
+        if "quotas" in kwargs:
+            kwargs["quotas"] = Quotas.from_mapping(kwargs["quotas"], parse_bytes)
         if "pools" in kwargs:
             specs = []
             for table in kwargs["pools"]:

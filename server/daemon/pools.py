@@ -1,10 +1,14 @@
-"""The daemon's pools: a registry of named pools, each with its slot allocator and lock.
+"""The daemon's pools: a registry of named pools per tenant, each with its slot allocator and lock.
 
-Locking (README "Concurrency"): the registry has one short lock for its dict. Each pool has a
-readers-writer lock (:class:`~kvtier.server.service.locks.RWLock`): reads of pool bytes (ReadKV,
-Offload without freeing, buffer infos, describe) hold it shared and run in parallel; anything that
-changes pool bytes or the allocator (WriteKV commit, MoveKV, Restore, AllocateSlots, FreeSlots,
-Offload with free, DeletePool) holds it exclusive, so per pool those run one at a time.
+Pool ids are per tenant: two tenants may both have a pool ``default``; a tenant never sees, creates
+over or deletes another tenant's pool (it is NOT_FOUND, with the message of an absent one).
+
+Locking (README "Concurrency"): the registry has one short lock for its dict, held for a lookup or
+an update only (nothing is taken or called under it). Each pool has a readers-writer lock
+(:class:`~kvtier.server.daemon.locks.RWLock`): reads of pool bytes (ReadKV, Offload without freeing,
+buffer infos, describe) hold it shared and run in parallel; anything that changes pool bytes or the
+allocator (WriteKV commit, MoveKV, Restore, AllocateSlots, FreeSlots, Offload with free, DeletePool)
+holds it exclusive, so per pool those run one at a time.
 """
 
 from __future__ import annotations
@@ -23,10 +27,17 @@ import torch
 from kvtier.server.model_config import DEFAULT_PAGE_SIZE, DSAModelConfig
 from kvtier.server.pool import DSATokenToKVPool, PagedTokenAllocator, create_pool, resolve_device
 from kvtier.server.pool.factory import POOL_ROLES, skip_mask_for_role
+from kvtier.server.pool.memory import device_memory, shortfall_message
 from kvtier.server.pool.validation import as_slots
 from kvtier.server.pool_configurator import PoolPlan, exact_pool_bytes, plan_pool
-from kvtier.server.service.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
-from kvtier.server.service.locks import RWLock
+from kvtier.server.daemon.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from kvtier.server.daemon.locks import RWLock
+from kvtier.server.daemon.quotas import Quotas
+from kvtier.server.daemon.tenants import Caller
+from kvtier.server.tiers import TierFullError
+
+MAX_POOL_TOKENS = 1 << 40  # size_tokens above this cannot be a real pool; refused before any planning
+MAX_POOL_ID_CHARS = 128
 
 
 @dataclass(frozen=True)
@@ -42,6 +53,8 @@ class PoolRequest:
     hf_config: dict[str, Any] | None = None
     model_name: str = ""
     num_layers: int = 0
+    start_layer: int = 0
+    end_layer: int = 0
     kv_cache_dtype: str = "fp8"
     page_size: int = DEFAULT_PAGE_SIZE
     role: str = "target"
@@ -54,11 +67,14 @@ def build_model(req: PoolRequest) -> DSAModelConfig:
     """The model geometry ``req`` names. Raises InvalidArgument naming the bad field."""
     try:
         kwargs: dict[str, Any] = {"kv_cache_dtype": req.kv_cache_dtype or "fp8", "page_size": req.page_size or DEFAULT_PAGE_SIZE,
-                                  "num_layers": req.num_layers or None}
+                                  "num_layers": req.num_layers or None, "start_layer": req.start_layer,
+                                  "end_layer": req.end_layer or None}
         if bool(req.preset) == (req.hf_config is not None):
             raise InvalidArgument("give exactly one of a model preset and an HF config")
         if req.preset:
             return DSAModelConfig.from_preset(req.preset, **kwargs)
+        if len(req.model_name) > 256:
+            raise InvalidArgument("model name must be at most 256 characters")
         return DSAModelConfig.from_hf_config(req.hf_config or {}, name=req.model_name or None, **kwargs)
     except (ValueError, TypeError) as e:
         raise InvalidArgument(f"model: {e}") from None
@@ -74,7 +90,7 @@ class PoolEntry:
     """One pool the daemon owns.
 
     Attributes:
-        pool_id: its name.
+        pool_id: its name (unique within its tenant).
         model: geometry with the pool's own skip mask (its layout; ``model.fingerprint()``).
         role: ``target``, ``draft`` or ``hisparse``.
         pool: the device pool.
@@ -93,6 +109,11 @@ class PoolEntry:
     pool: DSATokenToKVPool
     allocator: PagedTokenAllocator
     plan: PoolPlan | None = None
+    tenant: str = "default"
+    """The tenant that owns the pool."""
+    prefix_cache: Any = None
+    """The pool's :class:`~kvtier.server.tiers.PrefixCache` once a prefix call made one (set by the
+    tier runtime); :meth:`alloc` evicts its unpinned pages when the pool is short of free pages."""
     lock: RWLock = field(default_factory=RWLock)
     page_allocated: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.bool))
     cache_owned: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.bool))
@@ -146,9 +167,22 @@ class PoolEntry:
     def alloc(self, n_tokens: int) -> torch.Tensor:
         """Allocate whole pages for ``n_tokens``; caller holds the lock exclusive. Returns ``(n,)`` slots.
 
+        When too few pages are free, unpinned prefix-cache pages are evicted first (LRU, down the
+        stack, as LoadPrefix does).
+
         Raises:
-            ResourceExhausted: too few free pages.
+            InvalidArgument: ``n_tokens`` negative or not an integer.
+            ResourceExhausted: too few free pages even after evicting every unpinned cached page
+                (nothing was evicted then).
         """
+        if isinstance(n_tokens, bool) or not isinstance(n_tokens, int) or n_tokens < 0:
+            raise InvalidArgument(f"num_tokens must be a non-negative integer, got {n_tokens!r}")
+        need = self.allocator.pages_for(n_tokens)
+        if need > self.allocator.free_pages and need <= self.allocator.num_pages and self.prefix_cache is not None:
+            try:
+                self.prefix_cache.ensure_free_pages(need)
+            except TierFullError:
+                pass  # too much is pinned: refused below with the pool's own message
         slots = self.allocator.alloc(n_tokens)
         if slots is None:
             need = self.allocator.pages_for(n_tokens)
@@ -171,29 +205,52 @@ class PoolEntry:
 
 
 class PoolRegistry:
-    """Named pools. Thread-safe; lookups take only a short dict lock.
+    """Named pools of each tenant. Thread-safe; lookups take only a short dict lock.
 
     Args:
         default_device: device for requests that name none (``auto``, ``cpu``, ``cuda``).
         pool_memory_bytes: cap on all pools' bytes together (0: none).
+        quotas: per-tenant caps (``pool_bytes``: a tenant's pools together).
     """
 
-    def __init__(self, default_device: str = "auto", pool_memory_bytes: int = 0) -> None:
+    def __init__(self, default_device: str = "auto", pool_memory_bytes: int = 0, quotas: Quotas | None = None) -> None:
         self.default_device = default_device
         self.pool_memory_bytes = pool_memory_bytes
-        self._pools: dict[str, PoolEntry] = {}
-        self._reserved: dict[str, int] = {}  # ids being created -> their bytes
+        self.quotas = quotas or Quotas()
+        self._pools: dict[tuple[str, str], PoolEntry] = {}
+        self._reserved: dict[tuple[str, str], int] = {}  # (tenant, id) being created -> their bytes
         self._lock = threading.Lock()
 
-    def create(self, req: PoolRequest) -> PoolEntry:
-        """Create and register a pool. Everything is checked before memory is allocated.
+    def _check_room(self, caller: Caller, pool_id: str, nbytes: int) -> None:
+        """Under ``_lock``: the daemon-wide cap and the tenant's pool quota."""
+        used = sum(e.pool.get_kv_size_bytes() for e in self._pools.values()) + sum(self._reserved.values())
+        if self.pool_memory_bytes and used + nbytes > self.pool_memory_bytes:
+            raise ResourceExhausted(
+                f"pool {pool_id!r} needs {nbytes} bytes; {self.pool_memory_bytes - used} of the "
+                f"daemon's {self.pool_memory_bytes}-byte pool memory are free")
+        quota = self.quotas.of(caller.tenant).pool_bytes
+        if quota is not None:
+            mine = sum(e.pool.get_kv_size_bytes() for (t, _), e in self._pools.items() if t == caller.tenant)
+            mine += sum(n for (t, _), n in self._reserved.items() if t == caller.tenant)
+            if mine + nbytes > quota:
+                raise ResourceExhausted(
+                    f"pool quota of tenant {caller.tenant!r}: pool {pool_id!r} needs {nbytes} bytes, "
+                    f"{max(quota - mine, 0)} of the tenant's {quota}-byte pool_bytes quota are free")
+
+    def create(self, caller: Caller, req: PoolRequest) -> PoolEntry:
+        """Create and register a pool of ``caller``'s tenant. Everything is checked (sizes first)
+        before memory is allocated; the allocation itself runs outside every lock.
 
         Raises:
-            InvalidArgument: bad model, role, device or capacity.
-            AlreadyExists: the pool id is taken.
-            ResourceExhausted: the memory budget holds no page, the pool cap would be exceeded, or
-                the device could not allocate the buffers.
+            InvalidArgument: bad pool id, model, role, device or capacity.
+            AlreadyExists: the tenant already has a pool of that id.
+            ResourceExhausted: the memory budget holds no page, the daemon's pool cap or the
+                tenant's pool quota would be exceeded, or the device could not allocate the buffers.
         """
+        if len(req.pool_id) > MAX_POOL_ID_CHARS:
+            raise InvalidArgument(f"pool_id must be at most {MAX_POOL_ID_CHARS} characters")
+        if req.size_tokens < 0 or req.size_tokens > MAX_POOL_TOKENS:
+            raise InvalidArgument(f"size_tokens must be at most {MAX_POOL_TOKENS}, got {req.size_tokens}")
         model = build_model(req)
         if req.role not in POOL_ROLES:
             raise InvalidArgument(f"role must be one of {POOL_ROLES}, got {req.role!r}")
@@ -210,79 +267,99 @@ class PoolRegistry:
             size = plan.skip_aware_tokens
             if size <= 0:
                 raise ResourceExhausted(f"a memory budget of {req.memory_budget_bytes} bytes holds no page of {model.name}")
+            if size > MAX_POOL_TOKENS:
+                raise InvalidArgument(f"a memory budget of {req.memory_budget_bytes} bytes plans {size} tokens, more "
+                                      f"than the {MAX_POOL_TOKENS} a pool may hold")
         elif size % model.page_size:
             raise InvalidArgument(f"size_tokens must be a multiple of page_size={model.page_size}, got {size}")
         nbytes = exact_pool_bytes(model, size, role=req.role)
         pool_id = req.pool_id or f"pool-{uuid.uuid4().hex[:8]}"
+        short = shortfall_message(nbytes, device_memory(device), f"pool {pool_id!r}")
+        if short:
+            raise ResourceExhausted(short)
+        key = (caller.tenant, pool_id)
         with self._lock:
-            if pool_id in self._pools or pool_id in self._reserved:
+            if key in self._pools or key in self._reserved:
                 raise AlreadyExists(f"pool {pool_id!r} already exists")
-            used = sum(e.pool.get_kv_size_bytes() for e in self._pools.values()) + sum(self._reserved.values())
-            if self.pool_memory_bytes and used + nbytes > self.pool_memory_bytes:
-                raise ResourceExhausted(
-                    f"pool {pool_id!r} needs {nbytes} bytes; {self.pool_memory_bytes - used} of the "
-                    f"daemon's {self.pool_memory_bytes}-byte pool memory are free")
-            self._reserved[pool_id] = nbytes
+            self._check_room(caller, pool_id, nbytes)
+            self._reserved[key] = nbytes
         try:
             try:
                 pool = create_pool(model, size, role=req.role, device=device)
-            except (RuntimeError, MemoryError) as e:
-                raise ResourceExhausted(f"could not allocate {nbytes} bytes for pool {pool_id!r} on {device}: {e}") from None
+            except (RuntimeError, MemoryError):
+                mem = device_memory(device)  # the allocator's own text is long and names its C++ source
+                raise ResourceExhausted(
+                    shortfall_message(nbytes, mem, f"pool {pool_id!r}")
+                    or f"could not allocate {nbytes:,} bytes for pool {pool_id!r} on {mem.device} ({mem.available:,} bytes "
+                       f"available); plan a smaller pool with `kvtier plan --available-bytes {mem.available}`") from None
             entry = PoolEntry(pool_id, layout_model(model, req.role), req.role, pool,
-                              PagedTokenAllocator(size, model.page_size), plan)
+                              PagedTokenAllocator(size, model.page_size), plan, tenant=caller.tenant)
             with self._lock:
-                self._pools[pool_id] = entry
+                self._pools[key] = entry
             return entry
         finally:
             with self._lock:
-                self._reserved.pop(pool_id, None)
+                self._reserved.pop(key, None)
 
-    def get(self, pool_id: str) -> PoolEntry:
-        """The pool named ``pool_id``. Raises NotFound."""
+    def get(self, caller: Caller, pool_id: str) -> PoolEntry:
+        """``caller``'s pool named ``pool_id``. Raises NotFound (also for another tenant's pool: the
+        same message as an absent one)."""
         with self._lock:
-            entry = self._pools.get(pool_id)
+            entry = self._pools.get((caller.tenant, pool_id))
         if entry is None:
             raise NotFound(f"no pool {pool_id!r}")
         return entry
 
     @contextmanager
-    def locked(self, pool_id: str, *, exclusive: bool) -> Iterator[PoolEntry]:
+    def locked(self, caller: Caller, pool_id: str, *, exclusive: bool) -> Iterator[PoolEntry]:
         """Hold pool ``pool_id``'s lock (shared or exclusive) and yield it. Raises NotFound,
         also when the pool was deleted while waiting for the lock."""
-        entry = self.get(pool_id)
+        entry = self.get(caller, pool_id)
         with entry.lock.exclusive() if exclusive else entry.lock.shared():
             if entry.deleted:
-                raise NotFound(f"no pool {pool_id!r} (deleted)")
+                raise NotFound(f"no pool {pool_id!r}")
             yield entry
 
-    def list(self) -> list[PoolEntry]:
-        """All pools, by id."""
+    def list(self, caller: Caller | None = None) -> list[PoolEntry]:
+        """``caller``'s pools by id (None: every tenant's, by tenant and id: for shutdown and the operator)."""
         with self._lock:
-            return [self._pools[k] for k in sorted(self._pools)]
+            items = sorted(self._pools.items())
+        return [e for (t, _), e in items if caller is None or t == caller.tenant]
 
-    def delete(self, pool_id: str, *, force: bool = False) -> int:
-        """Delete a pool; returns the bytes freed.
+    def tenant_bytes(self, tenant: str) -> int:
+        """Bytes of ``tenant``'s pools together (plain reads)."""
+        return sum(e.pool.get_kv_size_bytes() for e in self.list() if e.tenant == tenant)
+
+    def delete(self, caller: Caller, pool_id: str, *, force: bool = False) -> int:
+        """Delete ``caller``'s pool; returns the bytes freed.
+
+        The pool is marked deleted under its exclusive lock and leaves the registry after that lock
+        is released (the registry's lock is never taken while a pool lock is held).
 
         Raises:
             NotFound: unknown pool.
             FailedPrecondition: slots are still allocated and ``force`` is false.
         """
-        with self.locked(pool_id, exclusive=True) as entry:
+        with self.locked(caller, pool_id, exclusive=True) as entry:
             if entry.allocator.used_pages and not force:
                 raise FailedPrecondition(
                     f"pool {pool_id!r} still has {entry.allocator.used_pages} pages allocated; free them or force")
             entry.deleted = True
-            with self._lock:
-                self._pools.pop(pool_id, None)
-            return entry.pool.get_kv_size_bytes()
+        with self._lock:
+            if self._pools.get((caller.tenant, pool_id)) is entry:
+                del self._pools[(caller.tenant, pool_id)]
+        return entry.pool.get_kv_size_bytes()
 
 
 def parse_hf_config(text: str) -> dict[str, Any]:
-    """Parse the text of an HF config.json. Raises InvalidArgument."""
+    """Parse the text of an HF config.json. Raises InvalidArgument (not JSON, nested too deeply,
+    not an object)."""
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:
         raise InvalidArgument(f"hf_config_json is not JSON: {e}") from None
+    except RecursionError:
+        raise InvalidArgument("hf_config_json nests too deeply to be an HF config") from None
     if not isinstance(data, dict):
         raise InvalidArgument("hf_config_json must be a JSON object")
     return data

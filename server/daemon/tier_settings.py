@@ -4,7 +4,7 @@
 The host tier's budget is the daemon's ``host_memory_bytes``; these fields configure the rest. Which
 tiers the stack has, fastest first, is ``stack`` (``--tiers host,disk,mooncake``); the Mooncake Store
 tier's settings are a ``[tiers.mooncake]`` table holding the fields of
-:class:`~kvtier.server.tiers.mooncake_store.MooncakeStoreTierConfig` (byte sizes may be ``"1GiB"``)::
+:class:`~kvtier.server.tiers.mooncake_config.MooncakeStoreTierConfig` (byte sizes may be ``"1GiB"``)::
 
     [tiers]
     stack = ["host", "disk", "mooncake"]
@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier.server.service.config_keys import check_known_keys
+from kvtier.server.daemon.config_keys import check_known_keys
 from kvtier.server.tiers.mooncake_config import MooncakeStoreTierConfig
 
 GiB = 1 << 30
@@ -46,6 +46,8 @@ class TierSettings:
         host_pin_memory: page-locked host records: True, False, or None = when the daemon device is CUDA.
         lease_ttl_seconds: a prefix lease (LoadPrefix) not released this long is released by the
             daemon, so a client that vanished mid-request cannot pin pages forever (0: never).
+        disk_probe_backoff_max_seconds: an unhealthy disk tier (ENOSPC, EIO) is probed 1 s after the
+            failure, then at doubling intervals up to this many seconds.
         stack: tier names fastest first, from ``host``, ``disk``, ``mooncake``; empty: ``host``, plus
             ``disk`` when ``disk_path`` is set.
         mooncake: settings of the Mooncake Store tier (used when ``stack`` names it).
@@ -59,10 +61,13 @@ class TierSettings:
     write_through: bool = False
     host_pin_memory: bool | None = None
     lease_ttl_seconds: float = 600.0
+    disk_probe_backoff_max_seconds: float = 30.0
     stack: tuple[str, ...] = ()
     mooncake: MooncakeStoreTierConfig = field(default_factory=MooncakeStoreTierConfig)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.disk_probe_backoff_max_seconds, (int, float)) or self.disk_probe_backoff_max_seconds <= 0:
+            raise ValueError(f"tiers.disk_probe_backoff_max_seconds must be > 0, got {self.disk_probe_backoff_max_seconds!r}")
         if not isinstance(self.disk_bytes, int) or self.disk_bytes <= 0:
             raise ValueError(f"tiers.disk_bytes must be a positive byte count, got {self.disk_bytes!r}")
         if not isinstance(self.disk_max_readers, int) or self.disk_max_readers <= 0:
@@ -96,7 +101,7 @@ class TierSettings:
         if not isinstance(value, Mapping):
             raise ValueError(f"[tiers] must be a table, got {type(value).__name__}")
         check_known_keys(cls, value, "[tiers]")
-        from kvtier.server.service.config import parse_bytes  # config imports this module
+        from kvtier.server.daemon.config import parse_bytes  # config imports this module
 
         data = dict(value)
         if "disk_bytes" in data:
@@ -128,7 +133,7 @@ def mooncake_config(value: MooncakeStoreTierConfig | Mapping[str, Any], **change
     Raises:
         ValueError: unknown keys or bad values.
     """
-    from kvtier.server.service.config import parse_bytes  # config imports this module
+    from kvtier.server.daemon.config import parse_bytes  # config imports this module
 
     if isinstance(value, MooncakeStoreTierConfig):
         data = dataclasses.asdict(value)

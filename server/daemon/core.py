@@ -1,0 +1,184 @@
+"""The daemon's domain root: config, tenants, pools, tiers and prefix caches, the offload store, transfer, counters.
+
+One :class:`Daemon` is built per daemon process. The gRPC servicers (``kvtier.server.service``) call
+into it and only translate; an in-process user (tests, replay, an adapter's local mode) calls the
+same objects directly, passing a :class:`~kvtier.server.daemon.tenants.Caller`::
+
+    d = Daemon(DaemonConfig(device="cpu", host_memory_bytes=64 << 20))
+    me = Caller.default()
+    entry = d.pools.create(me, PoolRequest(pool_id="p", preset="glm-5.2", num_layers=4, size_tokens=4096))
+    with d.pools.locked(me, "p", exclusive=True) as e:
+        slots = e.alloc(128)
+    kv_ops.offload(d.pools, d.offload_store, me, "p", "req-1", slots, free_slots=True)
+    d.close()
+
+Components keep their state here: give :class:`Daemon` a field and register cleanup with
+:meth:`Daemon.add_shutdown_hook` so it runs after the server stopped (e.g. closing an LMDB
+environment). Nothing here imports grpc or ``kvtier.v1``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvtier import __version__
+from kvtier.server.daemon.config import DaemonConfig
+from kvtier.server.daemon.offload_store import OffloadStore
+from kvtier.server.daemon.pools import PoolEntry, PoolRegistry, PoolRequest
+from kvtier.server.daemon.tenants import Caller, TokenTable
+from kvtier.server.daemon.tier_runtime import TierRuntime
+from kvtier.server.daemon.transfer import TransferState
+from kvtier.server.pool import resolve_device
+
+log = logging.getLogger("kvtier.daemon")
+
+
+class Counters:
+    """Thread-safe named event and byte counters of each tenant (``kv_writes``, ``kv_bytes_written``, ...).
+
+    Leaf lock: nothing is taken or called while it is held.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._values: dict[str, dict[str, int]] = {}
+
+    def add(self, caller: Caller, name: str, value: int = 1) -> None:
+        """Add ``value`` to ``caller``'s tenant's counter ``name``."""
+        with self._lock:
+            mine = self._values.setdefault(caller.tenant, {})
+            mine[name] = mine.get(name, 0) + value
+
+    def snapshot(self, caller: Caller) -> dict[str, int]:
+        """A copy of ``caller``'s tenant's counters."""
+        with self._lock:
+            return dict(self._values.get(caller.tenant, {}))
+
+
+@dataclass(frozen=True)
+class TierUsage:
+    """Bytes a tier holds (``tier``: ``device``, ``host``, ``disk``): daemon-wide, and the caller's
+    tenant's; and the tier's health (``reason``: why it is unhealthy; ``next_probe_in_s``: when it is
+    probed next)."""
+
+    tier: str
+    used_bytes: int
+    budget_bytes: int
+    entries: int
+    tenant_used_bytes: int = 0
+    tenant_quota_bytes: int | None = None
+    healthy: bool = True
+    reason: str = ""
+    next_probe_in_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class DaemonStats:
+    """What GetStats answers: the caller's pools and counters, every tier's use (daemon-wide and the
+    tenant's) and health, and the metrics endpoint's URL ("" when off)."""
+
+    tenant: str
+    version: str
+    uptime_seconds: float
+    device: str
+    pools: list[PoolEntry]
+    tiers: list[TierUsage]
+    counters: dict[str, int] = field(default_factory=dict)
+    metrics_address: str = ""
+
+
+class Daemon:
+    """Everything a daemon holds; the servicers and in-process users share it.
+
+    Args:
+        config: the daemon's configuration.
+
+    Attributes:
+        tokens: the bearer-token table (None without ``auth_tokens``: one tenant, ``default``).
+        pools: the pool registry. tiers: the host/disk stack, the pools' prefix caches and the tier monitor.
+        offload_store: the one store of offloaded copies, in ``tiers.stack``.
+        transfer: PD transfer (layouts, pulls, page streams).
+        metrics: the Prometheus metrics (``DaemonMetrics``) when ``metrics_port`` is set, else None;
+            ``metrics_address`` is their URL once served ("" before or without).
+
+    Raises:
+        ValueError: bad config values (device, ``[tiers]``); AuthConfigError (a ValueError) for an
+            unusable tokens file.
+        TransferEngineUnavailable: ``transfer_engine = "mooncake"`` but the engine cannot start.
+    """
+
+    def __init__(self, config: DaemonConfig | None = None) -> None:
+        self.config = config or DaemonConfig()
+        self.tokens: TokenTable | None = TokenTable.from_file(self.config.auth_tokens) if self.config.auth_tokens else None
+        self.device = str(resolve_device(self.config.device))
+        self.pools = PoolRegistry(self.config.device, self.config.pool_memory_bytes, self.config.quotas)
+        self.counters = Counters()
+        self.version = __version__
+        self._started = time.monotonic()
+        self._shutdown_hooks: list[Callable[[], None]] = []
+        self.metrics: Any = None  # DaemonMetrics when metrics are on (set by the server)
+        self.metrics_address = ""  # http://HOST:PORT/metrics once served
+        self.tiers = TierRuntime(self)  # host/disk tiers, prefix caches
+        self.offload_store = OffloadStore(self.tiers.stack, self.config.quotas)
+        self.transfer = TransferState(self)  # PD transfer: the engine (if configured) and its registrations
+        self.add_shutdown_hook(self.transfer.close)
+
+    @property
+    def uptime_seconds(self) -> float:
+        return time.monotonic() - self._started
+
+    def create_configured_pools(self) -> None:
+        """Create the pools of ``config.pools`` (a preset name or a path to an HF config.json each),
+        each for its spec's tenant."""
+        for spec in self.config.pools:
+            path = Path(spec.model)
+            hf = json.loads(path.read_text()) if path.is_file() else None
+            req = PoolRequest(pool_id=spec.pool_id, preset="" if hf is not None else spec.model, hf_config=hf,
+                              model_name=path.stem if hf is not None else "", num_layers=spec.num_layers,
+                              start_layer=spec.start_layer, end_layer=spec.end_layer,
+                              kv_cache_dtype=spec.kv_cache_dtype, page_size=spec.page_size, role=spec.role,
+                              size_tokens=spec.tokens, memory_budget_bytes=spec.memory_bytes)
+            entry = self.pools.create(Caller(spec.tenant), req)
+            log.info("pool %r of tenant %r: %s %s, %d tokens, %d bytes on %s", entry.pool_id, entry.tenant,
+                     entry.model.name, entry.role, entry.allocator.size, entry.pool.get_kv_size_bytes(), entry.pool.device)
+
+    def tier_usage(self, caller: Caller) -> list[TierUsage]:
+        """Usage of the device pools and of each tier below (prefix pages and copies together):
+        daemon-wide and ``caller``'s tenant's, with each tier's health. Reads plain integers and the
+        health's leaf lock only: takes no pool, cache, store or index lock."""
+        pools = self.pools.list()
+        q = self.config.quotas.of(caller.tenant)
+        device = TierUsage("device", sum(e.pool.get_kv_size_bytes() for e in pools), self.config.pool_memory_bytes,
+                           len(pools), sum(e.pool.get_kv_size_bytes() for e in pools if e.tenant == caller.tenant),
+                           q.pool_bytes)
+        out = [device]
+        for t in self.tiers.stack.tiers:
+            h = t.health.snapshot()
+            out.append(TierUsage(t.name, t.index.used, t.index.capacity, len(t.index), t.index.group_used(caller.tenant),
+                                 q.tier_bytes(t.name), h.healthy, h.reason, h.next_probe_in_s))
+        return out
+
+    def stats(self, caller: Caller) -> DaemonStats:
+        """GetStats: monitoring, so only the registry's short lock and the counters' leaf lock."""
+        return DaemonStats(caller.tenant, self.version, self.uptime_seconds, self.device, self.pools.list(caller),
+                           self.tier_usage(caller), self.counters.snapshot(caller), self.metrics_address)
+
+    def add_shutdown_hook(self, hook: Callable[[], None]) -> None:
+        """Run ``hook`` in :meth:`close` (hooks run last-added first; errors are logged, not raised)."""
+        self._shutdown_hooks.append(hook)
+
+    def close(self) -> None:
+        """Run the shutdown hooks once (after the server stopped taking calls)."""
+        hooks, self._shutdown_hooks = self._shutdown_hooks[::-1], []
+        for hook in hooks:
+            try:
+                hook()
+            except Exception:  # noqa: BLE001 - shutdown goes on; the error is logged
+                log.exception("shutdown hook %r failed", hook)

@@ -1,0 +1,43 @@
+"""Typed errors of the daemon's domain.
+
+Domain code (registry, KV operations, offload store, tier runtime, transfer, tenants) raises these;
+it never picks a status code. The one mapping to gRPC status codes lives in
+``kvtier.server.service.errors``. Other modules add errors by subclassing one of these (e.g. a
+tier's "full" error subclasses :class:`ResourceExhausted`); the mapping then applies unchanged.
+"""
+
+from __future__ import annotations
+
+
+class KVTierError(Exception):
+    """Base of every domain error; the message says what was wrong (it reaches the client)."""
+
+
+class InvalidArgument(KVTierError):
+    """Bad slots, shapes, dtypes, lengths, names or values in a request (INVALID_ARGUMENT)."""
+
+
+class NotFound(KVTierError):
+    """Unknown pool id, key or lease -- or one that belongs to another tenant (NOT_FOUND)."""
+
+
+class AlreadyExists(KVTierError):
+    """A pool id or offload key that is already taken (ALREADY_EXISTS)."""
+
+
+class ResourceExhausted(KVTierError):
+    """Not enough free pages, tier room, memory, quota or stream slots for the request (RESOURCE_EXHAUSTED)."""
+
+
+class Unavailable(KVTierError):
+    """A tier the request needs is unhealthy (its storage failed: ENOSPC, EIO); retry once its health
+    service (``kvtier.tier.<name>``) is SERVING again (UNAVAILABLE)."""
+
+
+class FailedPrecondition(KVTierError):
+    """The request does not fit the current layout or state: a host copy or peer whose layout
+    differs from the pool's, indexer data for a skip-topk layer, deleting a busy pool (FAILED_PRECONDITION)."""
+
+
+class Unauthenticated(KVTierError):
+    """A call without a valid bearer token on a daemon with tenants (UNAUTHENTICATED)."""

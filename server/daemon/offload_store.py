@@ -1,0 +1,224 @@
+"""The daemon's one offload store, backed by the tier stack: ``Offload`` puts a pool's
+:meth:`~kvtier.server.pool.DSATokenToKVPool.get_cpu_copy` result here under a key, ``Restore`` gets it
+back for ``load_cpu_copy``, ``Drop`` removes it.
+
+Copies are records in the host tier that spill to the LMDB disk tier (write-back or write-through)
+and come back from either: the stack's cascade. A shared tier (the Mooncake Store tier) never holds
+a copy: copies are named by each daemon's clients and would collide between daemons. A copy is one
+record: its latent rows and live-layer indexer pages live and die together, never apart. The store does not refuse when full: older copies move down (and,
+past the last tier, are gone: a later restore of them is NOT_FOUND). A copy larger than every tier
+(or a daemon without any tier) is refused with RESOURCE_EXHAUSTED.
+
+Keys belong to tenants: a copy's tier key is ``tenant_key(tenant, b"o:" + key)``, so two tenants may
+use the same key and never see each other's copy (another tenant's key is NOT_FOUND, or ``Drop``
+drops nothing, exactly as for an absent key). A tenant's ``host_bytes``/``disk_bytes`` quotas apply
+in the tiers (``kvtier.server.daemon.quotas``): a copy that fits no tier within them is refused with
+RESOURCE_EXHAUSTED naming them.
+
+An unhealthy tier (its storage failed: ENOSPC, EIO) is bypassed: a copy it holds cannot be restored
+until it recovers (UNAVAILABLE, not NOT_FOUND: the copy exists), its key stays taken (ALREADY_EXISTS)
+unless dropped, and a copy that only that tier could take is UNAVAILABLE. :meth:`OffloadStore.put`
+returns whether the copy is durable (it reached a persistent tier: write-through, or straight to the
+disk tier when the host tier could not take it).
+
+Locking: the store's lock (one put at a time: the room check and the write go together) is taken
+after the pool's lock and before the tier index locks; reads take no store lock.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvtier.server.daemon.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from kvtier.server.daemon.quotas import Quotas
+from kvtier.server.daemon.tenants import Caller, tenant_key
+from kvtier.server.tiers import RecordCodec, RecordError, TierStack, disk_charge
+from kvtier.server.tiers.record import model_from_fingerprint, read_header
+
+OFFLOAD_PREFIX = b"o:"
+MAX_KEY_BYTES = 400
+RECORD_OVERHEAD_BYTES = 4096  # room a record's header takes beside the copy's bytes (generous)
+
+
+@dataclass(frozen=True)
+class HostCopy:
+    """One offloaded request.
+
+    Attributes:
+        copy: the ``get_cpu_copy`` result (``{"kv", "index_k", "src_loc"}``, host tensors).
+        nbytes: host bytes its tensors take (latent rows plus live-layer indexer page rows).
+        num_tokens: slots it covers.
+        layout: the fingerprint (``DSAModelConfig.fingerprint()``) of the pool layout it came from.
+        layout_digest: that fingerprint's digest; restore refuses a pool whose digest differs.
+        source_pool: id of the pool it came from.
+    """
+
+    copy: Mapping[str, Any]
+    nbytes: int
+    num_tokens: int
+    layout: Mapping[str, Any]
+    layout_digest: str
+    source_pool: str
+
+
+class OffloadStore:
+    """Offloaded copies in the tier stack under each tenant's keys.
+
+    Args:
+        stack: the daemon's host/disk tiers (shared with the prefix caches); with no tier at all
+            every copy is refused (RESOURCE_EXHAUSTED).
+        quotas: per-tenant tier quotas (the tiers enforce them; the store names them in refusals).
+    """
+
+    def __init__(self, stack: TierStack, quotas: Quotas | None = None) -> None:
+        self.stack = stack
+        self.quotas = quotas or Quotas()
+        self._sources: dict[tuple[str, str], str] = {}
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def check_key(key: str) -> bytes:
+        """``key`` as bytes. Raises InvalidArgument: empty, or above :data:`MAX_KEY_BYTES` bytes."""
+        if not key:
+            raise InvalidArgument("offload key must not be empty")
+        raw = key.encode()
+        if len(raw) > MAX_KEY_BYTES:
+            raise InvalidArgument(f"offload key must be at most {MAX_KEY_BYTES} bytes")
+        return raw
+
+    def _key(self, caller: Caller, key: str) -> bytes:
+        return tenant_key(caller.tenant, OFFLOAD_PREFIX + self.check_key(key))
+
+    def _fitting_tiers(self, tenant: str, nbytes: int) -> list[Any]:
+        """The cascade tiers whose budget (and the tenant's quota there) can take ``nbytes``, healthy or not."""
+        out = []
+        for t in self.stack.cascade:
+            charge = disk_charge(nbytes) if t.name == "disk" else nbytes
+            quota = self.quotas.tier_bytes(tenant, t.name)
+            if charge <= t.index.capacity and (quota is None or charge <= quota):
+                out.append(t)
+        return out
+
+    def _unhealthy_holder(self, tkey: bytes) -> Any:
+        """The unhealthy tier whose storage holds ``tkey``'s record (unreachable until it recovers), or None."""
+        return next((t for t in self.stack.cascade if t.held_while_unhealthy(tkey)), None)
+
+    @staticmethod
+    def _retry_hint(tier: Any) -> str:
+        return (f"the {tier.name} tier is unhealthy ({tier.health.snapshot().reason}); retry when health "
+                f"service {tier.health.service_name} is SERVING")
+
+    def _refusal(self, tenant: str, key: str, nbytes: int) -> ResourceExhausted:
+        if not self.stack.cascade:
+            return ResourceExhausted(f"host tier full: the copy needs {nbytes} bytes and the daemon has no "
+                                     f"tier to keep copies in (host memory budget 0, no disk tier)")
+        caps = [(t.name, self.quotas.tier_bytes(tenant, t.name), t.index) for t in self.stack.cascade]
+        named = [f"{name}_bytes quota {q} bytes ({ix.group_used(tenant)} in use)" for name, q, ix in caps if q is not None]
+        if named:
+            return ResourceExhausted(f"tier quota of tenant {tenant!r}: the {nbytes}-byte copy {key!r} fits no tier "
+                                     f"within the tenant's {', '.join(named)}")
+        top = self.stack.cascade[0]
+        return ResourceExhausted(f"host tier full: the copy needs {nbytes} bytes, the {top.name} tier holds "
+                                 f"{top.index.capacity} bytes and no tier below can take it")
+
+    def check_room(self, caller: Caller, key: str, nbytes: int) -> None:
+        """AlreadyExists if the tenant's ``key`` holds a copy (also one on an unhealthy tier);
+        ResourceExhausted if ``nbytes`` (+ record header) fits no tier's budget (within the tenant's
+        quotas); Unavailable if only unhealthy tiers could take it."""
+        if self.contains(caller, key):
+            raise AlreadyExists(f"offload key {key!r} already holds a copy; drop it first")
+        held = self._unhealthy_holder(self._key(caller, key))
+        if held is not None:
+            raise AlreadyExists(f"offload key {key!r} already holds a copy on the {held.name} tier, which is "
+                                f"unhealthy; drop it first")
+        fitting = self._fitting_tiers(caller.tenant, nbytes + RECORD_OVERHEAD_BYTES)
+        if not fitting:
+            raise self._refusal(caller.tenant, key, nbytes)
+        if not any(t.health.healthy for t in fitting):
+            raise Unavailable(f"the copy needs {nbytes} bytes, more than the {self.stack.cascade[0].name} tier "
+                              f"holds; {self._retry_hint(fitting[0])}")
+
+    def put(self, caller: Caller, key: str, copy: HostCopy) -> bool:
+        """Store ``copy`` as one record (latent + indexer + src_loc) in the top tier (older records,
+        the tenant's own first when over a quota, move down to make room).
+
+        Returns:
+            True if the copy is durable: committed to a persistent tier (LMDB) before this returned.
+
+        Raises:
+            AlreadyExists, ResourceExhausted, Unavailable: as :meth:`check_room` (also when no tier
+                could take the record because a tier it needed is unhealthy). InvalidArgument: the
+                copy does not encode. Nothing is stored on error.
+        """
+        tkey = self._key(caller, key)
+        with self._lock:
+            self.check_room(caller, key, copy.nbytes)
+            codec = RecordCodec(model_from_fingerprint(dict(copy.layout)))
+            pin = bool(getattr(self.stack.cascade[0], "pin_memory", False)) if self.stack.cascade else False
+            try:
+                rec = codec.encode_copy(dict(copy.copy), pin_memory=pin)
+            except ValueError as e:
+                raise InvalidArgument(f"copy {key!r}: {e}") from None
+            placed = self.stack.put(tkey, rec, source="device")
+            if not placed:
+                sick = next((t for t in self.stack.cascade if not t.health.healthy), None)
+                if sick is not None:
+                    raise Unavailable(f"no tier could take the {rec.numel()}-byte copy {key!r}; {self._retry_hint(sick)}")
+                raise self._refusal(caller.tenant, key, int(rec.numel()))
+            self._sources[(caller.tenant, key)] = copy.source_pool
+            return any(t.persistent for t in self.stack.cascade if t.name in placed)
+
+    def get(self, caller: Caller, key: str) -> HostCopy:
+        """The tenant's copy under ``key``, checked (a damaged record is dropped and NOT_FOUND; one on
+        an unhealthy tier is UNAVAILABLE)."""
+        tkey = self._key(caller, key)
+        for tier in self.stack.cascade:
+            with tier.borrow([tkey]) as (rec,):
+                if rec is None:
+                    continue
+                assert isinstance(rec, torch.Tensor)
+                try:
+                    model, mask, info = read_header(rec)
+                    copy = RecordCodec(model, mask).to_cpu_copy(rec)
+                except RecordError as e:
+                    tier.report_damaged(tkey, e)
+                    continue
+            return HostCopy(copy, info.latent_nbytes + info.index_nbytes, info.n_tokens, model.fingerprint(),
+                            model.fingerprint_digest(), self._sources.get((caller.tenant, key), ""))
+        held = self._unhealthy_holder(tkey)
+        if held is not None:
+            raise Unavailable(f"the offloaded copy under key {key!r} is on the {held.name} tier; {self._retry_hint(held)}")
+        raise NotFound(f"no offloaded copy under key {key!r}")
+
+    def drop(self, caller: Caller, key: str) -> int | None:
+        """Remove the tenant's copy under ``key`` from every tier; returns its bytes (None if there was
+        none). A copy on an unhealthy tier is dropped too (deleted there when the tier recovers); it
+        cannot be read then, so its bytes are unknown and 0 is returned."""
+        tkey = self._key(caller, key)
+        nbytes = None
+        for tier in self.stack.cascade:
+            with tier.borrow([tkey]) as (rec,):
+                if rec is not None and nbytes is None:
+                    try:
+                        _, _, info = read_header(rec)  # type: ignore[arg-type]
+                        nbytes = info.latent_nbytes + info.index_nbytes
+                    except RecordError as e:
+                        tier.report_damaged(tkey, e)
+        if nbytes is None:
+            if self._unhealthy_holder(tkey) is None:
+                return None
+            nbytes = 0
+        self.stack.remove([tkey])
+        with self._lock:
+            self._sources.pop((caller.tenant, key), None)
+        return nbytes
+
+    def contains(self, caller: Caller, key: str) -> bool:
+        """Whether any tier holds the tenant's copy under ``key``."""
+        tkey = self._key(caller, key)
+        return any(t.contains([tkey])[0] for t in self.stack.cascade)

@@ -1,0 +1,126 @@
+"""Prometheus metrics: one collector that reads a snapshot at scrape time, an RPC latency histogram,
+and the HTTP endpoint (prometheus-client's own server).
+
+The data path pays nothing for the metrics it already counts: :class:`SnapshotCollector` calls a
+snapshot function when Prometheus scrapes and turns its rows into metric families. Only the RPC
+latency histogram is observed on the call path (once per call, after it finished, outside every lock
+of the daemon). Label sets come from the rows themselves, so adding a label (e.g. ``tenant``) is a
+change in the one place that builds the rows (:mod:`kvtier.server.observe.daemon_metrics`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+log = logging.getLogger(__name__)
+
+#: A metric's rows: ``[(labels, value), ...]``.
+Rows = list[tuple[dict[str, str], float]]
+#: What a snapshot function returns: ``{metric name: rows}`` for the names of :data:`METRICS`.
+Snapshot = dict[str, Rows]
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    """A metric the collector exports: ``kind`` ``gauge`` or ``counter`` (name without ``_total``)."""
+
+    kind: str
+    help: str
+
+
+METRICS: dict[str, MetricSpec] = {
+    "kvtier_tier_used_bytes": MetricSpec("gauge", "Bytes a tier holds (device: allocated pool pages; host/disk: "
+                                                  "charged record bytes)."),
+    "kvtier_tier_capacity_bytes": MetricSpec("gauge", "Byte budget of a tier (device: all pool pages)."),
+    "kvtier_tier_healthy": MetricSpec("gauge", "1 while a tier serves, 0 while it is bypassed (storage failed)."),
+    "kvtier_hit_pages": MetricSpec("counter", "Prefix-cache pages loaded, by the tier they came from and tenant."),
+    "kvtier_miss_pages": MetricSpec("counter", "Prefix-cache pages asked for and found in no tier, by tenant."),
+    "kvtier_moves": MetricSpec("counter", "Records moved between tiers (dst 'gone': dropped)."),
+    "kvtier_moved_bytes": MetricSpec("counter", "Record bytes moved between tiers."),
+    "kvtier_evictions": MetricSpec("counter", "Entries a tier evicted to stay in budget."),
+    "kvtier_checksum_failures": MetricSpec("counter", "Records that failed their checksum or header checks."),
+    "kvtier_pool_free_pages": MetricSpec("gauge", "Free pages of a device pool."),
+}
+
+#: Labels of the RPC histogram (``tenant``: the authenticated caller's; "" for health, reflection and
+#: calls refused UNAUTHENTICATED).
+RPC_LABELS = ("method", "code", "tenant")
+#: Latency buckets, seconds: from a metadata call over a unix socket to a multi-GB stream.
+RPC_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class SnapshotCollector(Collector):
+    """Exports :data:`METRICS` from ``snapshot()``, called once per scrape.
+
+    Args:
+        snapshot: returns ``{name: [(labels, value), ...]}``; must take no data-path lock.
+    """
+
+    def __init__(self, snapshot: Callable[[], Snapshot]) -> None:
+        self._snapshot = snapshot
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self._snapshot()
+        for name, spec in METRICS.items():
+            rows = snap.get(name, [])
+            labels = list(rows[0][0]) if rows else []
+            family_cls = GaugeMetricFamily if spec.kind == "gauge" else CounterMetricFamily
+            family = family_cls(name, spec.help, labels=labels)
+            for row_labels, value in rows:
+                family.add_metric([row_labels[k] for k in labels], value)
+            yield family
+
+
+class RpcMetrics:
+    """The RPC latency histogram ``kvtier_rpc_duration_seconds{method,code,tenant}``."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.histogram = Histogram("kvtier_rpc_duration_seconds", "Wall time of an RPC from its start until its "
+                                   "last message was handled, by method, status code and tenant.", RPC_LABELS,
+                                   registry=registry, buckets=RPC_BUCKETS)
+
+    def observe(self, seconds: float, **labels: str) -> None:
+        """Record one finished call (labels: :data:`RPC_LABELS`)."""
+        self.histogram.labels(**labels).observe(seconds)
+
+
+class MetricsEndpoint:
+    """``/metrics`` over HTTP on ``host:port`` (port 0: a free one) for ``registry``.
+
+    Attributes:
+        address: ``http://HOST:PORT/metrics`` once started.
+    """
+
+    def __init__(self, registry: CollectorRegistry, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.registry = registry
+        self.host = host
+        self.port = port
+        self.address = ""
+        self._server = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> str:
+        """Start serving; returns :attr:`address`. Raises OSError if the port cannot be bound."""
+        self._server, self._thread = start_http_server(self.port, addr=self.host, registry=self.registry)
+        port = self._server.server_port
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        self.address = f"http://{host}:{port}/metrics"
+        log.info("metrics on %s", self.address)
+        return self.address
+
+    def stop(self) -> None:
+        """Stop serving and close the socket."""
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+        if self._thread is not None:
+            self._thread.join(5.0)
+            self._thread = None

@@ -1,0 +1,71 @@
+"""Small pieces the server's interceptors share: re-wrapping a method handler, and counting calls in flight.
+
+Interceptors of the daemon, outermost first (``create_server``): :class:`CallTracker` (calls in
+flight, for a bounded shutdown), ``auth.AuthInterceptor`` (who the caller is),
+``errors.DomainErrorInterceptor`` (domain errors -> status codes).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grpc
+
+
+def handler_like(handler: grpc.RpcMethodHandler, make: Callable[[Callable[..., Any]], Callable[..., Any]],
+                 *, streaming: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None) -> grpc.RpcMethodHandler:
+    """A handler of ``handler``'s kind whose behavior is ``make(original behavior)`` (``streaming``
+    instead of ``make`` for the kinds whose behavior returns an iterator, when given)."""
+    des, ser = handler.request_deserializer, handler.response_serializer
+    stream = streaming or make
+    if handler.unary_unary:
+        return grpc.unary_unary_rpc_method_handler(make(handler.unary_unary), des, ser)
+    if handler.stream_unary:
+        return grpc.stream_unary_rpc_method_handler(make(handler.stream_unary), des, ser)
+    if handler.unary_stream:
+        return grpc.unary_stream_rpc_method_handler(stream(handler.unary_stream), des, ser)
+    return grpc.stream_stream_rpc_method_handler(stream(handler.stream_stream), des, ser)
+
+
+class CallTracker(grpc.ServerInterceptor):
+    """Counts calls whose behavior is running in a worker thread (a streaming call until its last
+    message). At shutdown a count above 0 after the grace period means a worker is stuck."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # leaf
+        self.in_flight = 0
+
+    def _enter(self) -> None:
+        with self._lock:
+            self.in_flight += 1
+
+    def _leave(self) -> None:
+        with self._lock:
+            self.in_flight -= 1
+
+    def intercept_service(self, continuation: Callable[..., Any], handler_call_details: Any) -> Any:
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None
+
+        def unary(behavior: Callable[..., Any]) -> Callable[..., Any]:
+            def call(request: Any, context: grpc.ServicerContext) -> Any:
+                self._enter()
+                try:
+                    return behavior(request, context)
+                finally:
+                    self._leave()
+            return call
+
+        def streaming(behavior: Callable[..., Iterator[Any]]) -> Callable[..., Iterator[Any]]:
+            def call(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+                self._enter()
+                try:
+                    yield from behavior(request, context)
+                finally:
+                    self._leave()
+            return call
+
+        return handler_like(handler, unary, streaming=streaming)

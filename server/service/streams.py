@@ -1,0 +1,128 @@
+"""KV streams may not take every worker thread: a cap on streams in flight and an idle bound.
+
+gRPC's sync server runs each call on one of ``--workers`` threads until it returns. A stream whose
+client stalls (a WriteKV that sends nothing more, a ReadKV whose reader stops reading) would hold its
+thread until the client's deadline -- forever without one -- and 16 of them stopped every control
+call. :class:`StreamGuard` keeps threads for control calls:
+
+* at most ``max_streams`` streams (WriteKV, ReadKV, ReadPages) run at once (default: half the
+  workers); one more is refused at once with RESOURCE_EXHAUSTED naming the limit, so streams never
+  hold more than that many threads;
+* a stream that moves no message for ``stream_idle_seconds`` is cancelled (the public
+  ``RpcContext.cancel``): the blocked receive or send ends, the thread and the slot come back. Its
+  client sees CANCELLED; a WriteKV cancelled this way has written nothing.
+
+Lock order: the guard's lock is a leaf (a dict update or a scan of plain values; ``cancel`` and
+logging happen after it is released).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from kvtier.server.daemon.errors import ResourceExhausted
+
+log = logging.getLogger("kvtier.service")
+
+
+@dataclass
+class _Stream:
+    method: str
+    context: Any
+    last: float
+    cancelled: bool = False
+
+
+class StreamGuard:
+    """Stream slots and the idle watchdog of one server.
+
+    Args:
+        max_streams: streams allowed in flight at once (>= 1).
+        idle_seconds: a stream with no message moved for this long is cancelled.
+        clock: monotonic seconds (tests may pass their own).
+    """
+
+    def __init__(self, max_streams: int, idle_seconds: float, clock: Callable[[], float] = time.monotonic) -> None:
+        if max_streams < 1 or idle_seconds <= 0:
+            raise ValueError(f"need max_streams >= 1 and idle_seconds > 0, got {max_streams}, {idle_seconds}")
+        self.max_streams = max_streams
+        self.idle_seconds = idle_seconds
+        self._clock = clock
+        self._lock = threading.Lock()  # leaf
+        self._streams: dict[int, _Stream] = {}
+        self._ids = itertools.count()
+        self.cancelled_idle = 0
+        self.refused = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="kvtier-stream-watchdog", daemon=True)
+        self._thread.start()
+
+    @property
+    def in_flight(self) -> int:
+        """Streams running now."""
+        return len(self._streams)
+
+    @contextmanager
+    def stream(self, context: Any, method: str) -> Iterator[Callable[[], None]]:
+        """Hold a stream slot for the ``with`` block; yields ``touch()``, to call whenever a message moved.
+
+        Raises:
+            ResourceExhausted: every slot is taken (nothing of the call ran).
+        """
+        with self._lock:
+            full = len(self._streams) >= self.max_streams
+            if full:
+                self.refused += 1
+            else:
+                sid = next(self._ids)
+                entry = _Stream(method, context, self._clock())
+                self._streams[sid] = entry
+        if full:
+            raise ResourceExhausted(f"{self.max_streams} KV streams are in flight, the daemon's limit (--max-streams); "
+                                    f"retry when one has finished")
+
+        def touch() -> None:
+            entry.last = self._clock()  # a plain store: no lock on the data path
+
+        try:
+            yield touch
+        finally:
+            with self._lock:
+                self._streams.pop(sid, None)
+
+    def _idle(self) -> list[_Stream]:
+        now = self._clock()
+        with self._lock:
+            stale = [s for s in self._streams.values() if not s.cancelled and now - s.last > self.idle_seconds]
+            for s in stale:
+                s.cancelled = True
+            self.cancelled_idle += len(stale)
+        return stale
+
+    def check_now(self) -> int:
+        """Cancel the streams idle for too long now; returns how many (the watchdog calls this)."""
+        stale = self._idle()
+        for s in stale:
+            log.warning("%s moved no message for %.0f s: cancelled (its worker thread is free again)", s.method,
+                        self.idle_seconds)
+            try:
+                s.context.cancel()
+            except Exception:  # noqa: BLE001 - the call may have ended meanwhile
+                log.debug("cancelling an idle %s failed", s.method, exc_info=True)
+        return len(stale)
+
+    def _watch(self) -> None:
+        period = min(max(self.idle_seconds / 4, 0.05), 1.0)
+        while not self._stop.wait(period):
+            self.check_now()
+
+    def close(self) -> None:
+        """Stop the watchdog (at shutdown)."""
+        self._stop.set()

@@ -1,0 +1,143 @@
+"""The gRPC side of PullKV: reaching a peer daemon's TransferService (layout, ReadPages streams).
+
+Implements the domain's :class:`~kvtier.server.daemon.transfer.PeerConnector`: the domain decides
+what to move; this module only asks the peer over gRPC and writes the bytes a ReadPages stream
+brings into the destination pool's pages. Peer errors become the daemon's typed errors (the peer's
+NOT_FOUND / INVALID_ARGUMENT stay what they are; anything else is a :class:`TransferError`).
+
+Credentials: PullKV presents the *caller's* bearer token to the peer (``authorization: Bearer``), so
+the peer serves the pool of the tenant that token names there (run both daemons with the same
+tokens file for PD pairs). With ``peer_tls_ca`` set, peers are reached over TLS checked against that
+CA, and the daemon's own ``tls_cert``/``tls_key`` are its client certificate (for peers that require
+mutual TLS). Without it, peers are reached in plaintext, and a token is sent only to a loopback or
+unix-socket peer (else FAILED_PRECONDITION: a bearer token never crosses a network in the clear).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+import grpc
+import numpy as np
+import torch
+
+from kvtier.addresses import is_loopback
+from kvtier.server.daemon.config import DaemonConfig
+from kvtier.server.daemon.errors import FailedPrecondition, InvalidArgument, NotFound
+from kvtier.server.daemon.pools import PoolEntry
+from kvtier.server.daemon.tenants import Caller
+from kvtier.server.daemon.transfer import PEER_LAYOUT_TIMEOUT_S, PEER_STREAM_TIMEOUT_S, PullSpec
+from kvtier.server.service.transfer_messages import COMPONENT_TO_PROTO, peer_layout
+from kvtier.server.transfer import PageTransport, PoolLayout, TransferError, TransferPlan
+from kvtier.server.transfer.engine import check_injected_failure
+from kvtier.server.transfer.pages import page_run
+from kvtier.v1 import transfer_pb2, transfer_pb2_grpc
+
+
+def _write_bytes(dst: torch.Tensor, data: bytes) -> None:
+    src = np.frombuffer(data, dtype=np.uint8)
+    if dst.device.type == "cpu":
+        dst.numpy()[:] = src
+    else:
+        dst.copy_(torch.from_numpy(src.copy()), non_blocking=False)
+
+
+class GrpcPageTransport:
+    """Fallback :class:`PageTransport`: each batch is one ReadPages stream from the peer daemon,
+    written into the destination pool's pages as chunks arrive."""
+
+    name = "grpc"
+
+    def __init__(self, stub: transfer_pb2_grpc.TransferServiceStub, peer: str, entry: PoolEntry, chunk_bytes: int,
+                 fail_batch: int | None, spec: PullSpec, metadata: Sequence[tuple[str, str]] = ()) -> None:
+        self.stub, self.peer, self.peer_pool_id = stub, peer, spec.peer_pool_id
+        self.entry, self.chunk_bytes, self.fail_batch = entry, chunk_bytes, fail_batch
+        self.spec = spec
+        self.metadata = tuple(metadata)
+
+    def pull(self, remote: PoolLayout, plan: TransferPlan) -> None:
+        for b, batch in enumerate(plan.batches):
+            check_injected_failure(self.fail_batch, b, "grpc")
+            targets = [page_run(self.entry.pool, it.component, it.layer_id, it.dst_page, it.num_pages) for it in batch]
+            got = [0] * len(batch)
+            request = transfer_pb2.ReadPagesRequest(pool_id=self.peer_pool_id, chunk_bytes=self.chunk_bytes, runs=[
+                transfer_pb2.PageRun(layer_id=it.layer_id, component=COMPONENT_TO_PROTO[it.component],
+                                     first_page=it.src_page, num_pages=it.num_pages) for it in batch])
+            try:
+                for msg in self.stub.ReadPages(request, timeout=self.spec.remaining(PEER_STREAM_TIMEOUT_S),
+                                               metadata=self.metadata):
+                    r, n = msg.run, len(msg.data)
+                    if r >= len(batch) or msg.offset != got[r] or got[r] + n > batch[r].nbytes:
+                        raise TransferError(f"grpc: ReadPages from {self.peer} sent an out-of-order chunk (run {r}, offset {msg.offset})", batch=b)
+                    _write_bytes(targets[r][got[r]:got[r] + n], msg.data)
+                    got[r] += n
+            except grpc.RpcError as e:
+                raise TransferError(f"grpc: ReadPages from {self.peer} failed in batch {b + 1} of {len(plan.batches)}: "
+                                    f"{e.code().name}: {e.details()}", batch=b) from None
+            short = [i for i, it in enumerate(batch) if got[i] != it.nbytes]
+            if short:
+                raise TransferError(f"grpc: ReadPages from {self.peer} ended early in batch {b + 1} "
+                                    f"({got[short[0]]} of {batch[short[0]].nbytes} bytes of a run)", batch=b)
+
+
+class GrpcPeerLink:
+    """A :class:`~kvtier.server.daemon.transfer.PeerLink` over one gRPC channel."""
+
+    def __init__(self, channel: grpc.Channel, address: str, metadata: Sequence[tuple[str, str]] = ()) -> None:
+        self.stub = transfer_pb2_grpc.TransferServiceStub(channel)
+        self.address = address
+        self.metadata = tuple(metadata)
+
+    def layout(self, pool_id: str, check_pages: list[int], spec: PullSpec) -> PoolLayout:
+        request = transfer_pb2.TransferLayoutRequest(pool_id=pool_id, check_pages=check_pages)
+        try:
+            msg = self.stub.GetTransferLayout(request, timeout=spec.remaining(PEER_LAYOUT_TIMEOUT_S), metadata=self.metadata)
+        except grpc.RpcError as e:
+            code, details = e.code(), e.details()
+            if code == grpc.StatusCode.NOT_FOUND:
+                raise NotFound(f"peer {self.address}: {details}") from None
+            if code == grpc.StatusCode.INVALID_ARGUMENT:
+                raise InvalidArgument(f"peer {self.address}: {details}") from None
+            raise TransferError(f"peer {self.address} GetTransferLayout failed: {code.name}: {details}") from None
+        return peer_layout(msg)
+
+    def page_transport(self, entry: PoolEntry, chunk_bytes: int, fail_batch: int | None, spec: PullSpec) -> PageTransport:
+        return GrpcPageTransport(self.stub, self.address, entry, chunk_bytes, fail_batch, spec, self.metadata)
+
+
+class GrpcPeerConnector:
+    """Opens gRPC channels to peer daemons with the daemon's message limits (module docstring: credentials).
+
+    Args:
+        options: channel options (``DaemonConfig.grpc_options()``).
+        tls: channel credentials for TLS peers (None: plaintext).
+    """
+
+    def __init__(self, options: Sequence[tuple[str, int]], tls: grpc.ChannelCredentials | None = None) -> None:
+        self.options = list(options)
+        self.tls = tls
+
+    @classmethod
+    def for_config(cls, config: DaemonConfig) -> GrpcPeerConnector:
+        """The connector a daemon of ``config`` uses (TLS with ``peer_tls_ca``)."""
+        tls = None
+        if config.peer_tls_ca:
+            own = (Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes()) if config.tls_cert else (None, None)
+            tls = grpc.ssl_channel_credentials(root_certificates=Path(config.peer_tls_ca).read_bytes(),
+                                               private_key=own[0], certificate_chain=own[1])
+        return cls(config.grpc_options(), tls)
+
+    @contextmanager
+    def connect(self, address: str, caller: Caller) -> Iterator[GrpcPeerLink]:
+        metadata: list[tuple[str, str]] = []
+        if caller.token:
+            if self.tls is None and not is_loopback(address):
+                raise FailedPrecondition(f"refusing to send the caller's token to peer {address} in plaintext: give the "
+                                         f"daemon --peer-tls-ca (peers over TLS), or use a loopback/unix peer")
+            metadata.append(("authorization", f"Bearer {caller.token}"))
+        channel = (grpc.secure_channel(address, self.tls, options=self.options) if self.tls is not None
+                   else grpc.insecure_channel(address, options=self.options))
+        with channel:
+            yield GrpcPeerLink(channel, address, metadata)

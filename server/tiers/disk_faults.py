@@ -1,0 +1,98 @@
+"""What can go wrong under the disk tier, told apart from the caller's mistakes.
+
+* An unusable ``--disk-path`` (a file, a pseudo filesystem such as ``/proc``, a read-only filesystem, a
+  directory this user cannot write) is refused when the daemon starts, with one line that says what to
+  do (:func:`check_disk_path` raises :class:`~kvtier.server.tiers.errors.DiskPathError`).
+* An I/O fault while serving (ENOSPC, EIO: LMDB reports a full filesystem as ``mdb_txn_commit:
+  Input/output error``; a reader table that is full; an environment that panicked) is not the caller's
+  fault: :func:`is_io_fault` says so, and the disk tier turns unhealthy instead of failing the call.
+  ``MapFullError`` is not a fault: it means kvtier's own budget is full (``TierFullError``).
+* Tests inject an I/O fault where no small filesystem can be mounted: while the file named by
+  ``KVTIER_DISK_FAULT_FILE`` exists, every write transaction of the disk tier fails as LMDB fails on
+  a full disk (:func:`check_injected_fault`); removing the file is "space came back".
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
+import lmdb
+
+from kvtier.server.tiers.errors import DiskPathError
+
+FAULT_FILE_ENV = "KVTIER_DISK_FAULT_FILE"
+_WHAT_TO_DO = "pass --disk-path DIR on a local, writable filesystem (or leave it out for a host tier only)"
+
+
+class InjectedDiskFault(lmdb.Error):
+    """The fault a test injects through :data:`FAULT_FILE_ENV` (an ``lmdb.Error``, like the real one)."""
+
+
+def fault_file_from_env() -> str:
+    """The path in ``KVTIER_DISK_FAULT_FILE`` ("" when unset)."""
+    return os.environ.get(FAULT_FILE_ENV, "").strip()
+
+
+def check_injected_fault(fault_file: str) -> None:
+    """Raise :class:`InjectedDiskFault` while ``fault_file`` (non-empty) exists."""
+    if fault_file and os.path.exists(fault_file):
+        raise InjectedDiskFault(f"mdb_txn_commit: Input/output error (injected: {fault_file} exists)")
+
+
+def is_io_fault(exc: BaseException) -> bool:
+    """True for a failure of the storage under the tier (not of the caller, not of kvtier's budget):
+    any ``lmdb.Error`` but ``MapFullError``, and ``OSError``."""
+    if isinstance(exc, lmdb.MapFullError):
+        return False
+    return isinstance(exc, (lmdb.Error, OSError))
+
+
+def describe_fault(exc: BaseException) -> str:
+    """A one-line reason for health and logs, e.g. ``mdb_txn_commit: Input/output error``."""
+    text = str(exc).strip() or type(exc).__name__
+    return " ".join(text.split())
+
+
+def free_bytes(path: str | Path) -> int:
+    """Bytes an unprivileged writer may still use on ``path``'s filesystem (``statvfs``)."""
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def check_disk_path(path: str | Path) -> Path:
+    """Make sure the disk tier can keep an LMDB environment in ``path`` (created if missing).
+
+    Returns:
+        The directory as an absolute :class:`~pathlib.Path`.
+
+    Raises:
+        DiskPathError: ``path`` is a file, cannot be created, lies on a pseudo filesystem (no storage,
+            e.g. ``/proc``) or a read-only one, or this user cannot write it. The message names the
+            path and what to do.
+    """
+    p = Path(os.path.abspath(os.path.expanduser(str(path))))
+    if p.exists() and not p.is_dir():
+        raise DiskPathError(f"--disk-path {p} is not a directory; {_WHAT_TO_DO}")
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DiskPathError(f"--disk-path {p} cannot be created ({e.strerror or e}); {_WHAT_TO_DO}") from None
+    st = os.statvfs(p)
+    if st.f_flag & os.ST_RDONLY:
+        raise DiskPathError(f"--disk-path {p} is on a read-only filesystem; {_WHAT_TO_DO}")
+    if st.f_blocks == 0:
+        raise DiskPathError(f"--disk-path {p} is on a pseudo filesystem without storage (such as /proc or /sys); "
+                            f"{_WHAT_TO_DO}")
+    if not os.access(p, os.W_OK | os.X_OK):
+        raise DiskPathError(f"--disk-path {p} is not writable by this user; {_WHAT_TO_DO}")
+    return p
+
+
+def open_failure(path: str | Path, exc: BaseException) -> DiskPathError:
+    """The startup error for an environment LMDB could not open in ``path``."""
+    reason = describe_fault(exc)
+    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+        reason = "no space left on the filesystem"
+    return DiskPathError(f"--disk-path {path}: LMDB cannot open its environment there ({reason}); {_WHAT_TO_DO}")

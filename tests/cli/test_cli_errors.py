@@ -1,0 +1,150 @@
+"""The real ``kvtier`` command, run as a user runs it (a subprocess): what goes wrong before the daemon
+serves is one line on stderr, exit status 1, no traceback, saying what to do next.
+
+Regressions (issue 8, defects 6 and 8): an unusable ``--disk-path`` (a file, ``/proc``, a read-only
+filesystem) ended in a traceback; ``kvtier status --server /path/kv.sock`` (a bare path, also
+``KVTIER_SERVER``) ended in a 28-line traceback; a pool larger than memory printed torch's allocator
+text; a missing Mooncake library gave a 40-line traceback after the pool was allocated; a socket
+directory owned by another user, or a symlink, was accepted and chmod'ed.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from small_fs import small_tmpfs
+
+from kvtier.client.spawn import DaemonProcess
+
+SMALL_POOL = ["--device", "cpu", "--pool", "glm-5.2:64", "--pool-layers", "2"]
+
+
+def kvtier(*args: str, env: dict[str, str] | None = None, timeout: float = 120, prefix: list[str] | None = None):
+    """Run ``python -m kvtier.cli ARGS`` (optionally under ``prefix``, e.g. ``unshare``); returns the result."""
+    cmd = [*(prefix or []), sys.executable, "-m", "kvtier.cli", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def one_line_error(r: subprocess.CompletedProcess) -> str:
+    """Assert exit 1 and exactly one non-empty stderr line without a traceback; return that line."""
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert r.returncode == 1, (r.returncode, r.stderr)
+    assert "Traceback" not in r.stderr and len(lines) == 1, r.stderr
+    assert lines[0].startswith("Error: ")
+    return lines[0]
+
+
+def serve(tmp_path: Path, *args: str, **kw) -> subprocess.CompletedProcess:
+    return kvtier("serve", "--listen", f"unix://{tmp_path}/kv.sock", *SMALL_POOL, *args, **kw)
+
+
+# ----- --disk-path -----------------------------------------------------------------------------------
+def test_disk_path_that_is_a_file(tmp_path):
+    (tmp_path / "afile").write_text("x")
+    line = one_line_error(serve(tmp_path, "--disk-path", str(tmp_path / "afile")))
+    assert "is not a directory" in line and "--disk-path DIR" in line
+
+
+@pytest.mark.parametrize("path", ["/proc", "/proc/kvtier-nothing-here"])
+def test_disk_path_under_proc(tmp_path, path):
+    line = one_line_error(serve(tmp_path, "--disk-path", path))
+    assert path in line and ("pseudo filesystem" in line or "cannot be created" in line)
+
+
+def test_disk_path_on_a_read_only_filesystem(tmp_path):
+    ro = tmp_path / "ro"
+    with small_tmpfs(ro, "1m", options="ro") as mounted:
+        path = ro if mounted else Path("/proc/sys")  # no mount allowed: another filesystem LMDB cannot use
+        line = one_line_error(serve(tmp_path, "--disk-path", str(path / "tier") if not mounted else str(path)))
+    assert ("read-only filesystem" in line) if mounted else ("--disk-path" in line)
+
+
+# ----- --server with a bare path ---------------------------------------------------------------------
+def test_status_takes_a_bare_socket_path_flag_and_env(tmp_path):
+    with DaemonProcess(extra_args=SMALL_POOL) as d:
+        path = d.address[len("unix://"):]
+        assert kvtier("status", "--server", path, "--json").returncode == 0
+        r = kvtier("status", "--json", env={"KVTIER_SERVER": path})
+        assert r.returncode == 0 and '"health": "SERVING"' in r.stdout, r.stderr
+    line = one_line_error(kvtier("status", "--server", str(tmp_path / "nobody.sock"), "--timeout", "2"))
+    assert "no kvtier daemon answers there" in line
+    line = one_line_error(kvtier("pools", "--timeout", "2", env={"KVTIER_SERVER": str(tmp_path / "nobody.sock")}))
+    assert "no kvtier daemon answers there" in line
+
+
+# ----- a pool larger than memory -----------------------------------------------------------------------
+def test_pool_larger_than_memory_says_how_much_there_is(tmp_path):
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    r = kvtier("serve", "--listen", f"unix://{tmp_path}/kv.sock", "--device", "cpu",
+               "--pool", f"glm-5.2:{4 * total // (1 << 30) + 64}GiB")
+    line = one_line_error(r)
+    assert "bytes available" in line and "kvtier plan --available-bytes" in line
+    assert "alloc_cpu" not in line and "DefaultCPUAllocator" not in line
+
+
+# ----- Mooncake missing ------------------------------------------------------------------------------
+def test_missing_mooncake_wheel_is_found_before_any_pool(tmp_path):
+    """An (empty) ``mooncake`` package first on the path is what the import sees without the wheel; the
+    pool asked for is far larger than memory, so only a check that runs before any pool is allocated
+    can name Mooncake."""
+    shadow = tmp_path / "shadow" / "mooncake"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("")
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    r = kvtier("serve", "--listen", f"unix://{tmp_path}/kv.sock", "--device", "cpu", "--transfer-engine", "mooncake",
+               "--pool", f"glm-5.2:{4 * total // (1 << 30) + 64}GiB", env={"PYTHONPATH": str(tmp_path / "shadow")})
+    line = one_line_error(r)
+    assert "Mooncake Transfer Engine is not available" in line and "mooncake.engine" in line
+    assert "pip install 'kvtier[mooncake]'" in line and "libibverbs1" in line
+
+
+def test_missing_mooncake_debian_library(tmp_path):
+    """libibverbs.so.1 hidden in a private mount namespace (a bind mount of /dev/null over it, seen only
+    by this command): the real engine fails to load and the daemon says so in one line."""
+    lib = Path("/lib/x86_64-linux-gnu/libibverbs.so.1").resolve()
+    probe = subprocess.run(["unshare", "-m", "true"], capture_output=True)
+    assert lib.exists(), "libibverbs1 is a required Debian package (see README)"
+    if probe.returncode == 0:
+        args = " ".join(["--listen", f"unix://{tmp_path}/kv.sock", *SMALL_POOL, "--transfer-engine", "mooncake"])
+        script = f"mount --bind /dev/null {lib} && exec {sys.executable} -m kvtier.cli serve {args}"
+        r = subprocess.run(["unshare", "-m", "sh", "-c", script], capture_output=True, text=True, timeout=120)
+        expected = "libibverbs.so.1"
+    else:  # no namespaces here: an engine module that fails to load as the real one does without the library
+        shadow = tmp_path / "shadow" / "mooncake"
+        shadow.mkdir(parents=True)
+        (shadow / "__init__.py").write_text("")
+        (shadow / "engine.py").write_text(
+            "raise ImportError('libibverbs.so.1: cannot open shared object file: No such file or directory')\n")
+        r = serve(tmp_path, "--transfer-engine", "mooncake", env={"PYTHONPATH": str(tmp_path / "shadow")})
+        expected = "libibverbs.so.1"
+    line = one_line_error(r)
+    assert "Mooncake Transfer Engine is not available" in line and expected in line
+
+
+# ----- the socket directory --------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["other-owner", "symlink"])
+def test_default_socket_dir_of_another_user_or_a_symlink_is_refused(tmp_path, kind):
+    """The default socket directory ($XDG_RUNTIME_DIR/kvtier) exists in advance, owned by another
+    user (made world-writable by them) or as a symlink: the daemon refuses it and leaves it alone."""
+    runtime = tmp_path / "run"
+    runtime.mkdir()
+    sockdir = runtime / "kvtier"
+    if kind == "other-owner":
+        sockdir.mkdir()
+        os.chmod(sockdir, 0o777)
+        os.chown(sockdir, 65534, 65534)
+    else:
+        (tmp_path / "elsewhere").mkdir(mode=0o700)
+        sockdir.symlink_to(tmp_path / "elsewhere")
+    r = kvtier("serve", *SMALL_POOL, env={"XDG_RUNTIME_DIR": str(runtime)})
+    line = one_line_error(r)
+    assert ("owned by uid 65534" in line) if kind == "other-owner" else ("is a symlink" in line)
+    if kind == "other-owner":
+        st = os.stat(sockdir)
+        assert st.st_uid == 65534 and st.st_mode & 0o777 == 0o777 and not (sockdir / "kvtier.sock").exists()
+    else:
+        assert not (tmp_path / "elsewhere" / "kvtier.sock").exists()

@@ -1,0 +1,71 @@
+"""The one offload store, in process: copies are records in the tier stack; a daemon with no tier
+keeps none (RESOURCE_EXHAUSTED, nothing stored)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtier.server.daemon import Daemon, DaemonConfig, ResourceExhausted
+from kvtier.server.daemon import kv_ops
+from kvtier.server.daemon.errors import AlreadyExists, InvalidArgument, NotFound
+from kvtier.server.daemon.pools import PoolRequest
+from kvtier.server.daemon.tenants import Caller
+
+PS = 64
+ME = Caller.default()
+
+
+def _daemon(**config) -> Daemon:
+    return Daemon(DaemonConfig(device="cpu", **config))
+
+
+def _pool(d: Daemon, pool_id: str = "p", tokens: int = 512):
+    return d.pools.create(ME, PoolRequest(pool_id=pool_id, preset="glm-5.2", num_layers=4, size_tokens=tokens))
+
+
+def _fill(d: Daemon, pool_id: str, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    with d.pools.locked(ME, pool_id, exclusive=True) as e:
+        slots = e.alloc(n)
+        rows = torch.randint(0, 256, (n, e.pool.row_bytes), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+        for layer in range(e.pool.layer_num):
+            e.pool.set_kv_buffer(layer, slots, rows)
+    return slots, rows
+
+
+def test_a_daemon_without_any_tier_refuses_every_copy_and_stores_nothing():
+    """host_memory_bytes=0 and no disk: the stack is empty; Offload is RESOURCE_EXHAUSTED and the pool keeps its slots."""
+    d = _daemon(host_memory_bytes=0)
+    try:
+        assert d.tiers.stack.tiers == []
+        _pool(d)
+        slots, _ = _fill(d, "p", PS, seed=1)
+        with pytest.raises(ResourceExhausted, match="no tier to keep copies in"):
+            kv_ops.offload(d.pools, d.offload_store, ME, "p", "k", slots, free_slots=True)
+        assert not d.offload_store.contains(ME, "k")
+        assert d.pools.get(ME, "p").allocator.used_pages == 1  # not freed
+    finally:
+        d.close()
+
+
+def test_copies_round_trip_keys_are_checked_and_drop_frees_the_key():
+    d = _daemon(host_memory_bytes=4 << 20)
+    try:
+        _pool(d)
+        slots, rows = _fill(d, "p", 100, seed=2)
+        r = kv_ops.offload(d.pools, d.offload_store, ME, "p", "req", slots, free_slots=True)
+        assert (r.num_tokens, r.freed_pages) == (100, 2)
+        with pytest.raises(AlreadyExists):
+            kv_ops.offload(d.pools, d.offload_store, ME, "p", "req", _fill(d, "p", 10, seed=3)[0], free_slots=False)
+        with pytest.raises(InvalidArgument):
+            d.offload_store.check_room(ME, "", 1)
+        back, nbytes = kv_ops.restore(d.pools, d.offload_store, ME, "p", "req", None, drop=False)
+        assert nbytes == r.nbytes
+        with d.pools.locked(ME, "p", exclusive=False) as e:
+            for layer in range(4):
+                assert torch.equal(e.pool.get_kv_buffer_rows(layer, back).reshape(100, -1), rows)
+        assert d.offload_store.drop(ME, "req") == r.nbytes and d.offload_store.drop(ME, "req") is None
+        with pytest.raises(NotFound):
+            d.offload_store.get(ME, "req")
+    finally:
+        d.close()

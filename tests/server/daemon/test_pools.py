@@ -1,0 +1,104 @@
+"""The pool registry in process: sizes validated before anything loops or allocates, pool ids per
+tenant, the pool quota, and allocation that evicts unpinned prefix-cache pages."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from daemonkit import A, B, PS, daemon, fill, keys, pool, store_prefix
+
+from kvtier.server.daemon.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
+from kvtier.server.daemon.pools import PoolRequest, parse_hf_config
+from kvtier.server.daemon.quotas import Quota, Quotas
+
+
+@pytest.fixture
+def d():
+    dm = daemon(host_memory_bytes=8 << 20)
+    yield dm
+    dm.close()
+
+
+@pytest.mark.parametrize("req, match", [
+    (PoolRequest(pool_id="x", preset="glm-5.2", num_layers=4294967295, size_tokens=64), "exceeds the model's 78 layers"),
+    (PoolRequest(pool_id="x", preset="glm-5.2", num_layers=79, size_tokens=64), "num_layers 79 exceeds the model's 78 layers"),
+    (PoolRequest(pool_id="x", hf_config={"num_hidden_layers": 10**9, "kv_lora_rank": 512, "qk_rope_head_dim": 64},
+                 size_tokens=64), "num_hidden_layers must be an integer in 1..4096"),
+    (PoolRequest(pool_id="x", hf_config={"num_hidden_layers": 4, "kv_lora_rank": 2**40, "qk_rope_head_dim": 64},
+                 size_tokens=64), "kv_lora_rank must be at most 65536"),
+    (PoolRequest(pool_id="x", preset="glm-5.2", size_tokens=2**63), "size_tokens must be at most"),
+    (PoolRequest(pool_id="x" * 500, preset="glm-5.2", size_tokens=64), "pool_id must be at most"),
+])
+def test_absurd_sizes_fail_fast_and_allocate_nothing(d, req, match):
+    """Regression (issue 8, defect 3): CreatePool with num_layers=4294967295, or an HF config with
+    num_hidden_layers=10**9, looped over every layer at 100% CPU and grew memory by GBs; num_layers
+    above the model's layer count was accepted. Every size is checked before any loop or allocation."""
+    with pytest.raises(InvalidArgument, match=match):
+        d.pools.create(A, req)
+    assert d.pools.list() == []
+
+
+def test_deeply_nested_hf_config_json_is_invalid_argument():
+    """Regression (issue 8, defect 8): a deeply nested hf_config_json raised RecursionError (INTERNAL)."""
+    with pytest.raises(InvalidArgument, match="nests too deeply"):
+        parse_hf_config("[" * 200_000 + "]" * 200_000)
+    assert parse_hf_config(json.dumps({"a": [[[1]]]})) == {"a": [[[1]]]}
+
+
+def test_pool_ids_are_per_tenant_and_others_are_not_found_like_absent_ones(d):
+    pool(d, A, "p")
+    pool(d, B, "p")  # the same id in another tenant is another pool
+    with pytest.raises(AlreadyExists):
+        pool(d, A, "p")
+    assert [e.tenant for e in d.pools.list()] == ["team-a", "team-b"]
+    assert [e.pool_id for e in d.pools.list(A)] == ["p"] and d.pools.get(A, "p") is not d.pools.get(B, "p")
+    pool(d, A, "only-a")
+    with pytest.raises(NotFound) as other:
+        d.pools.get(B, "only-a")
+    with pytest.raises(NotFound) as absent:
+        d.pools.get(B, "nowhere")
+    assert str(other.value).replace("only-a", "X") == str(absent.value).replace("nowhere", "X")
+    with pytest.raises(NotFound):
+        d.pools.delete(B, "only-a", force=True)
+    assert d.pools.get(A, "only-a").deleted is False
+
+
+def test_the_pool_quota_names_the_tenant_and_counts_only_its_pools():
+    dm = daemon(host_memory_bytes=0, quotas=Quotas({"team-a": Quota(pool_bytes=3 << 20)}))
+    try:
+        one = pool(dm, A, "p1", tokens=256)  # 4 layers x 256 tokens: about 0.8 MB
+        per = one.pool.get_kv_size_bytes()
+        n = (3 << 20) // per
+        for i in range(2, n + 1):
+            pool(dm, A, f"p{i}", tokens=256)
+        with pytest.raises(ResourceExhausted, match=r"pool quota of tenant 'team-a'.*3145728-byte pool_bytes quota"):
+            pool(dm, A, "one-too-many", tokens=256)
+        pool(dm, B, "b", tokens=256)  # team-b has no quota
+        dm.pools.delete(A, "p1")
+        pool(dm, A, "fits-again", tokens=256)
+    finally:
+        dm.close()
+
+
+def test_allocation_evicts_unpinned_prefix_cache_pages(d):
+    """Regression (issue 8, defect 5): AllocateSlots and Restore answered RESOURCE_EXHAUSTED while the
+    pool was full of unpinned prefix-cache pages. They now evict them (LRU, down the stack) as
+    LoadPrefix does; pinned pages stay."""
+    pool(d, A, "p", tokens=8 * PS)
+    ks = keys(8)
+    store_prefix(d, A, "p", ks[:4], seed=1)
+    store_prefix(d, A, "p", ks[4:], seed=2)
+    assert d.pools.get(A, "p").allocator.free_pages == 0
+    slots, _ = fill(d, A, "p", 3 * PS, seed=3)  # three pages: the three least recently used cached pages go down
+    assert d.tiers.where_is(A, "p", ks) == [["host"]] * 3 + [["device"]] * 5
+    lease = d.tiers.load(A, "p", ks[3:8], None)  # pins the five cached pages
+    with pytest.raises(ResourceExhausted, match="need 1 pages, 0 are free"):
+        fill(d, A, "p", 1, seed=4)
+    d.tiers.release(A, "p", lease.lease)
+    from kvtier.server.daemon import kv_ops
+
+    kv_ops.offload(d.pools, d.offload_store, A, "p", "copy", slots, free_slots=True)
+    fill(d, A, "p", 3 * PS, seed=5)  # fills the three freed pages again
+    back, _ = kv_ops.restore(d.pools, d.offload_store, A, "p", "copy", None, drop=True)  # evicts three cached pages
+    assert back.numel() == 3 * PS and d.tiers.where_is(A, "p", ks[3:6]) == [["host"]] * 3
