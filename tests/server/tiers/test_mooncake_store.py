@@ -173,6 +173,70 @@ def test_keys_outside_the_shared_namespaces_never_reach_the_store(open_tier, cod
         assert got is None
 
 
+def test_tenant_keys_prefix_pages_of_every_tenant_reach_the_store_offloaded_copies_never(open_tier, codec, pool):
+    """Scenario: the daemon's keys carry the tenant before the namespace (``tenant_key``), and the daemon
+    tells the tier where the namespace starts (``set_key_body(key_body)``). Prefix pages of tenants a
+    and b both go to the store, under store keys that differ by tenant (b's key for a's page is a
+    miss); offloaded copies (``o:`` past the tenant) are refused and miss without a store call. Without
+    the key body, a tenant key is not a ``p:`` key (the filter does not guess)."""
+    from kvtier.server.daemon.tenants import key_body, tenant_key
+
+    t = open_tier()
+    t.set_key_body(key_body)
+    page = b"p:" + bytes.fromhex("cd" * 8) + keys_for(1, seed=12)[0]
+    ka, kb = tenant_key("a", page), tenant_key("team-b", page)
+    ra, rb = records(codec, pool, 2, seed=12)
+    assert t.is_shared_key(ka) and t.is_shared_key(kb) and t.store_key(ka) != t.store_key(kb)
+    assert t.write([(ka, ra)]) == [ka]
+    assert t.contains([ka, kb]) == [True, False]
+    assert t.write([(kb, rb)]) == [kb]
+    with t.borrow([ka, kb]) as (got_a, got_b):
+        assert torch.equal(got_a, ra) and torch.equal(got_b, rb)
+    copy_key = tenant_key("a", b"o:req-17")
+    assert not t.is_shared_key(copy_key)
+    with pytest.raises(ValueError, match="namespaces"):
+        t.write([(copy_key, ra)])
+    reads = t.stats().hits + t.stats().misses
+    assert t.contains([copy_key]) == [False]
+    with t.borrow([copy_key]) as (got,):
+        assert got is None
+    assert t.stats().hits + t.stats().misses == reads + 1  # counted as a miss, no store call needed
+    plain = open_tier(key_prefix=t.config.key_prefix)
+    assert not plain.is_shared_key(ka) and plain.contains([ka]) == [False]
+
+
+def test_stats_answer_while_the_ledger_index_lock_is_held(open_tier, codec, pool):
+    """Lock order (README "Concurrency"): the Mooncake tier's stats are monitoring and take only the
+    counter lock (the ledger's integers are read without its lock), so with the index lock held
+    elsewhere (a write noting its objects) stats still answer, showing the ledger as it was."""
+    import threading
+
+    t = open_tier()
+    key, rec = shared_keys(1, seed=13)[0], records(codec, pool, 1, seed=13)[0]
+    assert t.write([(key, rec)]) == [key]
+    held, release = threading.Event(), threading.Event()
+
+    def writer_in_progress():
+        with t.index.lock:
+            held.set()
+            release.wait(30)
+
+    w = threading.Thread(target=writer_in_progress, daemon=True)
+    w.start()
+    assert held.wait(10)
+    out: list = []
+    try:
+        r = threading.Thread(target=lambda: out.append(t.stats()), daemon=True)
+        r.start()
+        r.join(20)
+        assert not r.is_alive(), "mooncake tier stats() waited for the index lock"
+        assert (out[0].entries, out[0].used_bytes, out[0].writes) == (1, rec.numel(), 1)
+        assert out[0].extra["healthy"] == 1
+    finally:
+        release.set()
+        w.join(10)
+
+
 def test_record_above_max_object_bytes_is_tier_full(open_tier):
     t = open_tier(max_object_bytes=4096, staging_bytes=64 * 1024)
     with pytest.raises(TierFullError, match="max_object_bytes"):
