@@ -345,7 +345,8 @@ class MooncakeStoreTier(Tier):
         """
         for key, rec in items:
             if not self.is_shared_key(key):
-                raise ValueError(f"the mooncake tier keeps only keys of namespaces {self.config.namespaces}, not {key[:2]!r}")
+                raise ValueError(f"the mooncake tier keeps only keys of namespaces {self.config.namespaces}, "
+                                 f"not {self._key_body(key)[:2]!r}")
             if not isinstance(rec, torch.Tensor) or rec.dtype != torch.uint8 or rec.dim() != 1 or rec.device.type != "cpu":
                 raise ValueError("mooncake tier records must be 1-D uint8 host tensors")
             if rec.numel() > self.config.max_object_bytes:
