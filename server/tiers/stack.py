@@ -168,6 +168,7 @@ class TierStack:
         stages its transfers (``tier.staged``) lends its registered memory, so the record is built
         where the store reads it (no staging copy).
 
+        Keys a tier does not keep (``tier.is_shared_key`` false: another namespace) are left out.
         Never raises for a full or failing tier: a full one keeps what fit (the tier counts
         ``full_errors``); records not written because the tier is (or turned) unhealthy are counted
         ``source-><tier>(unhealthy)``, one per record, 0 bytes. Returns records written."""
@@ -178,8 +179,9 @@ class TierStack:
             if not tier.health.healthy:
                 self.count_move(source, f"{tier.name}(unhealthy)", 0, records=len(keys))
                 continue
+            keeps = getattr(tier, "is_shared_key", None)  # a tier may keep only some namespaces
             held = tier.contains(keys)
-            missing = [i for i, h in enumerate(held) if not h]
+            missing = [i for i, h in enumerate(held) if not h and (keeps is None or keeps(keys[i]))]
             staged = getattr(tier, "staged", None) if record_size else None
             while missing:
                 if not tier.health.healthy:  # failed during this publish (a presence check or a write)

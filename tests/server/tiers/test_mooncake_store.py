@@ -237,6 +237,22 @@ def test_stats_answer_while_the_ledger_index_lock_is_held(open_tier, codec, pool
         w.join(10)
 
 
+def test_store_prefix_leaves_out_keys_of_namespaces_the_tier_does_not_keep(open_tier, model, codec, pool):
+    """Regression: a tier configured for other namespaces (``namespaces=["x:"]``) made the publish at
+    StorePrefix hand it prefix pages, whose write raised ValueError (a client saw INVALID_ARGUMENT for
+    the daemon's configuration). Now the publish leaves them out: the store succeeds, nothing is
+    published, the pages stay on the device."""
+    t = open_tier(namespaces=("x:",))
+    cache = PrefixCache(TierStack([t]), PagedTokenAllocator(pool.size, 64), codec, pool=pool,
+                        namespace=b"p:" + bytes.fromhex(model.fingerprint_digest()))
+    keys = keys_for(2, seed=14)
+    ld = cache.load(keys)
+    assert cache.store(ld.lease, keys, ld.slots) == 2
+    cache.release(ld.lease)
+    assert "device->mooncake" not in cache.stack.moves and t.stats().writes == 0
+    assert cache.lookup(keys).tiers == ["device", "device"]
+
+
 def test_record_above_max_object_bytes_is_tier_full(open_tier):
     t = open_tier(max_object_bytes=4096, staging_bytes=64 * 1024)
     with pytest.raises(TierFullError, match="max_object_bytes"):
