@@ -11,6 +11,9 @@ tiers (the same tiers, budgets, quotas and health rules as the prefix caches and
   invisible, until the other part comes or they time out.
 * Keys: ``tenant_key(tenant, b"u:" + space digest + page key)``: tenant, model fingerprint with its
   layer range (the pipeline stage), indexer or not, and shard scope, above the tiers.
+* A shared tier (Mooncake Store) gets each completed unit at once (:meth:`TierStack.publish`) when
+  its namespaces include ``u:`` (``[tiers.mooncake] namespaces = ["p:", "u:"]``): daemons on one
+  store then serve each other's units (SGLang on another machine reads them).
 * A part for a unit that is already whole and present is accepted and dropped (the engine re-sends
   pages it wrote before), as SGLang's file backend skips existing pages.
 
@@ -114,6 +117,14 @@ class UnitPut:
         return self.store._commit(self)
 
 
+def _into(rec: torch.Tensor, out: object) -> torch.Tensor:
+    """``rec``, or a copy of it in ``out`` (a shared tier's staging memory) when one is given."""
+    if isinstance(out, torch.Tensor):
+        out[:rec.numel()].copy_(rec)
+        return out[:rec.numel()]
+    return rec
+
+
 class UnitStore:
     """Units of every tenant in the daemon's tier stack.
 
@@ -163,8 +174,16 @@ class UnitStore:
             for k, v in deltas.items():
                 mine[k] = mine.get(k, 0) + v
 
-    def _present(self, tkey: bytes) -> bool:
-        return any(t.contains([tkey])[0] for t in self.stack.tiers)
+    def _present(self, tkeys: list[bytes]) -> list[bool]:
+        """For each tier key, whether a healthy tier holds its unit (one batched question a tier)."""
+        out = [False] * len(tkeys)
+        for t in self.stack.tiers:
+            ask = [i for i, h in enumerate(out) if not h]
+            if not ask:
+                break
+            for i, h in zip(ask, t.contains([tkeys[i] for i in ask])):
+                out[i] = out[i] or h
+        return out
 
     # ----- presence -----------------------------------------------------------------------------
     def exists(self, caller: Caller, space: UnitSpace, keys: Sequence[bytes]) -> int:
@@ -173,11 +192,8 @@ class UnitStore:
         keys = self.check_keys(keys)
         self.pending.sweep()  # parts past their timeout leave now, also when no put comes
         prefix = self._space_prefix(caller, space)
-        n = 0
-        for k in keys:
-            if not self._present(prefix + k):
-                break
-            n += 1
+        held = self._present([prefix + k for k in keys])
+        n = held.index(False) if False in held else len(held)
         self._count(caller, exists_calls=1)
         return n
 
@@ -201,9 +217,11 @@ class UnitStore:
         space, codec, ps = p.space, p.space.codec, p.space.model.page_size
         prefix = self._space_prefix(p.caller, space)
         accepted, completed, stored_before = [], 0, 0
-        for key, buf in zip(p.keys, p.bufs):
-            tkey = prefix + key
-            if self._present(tkey):
+        tkeys = [prefix + k for k in p.keys]
+        present = self._present(tkeys)
+        made: list[tuple[bytes, torch.Tensor]] = []
+        for tkey, buf, there in zip(tkeys, p.bufs, present):
+            if there:
                 accepted.append(True)
                 stored_before += 1
                 continue
@@ -225,6 +243,10 @@ class UnitStore:
             placed = self.stack.put(tkey, rec, source="client")
             accepted.append(bool(placed))
             completed += bool(placed)
+            made.append((tkey, rec))
+        if made and self.stack.shared:  # a shared tier (Mooncake Store) keeps them too, if it keeps "u:" keys
+            self.stack.publish([k for k, _ in made], lambda i, out: _into(made[i][1], out), source="client",
+                               record_size=codec.page_nbytes())
         n_pending = sum(1 for k in p.keys if prefix + k in self.pending)
         self._count(p.caller, units_stored=completed, parts_already_stored=stored_before,
                     units_dropped_no_room=sum(1 for a in accepted if not a), put_bytes=p.total)

@@ -107,3 +107,26 @@ def test_bad_input_is_refused_and_stores_nothing(daemon):
         with pytest.raises(ValueError):
             c.put_units(SPACE, [b"k"], "kv", torch.zeros(SPACE.kv_nbytes - 1, dtype=torch.uint8))
         assert c.unit_stats().get("units_stored", 0) == 0 and c.unit_stats()["parts_pending"] == 0
+
+
+def test_units_shared_through_a_mooncake_store_tier(mooncake_master, tmp_path):
+    """With ``u:`` among the Mooncake tier's shared namespaces, a unit one daemon stores is found and
+    read byte-exact by another daemon on the same store (another machine's SGLang reads it); the
+    other tenant's keys differ, so it finds nothing."""
+    cfg = tmp_path / "kv.toml"
+    cfg.write_text('[tiers.mooncake]\nnamespaces = ["p:", "u:"]\n')
+    args = ["--device", "cpu", "--config", str(cfg), "--host-memory", "8MiB", "--tiers", "host,mooncake",
+            "--mooncake-master", mooncake_master.master, "--mooncake-metadata", mooncake_master.metadata,
+            "--mooncake-segment-size", "64MiB"]
+    with DaemonProcess(f"unix://{tmp_path}/a.sock", extra_args=args) as a, \
+            DaemonProcess(f"unix://{tmp_path}/b.sock", extra_args=args) as b, \
+            KVTierClient(a.address, timeout=60) as ca, KVTierClient(b.address, timeout=60) as cb:
+        keys = [b"m0", b"m1"]
+        data = torch.cat([unit_bytes(20), unit_bytes(21)])
+        assert ca.put_units(SPACE, keys, "both", data).completed == 2
+        assert cb.exist_units(SPACE, keys) == 2
+        out = torch.zeros_like(data)
+        assert cb.get_units(SPACE, keys, "both", out) == [True, True] and torch.equal(out, data)
+        assert cb.tier_stats().tiers["mooncake"]["hits"] >= 2
+        other = UnitSpaceSpec(**{**SPACE.__dict__, "scope": "tp1/2"})
+        assert cb.exist_units(other, keys) == 0
