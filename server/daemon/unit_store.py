@@ -256,8 +256,10 @@ class UnitStore:
     def read(self, caller: Caller, space: UnitSpace, keys: Sequence[bytes], part: str) -> Iterator[tuple[int, torch.Tensor]]:
         """Yield ``(position, bytes of part)`` for each key whose unit is whole and present, in key
         order. Each view lies in one record (the host tier's own tensor, pinned, or a verified copy
-        from disk) and is valid until the next item is asked for: copy it out before. A record that
-        fails its checks is dropped, counted and read as a miss. Raises InvalidArgument (keys, part)."""
+        from disk or a shared store) and is valid until the next item is asked for: copy it out
+        before. A unit read from a tier below the host tier is put back into the host tier (counted
+        ``disk->host``, ``mooncake->host``). A record that fails its checks is dropped, counted and
+        read as a miss. Raises InvalidArgument (keys, part)."""
         keys = self.check_keys(keys)
         space.check_part(part)
         prefix = self._space_prefix(caller, space)
@@ -265,11 +267,16 @@ class UnitStore:
         start = h + (space.kv_nbytes if part == INDEX else 0)
         end = start + space.part_nbytes(part)
         hits = 0
-        for i, key in enumerate(keys):
-            tkey = prefix + key
-            for tier in self.stack.tiers:
+        tkeys = [prefix + k for k in keys]
+        tiers = self.stack.tiers
+        held = [t.contains(tkeys) for t in tiers]  # one presence question a tier; misses cost no read
+        top = self.stack.cascade[0] if self.stack.cascade else None
+        for i, tkey in enumerate(tkeys):
+            for level, tier in enumerate(tiers):
+                if not held[level][i]:
+                    continue
                 with tier.borrow([tkey]) as (rec,):
-                    if rec is None:
+                    if rec is None:  # evicted since the presence question
                         continue
                     assert isinstance(rec, torch.Tensor)
                     try:
@@ -281,6 +288,8 @@ class UnitStore:
                         continue
                     hits += 1
                     yield i, rec[start:end]
+                    if top is not None and tier is not top:  # a hit below the host tier comes up to it
+                        self.stack.put(tkey, rec, source=tier.name)
                     break
         self._count(caller, hits=hits, misses=len(keys) - hits, get_bytes=hits * (end - start))
 
@@ -289,11 +298,13 @@ class UnitStore:
         """Remove the caller's units of ``space`` from every tier and its waiting parts; returns how many."""
         prefix = self._space_prefix(caller, space)
         removed = self.pending.drop_prefix(prefix)
+        units: set[bytes] = set()  # a unit may lie in several tiers (host and disk): counted once
         for tier in self.stack.tiers:
             mine = [k for k in tier.index.keys() if isinstance(k, bytes) and k.startswith(prefix)]
-            removed += tier.remove(mine)
-        self._count(caller, cleared=removed)
-        return removed
+            tier.remove(mine)
+            units.update(mine)
+        self._count(caller, cleared=removed + len(units))
+        return removed + len(units)
 
     def stats(self, caller: Caller) -> dict[str, int]:
         """The caller's tenant's counters, its waiting parts and their bytes, and the daemon-wide

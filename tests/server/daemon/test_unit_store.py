@@ -158,3 +158,26 @@ def test_clear_removes_units_and_waiting_parts_of_one_space():
     s.put(ME, other, [b"a"], "both", torch.cat(parts(1)))
     assert s.clear(ME, sp) == 2
     assert s.exists(ME, sp, [b"a"]) == 0 and s.exists(ME, other, [b"a"]) == 1
+
+
+def test_a_unit_read_from_disk_comes_back_up_to_the_host_tier(tmp_path):
+    from kvtier.server.tiers import DiskTierConfig
+
+    page_rec = UnitStore(TierStack([])).space(space_req()).codec.page_nbytes()
+    stack = TierStack.from_configs([HostTierConfig(capacity_bytes=2 * page_rec),
+                                    DiskTierConfig(path=str(tmp_path / "d"), capacity_bytes=64 << 20)])
+    for t in stack.tiers:
+        if hasattr(t, "open"):
+            t.open()
+    try:
+        s = UnitStore(stack)
+        sp = s.space(space_req())
+        units = {k: torch.cat(parts(i)) for i, k in enumerate((b"a", b"b", b"c"))}
+        for k, v in units.items():
+            s.put(ME, sp, [k], "both", v)
+        tkey = s._space_prefix(ME, sp) + b"a"
+        assert stack.where([tkey]) == [["disk"]]              # evicted from host to disk by b and c
+        assert torch.equal(read_all(s, ME, sp, [b"a"], "both")[0], units[b"a"])
+        assert "host" in stack.where([tkey])[0] and stack.moves["disk->host"]["count"] == 1
+    finally:
+        stack.close()
