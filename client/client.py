@@ -8,13 +8,14 @@ add it to the bases below, e.g. ``class KVTierClient(PoolMixin, TierMixin, BaseC
 
 from __future__ import annotations
 
+from kvtier.client.attach import AttachMixin
 from kvtier.client.base import BaseClient
 from kvtier.client.pool import PoolMixin
 from kvtier.client.tiers import TierMixin
 from kvtier.client.transfer import TransferMixin
 
 
-class KVTierClient(PoolMixin, TierMixin, TransferMixin, BaseClient):
+class KVTierClient(PoolMixin, TierMixin, TransferMixin, AttachMixin, BaseClient):
     """Client of a kvtier daemon; see :class:`~kvtier.client.base.BaseClient` for the arguments.
 
     Example::
@@ -23,6 +24,10 @@ class KVTierClient(PoolMixin, TierMixin, TransferMixin, BaseClient):
             slots = c.allocate_slots("default", 100)
             c.write_kv("default", slots, latent={0: rows}, index={0: (keys, scales)})
             kv = c.read_kv("default", slots)
+
+        with KVTierClient() as c, c.attach("default") as pool:   # local attach: the pool's memory, mapped here
+            slots = pool.allocate_slots(64)
+            pool.set_kv_buffer(0, slots, rows)                    # writes the daemon's bytes directly
     """
 
     def __enter__(self) -> KVTierClient:

@@ -74,6 +74,16 @@ def _unmap(address: int, nbytes: int) -> None:
     _libc.munmap(address, nbytes)
 
 
+def _close_box(box: list[int]) -> None:
+    fd, box[0] = box[0], -1
+    if fd >= 0:
+        try:
+            os.close(fd)
+        except OSError as e:  # pragma: no cover - a descriptor closed behind our back
+            if e.errno != errno.EBADF:
+                raise
+
+
 class SharedMemory:
     """``nbytes`` of anonymous shared memory mapped read-write at :attr:`address`.
 
@@ -81,7 +91,8 @@ class SharedMemory:
     don't call the constructor.
 
     Attributes:
-        fd: the memfd descriptor (``-1`` once :meth:`close_fd` ran). Pass it with ``socket.send_fds``.
+        fd: the memfd descriptor (``-1`` once :meth:`close_fd` ran; closed at garbage collection
+            otherwise). Pass it with ``socket.send_fds``.
         nbytes: size in bytes (the memfd's size; sealed when made by :meth:`create`).
         address: where it is mapped in this process.
         array: ``(nbytes,)`` uint8 numpy view of the mapping (every tensor made by :meth:`tensor` is a
@@ -92,7 +103,7 @@ class SharedMemory:
     def __init__(self, fd: int, nbytes: int, *, _token: object = None) -> None:
         if _token is not _PRIVATE:
             raise TypeError("use SharedMemory.create(nbytes) or SharedMemory.open(fd, nbytes)")
-        self.fd = fd
+        self._fd = [fd]  # a box the finalizer shares: the descriptor is closed once, at close_fd() or at GC
         self.nbytes = nbytes
         self.address = _mmap(None, nbytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd)
         self._mapping = _Mapping(self.address, nbytes)
@@ -102,6 +113,12 @@ class SharedMemory:
         self.array: np.ndarray = np.frombuffer(buf, dtype=np.uint8)
         self.revoked = False
         self._lock = threading.Lock()
+        weakref.finalize(self, _close_box, self._fd)
+
+    @property
+    def fd(self) -> int:
+        """The memfd descriptor, ``-1`` once closed."""
+        return self._fd[0]
 
     @classmethod
     def create(cls, nbytes: int, name: str = "kvtier") -> SharedMemory:
@@ -189,13 +206,7 @@ class SharedMemory:
     def close_fd(self) -> None:
         """Close the descriptor (the mapping stays valid). Idempotent."""
         with self._lock:
-            fd, self.fd = self.fd, -1
-        if fd >= 0:
-            try:
-                os.close(fd)
-            except OSError as e:  # pragma: no cover - a descriptor closed behind our back
-                if e.errno != errno.EBADF:
-                    raise
+            _close_box(self._fd)
 
     def __repr__(self) -> str:
         state = "revoked" if self.revoked else ("fd closed" if self.fd < 0 else f"fd {self.fd}")

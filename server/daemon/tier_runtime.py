@@ -12,6 +12,9 @@ Tenants: a pool's prefix namespace is ``tenant_key(tenant, b"p:" + layout digest
 tenant with the same layout share pages; equal prompts of two tenants never share or probe each
 other's pages. The tiers account each tenant's bytes (``TierIndex.set_groups``) for its quotas.
 
+Attach sessions (README "Local attach"): a lease taken in a session belongs to it (it never expires
+by the lease TTL; the session's end releases it).
+
 Monitoring (:meth:`TierRuntime.stats`) takes no pool, cache or index lock.
 """
 
@@ -173,11 +176,22 @@ class TierRuntime:
         with self.cache(caller, pool_id) as c:
             return c.lookup(keys)
 
+    @contextmanager
+    def _session_cache(self, caller: Caller, pool_id: str) -> Iterator[tuple[PrefixCache, Any]]:
+        """Like :meth:`cache`, also yielding the caller's attach session on this pool (None if not in one)."""
+        with self.pools.locked(caller, pool_id, exclusive=True) as entry, tier_errors():
+            session = caller.session if entry.owner_of(caller) else None
+            yield self.cache_of(entry), session
+
     def load(self, caller: Caller, pool_id: str, keys: Sequence[bytes], total_tokens: int | None) -> PrefixLoad:
-        """Load the present prefix into device slots and allocate the rest (see :meth:`PrefixCache.load`)."""
+        """Load the present prefix into device slots and allocate the rest (see :meth:`PrefixCache.load`);
+        in an attach session the lease is the session's (no TTL; released when the session ends)."""
         keys = self.check_keys(keys)
-        with self.cache(caller, pool_id) as c:
-            return c.load(keys, total_tokens)
+        with self._session_cache(caller, pool_id) as (c, session):
+            ld = c.load(keys, total_tokens, expires=session is None)
+            if session is not None:
+                session.leases.add(ld.lease)
+            return ld
 
     def store(self, caller: Caller, pool_id: str, lease: str, keys: Sequence[bytes], slots: Sequence[int]) -> int:
         """Hand the lease's fresh pages at ``slots`` to the prefix cache under ``keys``."""
@@ -187,8 +201,26 @@ class TierRuntime:
 
     def release(self, caller: Caller, pool_id: str, lease: str) -> None:
         """End a lease: unpin its pages, free the fresh pages it did not store."""
-        with self.cache(caller, pool_id) as c:
+        with self._session_cache(caller, pool_id) as (c, session):
             c.release(lease)
+            if session is not None:
+                session.leases.discard(lease)
+
+    def release_session_leases(self, entry: PoolEntry, session: Any) -> int:
+        """Release every lease ``session`` still holds on ``entry`` (caller holds the pool's lock
+        exclusive); returns how many were open. Leases released meanwhile by their id are skipped."""
+        cache = entry.prefix_cache
+        released = 0
+        for lease in sorted(session.leases):
+            if cache is None:
+                break
+            try:
+                cache.release(lease)
+                released += 1
+            except LeaseError:
+                pass
+        session.leases.clear()
+        return released
 
     def where_is(self, caller: Caller, pool_id: str, keys: Sequence[bytes]) -> list[list[str]]:
         """Tiers holding each key's page, fastest first."""
