@@ -82,8 +82,10 @@ class ClientBackend:
             ix[layer] = (torch.from_numpy(keys), torch.from_numpy(scales))
         self.client.write_kv(self.pool_id, slots, latent=lat, index=ix)
 
-    def store(self, lease: str, keys: Sequence[bytes], slots: np.ndarray) -> None:
-        self.client.store_prefix(self._leases[lease], keys, slots)
+    def store(self, lease: str, keys: Sequence[bytes], slots: np.ndarray, release: bool = False) -> None:
+        self.client.store_prefix(self._leases[lease], keys, slots, release=release)
+        if release:
+            del self._leases[lease]
 
     def release(self, lease: str) -> None:
         self.client.release_prefix(self._leases.pop(lease))
@@ -127,8 +129,10 @@ class AttachedBackend(ClientBackend):
     def write(self, fill, pages, slots: np.ndarray) -> None:  # type: ignore[no-untyped-def]
         fill.fill_pool(pages, *self._words, slots[::self.page_size] // self.page_size)
 
-    def store(self, lease: str, keys: Sequence[bytes], slots: np.ndarray) -> None:
-        self.session.store_prefix(self._leases[lease], keys, slots)
+    def store(self, lease: str, keys: Sequence[bytes], slots: np.ndarray, release: bool = False) -> None:
+        self.session.store_prefix(self._leases[lease], keys, slots, release=release)
+        if release:
+            del self._leases[lease]
 
     def release(self, lease: str) -> None:
         self.session.release_prefix(self._leases.pop(lease))

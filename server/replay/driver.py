@@ -42,8 +42,8 @@ class ReplayBackend(Protocol):
     def write(self, fill: PageFill, pages: Sequence[tuple[int, int]], slots: np.ndarray) -> None:
         """Write ``fill``'s bytes of ``pages`` into whole-page ``slots``."""
 
-    def store(self, lease: str, keys: Sequence[bytes], slots: np.ndarray) -> None:
-        """Hand the pages at ``slots`` to the cache under ``keys``."""
+    def store(self, lease: str, keys: Sequence[bytes], slots: np.ndarray, release: bool = False) -> None:
+        """Hand the pages at ``slots`` to the cache under ``keys`` (with ``release``: then end the request)."""
 
     def release(self, lease: str) -> None:
         """End the request."""
@@ -124,8 +124,10 @@ class InProcessBackend:
         assert self._words is not None
         fill.fill_pool(pages, *self._words, slots[::self.page_size] // self.page_size)
 
-    def store(self, lease: str, keys: Sequence[bytes], slots: np.ndarray) -> None:
+    def store(self, lease: str, keys: Sequence[bytes], slots: np.ndarray, release: bool = False) -> None:
         self.cache.store(lease, keys, torch.from_numpy(slots))
+        if release:
+            self.cache.release(lease)
 
     def release(self, lease: str) -> None:
         self.cache.release(lease)
@@ -158,6 +160,7 @@ def replay(requests: Sequence[TraceRequest], backend: ReplayBackend, scale: Repl
         pages: list[PageRef] = keys_of.pages(req.hash_ids)
         keys = [p.key for p in pages]
         lease, slots, tiers = backend.load(keys)
+        released = False
         try:
             n = len(tiers)
             if fill is not None and n:
@@ -166,9 +169,11 @@ def replay(requests: Sequence[TraceRequest], backend: ReplayBackend, scale: Repl
             if n < len(pages):
                 if fill is not None:
                     backend.write(fill, [(p.hash_id, p.page_in_block) for p in pages[n:]], slots[n * ps:])
-                backend.store(lease, keys[n:], slots[n * ps:])
+                backend.store(lease, keys[n:], slots[n * ps:], release=True)  # one call: store, then release
+                released = True
         finally:
-            backend.release(lease)
+            if not released:
+                backend.release(lease)
         res.requests += 1
         res.tokens += len(pages) * ps
         for t in tiers:
