@@ -17,6 +17,7 @@ import torch
 
 from kvtier.client.base import BaseClient
 from kvtier.client.errors import FailedPreconditionError
+from kvtier.client.wire import decode_read_chunk
 from kvtier.v1 import pool_pb2, pool_pb2_grpc
 
 Slots = Any  # (n,) int torch.Tensor, numpy array or sequence of ints
@@ -243,18 +244,21 @@ class PoolMixin(BaseClient):
         scale_per_token = lay.index_head_dim // 128
         sizes = {_LATENT: lay.latent_row_bytes, _INDEX_K: lay.index_head_dim, _INDEX_SCALE: 4 * scale_per_token}
 
-        def consume(stream: Iterator[pool_pb2.ReadKVResponse]) -> KVData:
+        def consume(stream: Iterator[bytes]) -> KVData:
             bufs: dict[tuple[int, int], np.ndarray] = {}
             filled: dict[tuple[int, int], int] = {}
-            for c in stream:
-                key = (c.layer_id, c.component)
+            for raw in stream:  # serialized ReadKVResponse: the data is copied once, into its buffer
+                layer_id, comp, offset, data = decode_read_chunk(raw)
+                key = (layer_id, comp)
                 if key not in bufs:
-                    bufs[key] = np.empty(n * sizes[c.component], dtype=np.uint8)
+                    if comp not in sizes:
+                        raise RuntimeError(f"daemon sent unknown component {comp}")
+                    bufs[key] = np.empty(n * sizes[comp], dtype=np.uint8)
                     filled[key] = 0
-                if c.offset != filled[key]:
-                    raise RuntimeError(f"daemon sent layer {c.layer_id} component {c.component} out of order")
-                bufs[key][c.offset:c.offset + len(c.data)] = np.frombuffer(c.data, dtype=np.uint8)
-                filled[key] += len(c.data)
+                if offset != filled[key] or offset + len(data) > bufs[key].size:
+                    raise RuntimeError(f"daemon sent layer {layer_id} component {comp} out of order")
+                bufs[key][offset:offset + len(data)] = np.frombuffer(data, dtype=np.uint8)
+                filled[key] += len(data)
             out = KVData()
             store_dtype = torch.bfloat16 if lay.kv_cache_dtype == "bf16" else torch.uint8
             for (layer, comp), buf in bufs.items():
@@ -270,7 +274,17 @@ class PoolMixin(BaseClient):
                     out.index_scale[layer] = s if scale_per_token == 1 else s.view(n, scale_per_token)
             return out
 
-        return self.server_stream(self._pool.ReadKV, req, consume, idempotent=True, timeout=timeout)
+        return self.server_stream(self._read_kv_raw, req, consume, idempotent=True, timeout=timeout)
+
+    @property
+    def _read_kv_raw(self) -> Any:
+        """ReadKV on this client's channel, responses left serialized (read by :mod:`kvtier.client.wire`)."""
+        rpc = self.__dict__.get("_read_kv_rpc")
+        if rpc is None:
+            rpc = self.__dict__["_read_kv_rpc"] = self._channel.unary_stream(
+                f"/{pool_pb2.DESCRIPTOR.services_by_name['PoolService'].full_name}/ReadKV", request_serializer=pool_pb2.ReadKVRequest.SerializeToString,
+                response_deserializer=None)
+        return rpc
 
     def move_kv(self, pool_id: str, tgt_slots: Slots, src_slots: Slots, *, timeout: float | None = None) -> int:
         """Copy KV (every layer, latent and indexer) of ``src_slots`` onto ``tgt_slots``; returns the count."""

@@ -25,6 +25,10 @@ detached at the end of the test::
  Budgets: ``device_pages`` (pool pages), ``host_pages`` and ``disk_pages`` (records of one
 page each; the LMDB map is twice the records' size), ``write_through``, ``num_layers`` (of ``model``).
 The daemon is configured by a TOML file in its temp dir (``[tiers]`` table).
+
+``mooncake_master`` starts a real ``mooncake_master`` with its HTTP metadata server on free ports of
+127.0.0.1 (:class:`kvtier.mooncake_master.MooncakeMaster`: ``.master``, ``.metadata``, ``.kill()``,
+``.start()``) and always kills it afterwards; a missing mooncake wheel fails the test.
 """
 
 from __future__ import annotations
@@ -186,3 +190,16 @@ def kvtier_attached_pool(kvtier_daemon: TinyDaemon) -> Any:
     ``kv_buffer``, ``index_k_with_scale_buffer``, ``set_kv_buffer``, ... on the daemon's memory, and
     ``load_prefix``/``store_prefix``/``release_prefix``/``allocate_slots`` in its session); detached after the test."""
     return kvtier_daemon.attach()
+
+
+@pytest.fixture
+def mooncake_master() -> Iterator[Any]:
+    """A real ``mooncake_master`` (HTTP metadata server on) on free 127.0.0.1 ports, killed after the test."""
+    from kvtier.mooncake_master import MooncakeMaster
+
+    m = MooncakeMaster()
+    try:
+        m.start()
+        yield m
+    finally:
+        m.cleanup()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from kvtier import __version__
+from kvtier.cli.bench import bench
 from kvtier.cli.plan import plan
 from kvtier.cli.pools import pools
 from kvtier.cli.replay import replay
@@ -28,3 +29,4 @@ main.add_command(add_tier_options(serve))
 main.add_command(status)
 main.add_command(pools)
 main.add_command(replay)
+main.add_command(bench)

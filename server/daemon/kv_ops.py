@@ -241,9 +241,12 @@ def read_kv(registry: PoolRegistry, caller: Caller, sel: KVSelection) -> list[tu
         pool = entry.pool
         out: list[tuple[Segment, np.ndarray]] = []
         index_data: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        lat_bytes = slots.numel() * pool.row_bytes
+        lat_flat = pool.host_block(lat_bytes * len(sel.latent_layers))  # one block, faulted in already
         for seg in segs:
             if seg.component == LATENT:
-                t = pool.get_kv_buffer_rows(seg.layer_id, slots)
+                start = len(out) * lat_bytes  # latent segments come first, in order
+                t = pool.get_kv_buffer_rows(seg.layer_id, slots, out=lat_flat[start:start + lat_bytes])
             else:
                 if seg.layer_id not in index_data:
                     index_data[seg.layer_id] = pool.get_index_k_scale(seg.layer_id, slots)

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from kvtier.server.hostmem import HostArena
 from kvtier.server.model_config import DEFAULT_PAGE_SIZE, DSAModelConfig
 from kvtier.server.pool import DSATokenToKVPool, PagedTokenAllocator, create_pool, resolve_device
 from kvtier.server.pool.factory import POOL_ROLES, skip_mask_for_role
@@ -260,6 +261,9 @@ class PoolRegistry:
         self.default_device = default_device
         self.pool_memory_bytes = pool_memory_bytes
         self.quotas = quotas or Quotas()
+        self.host_arena: HostArena | None = None
+        """Where pools' ``get_cpu_copy`` results live (the tier runtime sets the host tier's arena, so
+        the daemon has one host arena); None: each pool makes its own."""
         self._pools: dict[tuple[str, str], PoolEntry] = {}
         self._reserved: dict[tuple[str, str], int] = {}  # (tenant, id) being created -> their bytes
         self._lock = threading.Lock()
@@ -329,7 +333,8 @@ class PoolRegistry:
         try:
             try:
                 # CPU pools live in anonymous shared memory, so a local worker can attach them
-                pool = create_pool(model, size, role=req.role, device=device, shared=device.type == "cpu")
+                pool = create_pool(model, size, role=req.role, device=device, host_arena=self.host_arena,
+                                   shared=device.type == "cpu")
             except (RuntimeError, MemoryError, OSError):
                 mem = device_memory(device)  # the allocator's own text is long and names its C++ source
                 raise ResourceExhausted(

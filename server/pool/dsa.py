@@ -19,10 +19,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvtier.server.hostmem import HostArena
 from kvtier.server.model_config import index_token_bytes
-from kvtier.server.pool.arena import as_words, host_buffer, word_dtype
+from kvtier.server.pool.arena import as_words, word_dtype
 from kvtier.server.pool.buffer_info import BufferRange, BufInfos, live_ranges
-from kvtier.server.pool.mla import MLATokenToKVPool, _check_out, _chunk_rows
+from kvtier.server.pool.device_copy import Part, scatter_rows
+from kvtier.server.pool.mla import MLATokenToKVPool, _check_out, _chunk_rows, whole_pages
 from kvtier.server.pool.validation import check_layer, check_unique
 
 INDEX_CHUNK_PAGES = 128  # get_cpu_copy: indexer chunks hold at most this many page rows
@@ -91,6 +93,7 @@ class DSATokenToKVPool(MLATokenToKVPool):
         *,
         shared: bool = False,
         start_layer: int = 0,
+        host_arena: HostArena | None = None,
         arenas: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
         if isinstance(index_head_dim, bool) or not isinstance(index_head_dim, int) or index_head_dim <= 0 or index_head_dim % 128:
@@ -104,7 +107,7 @@ class DSATokenToKVPool(MLATokenToKVPool):
         if isinstance(index_buf_size, bool) or not isinstance(index_buf_size, int) or index_buf_size <= 0:
             raise ValueError(f"index_buf_size must be a positive integer, got {index_buf_size!r}")
         super().__init__(size, page_size, kv_lora_rank, qk_rope_head_dim, layer_num, device, kv_cache_dtype, shared=shared,
-                         start_layer=start_layer, arenas=arenas)
+                         start_layer=start_layer, host_arena=host_arena, arenas=arenas)
 
         self.index_head_dim = index_head_dim
         self.index_buf_size = index_buf_size
@@ -276,8 +279,23 @@ class DSATokenToKVPool(MLATokenToKVPool):
         pages, _ = first_appearance_pages(slots, self.page_size)
         return self.latent_copy_nbytes(slots.numel()) + len(self.live_layers) * pages.numel() * self.index_page_bytes
 
+    def _copy_parts(self, slots: torch.Tensor, pages: torch.Tensor | None = None) -> list[Part]:
+        """Latent rows of ``slots``, then the live layers' page rows of ``pages`` (those the slots touch)."""
+        parts = super()._copy_parts(slots)
+        if pages is None:
+            pages, _ = first_appearance_pages(slots, self.page_size)
+        if self.live_layers and pages.numel():
+            parts.append((self._page_words, pages.to(self.device)))
+        return parts
+
     def get_cpu_copy(self, indices: Any, out: torch.Tensor | None = None) -> dict[str, Any]:
         """Copy slots ``indices`` (latent and live indexer data) to host memory.
+
+        Called as SGLang calls it (no ``out``), the copy lives in :attr:`host_arena`: one block holds
+        every chunk, and it is freed when the caller has dropped all of them (when the arena has no
+        room the copy is a fresh host buffer instead; same result, slower). The call itself is one
+        gather per layer and component straight into that block (on CUDA: one gather per component on
+        the device into a staging buffer, then one DMA on a side stream, waited for with an event).
 
         Args:
             indices: ``(n,)`` int slots.
@@ -292,31 +310,23 @@ class DSATokenToKVPool(MLATokenToKVPool):
               pages the slots touch in order of first appearance; ``[]`` on skip layers;
             * ``src_loc``: ``(n,)`` int64 source slots (where in those pages each token lies).
 
-            On CUDA the chunks are in pinned memory and complete when this returns.
+            On CUDA the chunks are in page-locked memory and complete when this returns.
         """
         slots = self._index_slots(indices, "indices")
         pages, _ = first_appearance_pages(slots, self.page_size)
         lat_bytes = self.latent_copy_nbytes(slots.numel())
         idx_bytes = len(self.live_layers) * pages.numel() * self.index_page_bytes
         _check_out(out, lat_bytes + idx_bytes, max(self._lat_word.itemsize, self._key_word.itemsize))
-        kv = self._latent_copy(slots, out)
+        flat = self._host_flat(lat_bytes + idx_bytes, out)
+        self._copier.gather_to_host(self._copy_parts(slots, pages), flat)
         index_k: list[list[torch.Tensor]] = [[] for _ in range(self.layer_num)]
-        if self.live_layers and pages.numel():
-            p = pages.numel()
-            flat = host_buffer((idx_bytes,), torch.uint8, self.device) if out is None else out[lat_bytes:lat_bytes + idx_bytes]
-            words = flat.view(self._key_word).view(len(self.live_layers), p, -1)
-            dev_pages = pages.to(self.device)
-            if self.device.type == "cpu":
-                for pos in range(len(self.live_layers)):
-                    torch.index_select(self._page_words[pos], 0, dev_pages, out=words[pos])
-            else:
-                words.copy_(self._page_words.index_select(1, dev_pages), non_blocking=True)
-            rows = flat.view(len(self.live_layers), p, self.index_page_bytes)
+        p = pages.numel()
+        if self.live_layers and p:
+            rows = flat[lat_bytes:lat_bytes + idx_bytes].view(len(self.live_layers), p, self.index_page_bytes)
             for layer in self.live_layers:
                 r = rows[self._live_pos[layer]]
                 index_k[layer] = [r[i:i + INDEX_CHUNK_PAGES] for i in range(0, p, INDEX_CHUNK_PAGES)]
-        self._sync()
-        return {"kv": kv, "index_k": index_k, "src_loc": slots.to("cpu", copy=True)}
+        return {"kv": self._latent_chunks(flat, slots.numel()), "index_k": index_k, "src_loc": slots.to("cpu", copy=True)}
 
     def check_cpu_copy(self, copy: Mapping[str, Any], n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Check that ``copy`` matches this pool's layout for ``n`` target slots.
@@ -383,11 +393,26 @@ class DSATokenToKVPool(MLATokenToKVPool):
         scales = words.view(torch.int32).view(p, -1)[:, scale_start: scale_start + ps * sw].unflatten(1, (ps, sw))
         return keys, scales
 
+    def _whole_pages(self, slots: torch.Tensor, page_idx: torch.Tensor, offset: torch.Tensor) -> torch.Tensor | None:
+        """The target pages when a load can copy whole indexer page rows: the target slots are whole
+        pages in order (:func:`whole_pages`) and token ``i`` comes from copy page ``i // page_size`` at
+        offset ``i % page_size`` (every ``get_cpu_copy`` of whole pages). None otherwise."""
+        pages = whole_pages(slots, self.page_size, self.num_pages)
+        if pages is None:
+            return None
+        pos = torch.arange(slots.numel())
+        if not torch.equal(page_idx.cpu(), pos // self.page_size) or not torch.equal(offset.cpu(), pos % self.page_size):
+            return None
+        return pages
+
     def load_cpu_copy(self, copy: Mapping[str, Any], indices: Any) -> None:
         """Write a :meth:`get_cpu_copy` result onto slots ``indices`` (may differ from the source slots).
 
         Latent rows go row by row; indexer keys and scales token by token at (page, offset), so
-        when the target slots cover part of a page only those tokens' bytes change.
+        when the target slots cover part of a page only those tokens' bytes change (whole target
+        pages filled from whole copy pages are copied as page rows: the same bytes, one scatter).
+        On CUDA the copy goes up in one DMA on a side stream (when its chunks lie back to back), the
+        scatters run on the device after an event, and only their own event is waited for.
 
         Raises:
             TypeError/ValueError: bad slots or a layout mismatch (:meth:`check_cpu_copy`), raised
@@ -400,14 +425,20 @@ class DSATokenToKVPool(MLATokenToKVPool):
             return
         # Every source view is made before the first write, so nothing below can fail half-way.
         lat_sources = self._latent_sources(copy["kv"])
-        idx_sources = {layer: self._index_source(copy["index_k"][layer]) for layer in self.live_layers}
+        idx_sources = [[self._index_source(copy["index_k"][layer])] for layer in self.live_layers]
+        uploaded = self._upload(lat_sources + idx_sources)
+        lat_sources, idx_words = uploaded[:self.layer_num], [g[0] for g in uploaded[self.layer_num:]]
+        whole = self._whole_pages(slots, page_idx, offset) if self.live_layers else None
         self._load_latent(lat_sources, slots)
         if self.live_layers:
-            tp, to = slots // self.page_size, slots % self.page_size
-            page_idx, offset = page_idx.to(self.device), offset.to(self.device)
-            for layer, words in idx_sources.items():
-                src_keys, src_scales = self._split_page_words(words.to(self.device, non_blocking=True))
-                pos = self._live_pos[layer]
-                self._keys[pos].index_put_((tp, to), src_keys[page_idx, offset])
-                self._scales[pos].index_put_((tp, to), src_scales[page_idx, offset])
-        self._sync()
+            if whole is not None:
+                for pos, words in enumerate(idx_words):
+                    scatter_rows(self._page_words[pos], whole, words)
+            else:
+                tp, to = slots // self.page_size, slots % self.page_size
+                page_idx, offset = page_idx.to(self.device), offset.to(self.device)
+                for pos, words in enumerate(idx_words):
+                    src_keys, src_scales = self._split_page_words(words)
+                    self._keys[pos].index_put_((tp, to), src_keys[page_idx, offset])
+                    self._scales[pos].index_put_((tp, to), src_scales[page_idx, offset])
+        self._copier.finish()

@@ -6,6 +6,7 @@ from typing import Literal
 
 import torch
 
+from kvtier.server.hostmem import HostArena
 from kvtier.server.model_config import DSAModelConfig
 from kvtier.server.pool.dsa import DSATokenToKVPool
 
@@ -35,9 +36,11 @@ def create_pool(
     device: str | torch.device = "auto",
     index_buf_size: int | None = None,
     shared: bool = False,
+    host_arena: HostArena | None = None,
 ) -> DSATokenToKVPool:
-    """A :class:`DSATokenToKVPool` of ``size`` tokens with ``model``'s geometry, layer range
-    (``model.start_layer``, ``model.num_layers``) and ``role``'s skip mask.
+    """A :class:`DSATokenToKVPool` of ``size`` tokens with ``model`'s geometry, layer range
+    (``model.start_layer``, ``model.num_layers``) and ``role`'s skip mask (``host_arena``: where its
+    host copies live; see :class:`MLATokenToKVPool`).
 
     Raises:
         ValueError: unknown role, bad size or device.
@@ -55,4 +58,5 @@ def create_pool(
         skip_topk_layers=skip_mask_for_role(model, role),
         shared=shared,
         start_layer=model.start_layer,
+        host_arena=host_arena,
     )

@@ -13,19 +13,41 @@ accepts it so padded batches can write there.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
+from kvtier.server.hostmem import HostArena
 from kvtier.server.model_config import KV_CACHE_DTYPES, latent_row_bytes
 from kvtier.memfd import SharedMemory
 from kvtier.server.pool.arena import alloc_arena, as_words, check_arena, host_buffer, resolve_device, shared_arena, word_dtype
 from kvtier.server.pool.buffer_info import BufInfos
+from kvtier.server.pool.device_copy import CopyEngine, Part, scatter_rows
 from kvtier.server.pool.validation import as_slots, check_layer, check_rows, check_unique
 
 KV_CHUNK_SLOTS = 8192  # get_cpu_copy: latent chunks hold at most this many slots
+MAX_OWN_HOST_ARENA_BYTES = 1 << 30  # a pool's own host arena: twice its buffers' bytes, at most this
 _STORE_DTYPE = {"bf16": torch.bfloat16, "fp8": torch.uint8}
+
+
+def whole_pages(slots: torch.Tensor, page_size: int, num_pages: int) -> torch.Tensor | None:
+    """The pages ``slots`` cover when they are whole pages in order (slots ``i * page_size ..
+    (i + 1) * page_size - 1`` are page ``p_i``'s 64 tokens in order, ``p_i < num_pages``), else None.
+
+    Such copies move page rows (42 KB of latent a layer) instead of token rows: the same bytes in
+    64x fewer, larger pieces. Every request on allocator pages is one.
+    """
+    n = slots.numel()
+    if n == 0 or n % page_size:
+        return None
+    tgt = slots.view(-1, page_size)
+    first = tgt[:, 0]
+    if bool((first % page_size).any()) or bool((tgt != first[:, None] + torch.arange(page_size, device=slots.device)).any()):
+        return None
+    pages = first // page_size
+    return pages if int(pages.max()) < num_pages else None
 
 
 def parse_kv_cache_dtype(kv_cache_dtype: Any) -> str:
@@ -59,6 +81,9 @@ class MLATokenToKVPool:
         start_layer: model layer id of the first layer (a pipeline-parallel stage's, as SGLang's
             ``start_layer``); methods taking ``layer_id`` take model layer ids, buffer lists are indexed
             by position (``layer_id - start_layer``).
+        host_arena: where ``get_cpu_copy`` results without ``out=`` live (a daemon passes its one
+            arena). None: the pool makes its own on first use, twice its buffers' bytes and at most
+            1 GiB, faulted in (page-locked on CUDA) once.
 
     Attributes:
         kv_buffer: list of ``layer_num`` tensors ``(size + page_size, 1, kv_cache_dim)``, position
@@ -86,6 +111,7 @@ class MLATokenToKVPool:
         *,
         shared: bool = False,
         start_layer: int = 0,
+        host_arena: HostArena | None = None,
         arenas: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
         for name, v in (("size", size), ("page_size", page_size), ("kv_lora_rank", kv_lora_rank),
@@ -124,6 +150,43 @@ class MLATokenToKVPool:
             .view(self.num_slots, 1, self.kv_cache_dim)
             for i in range(layer_num)
         ]
+        # (layers, whole pages, page words): page-row view for copies of whole pages
+        self._lat_full_pages = self.num_slots // page_size
+        self._lat_pages = self._lat_words[:, :self._lat_full_pages * page_size].reshape(layer_num, self._lat_full_pages, -1)
+        self._host_arena = host_arena
+        self._host_arena_lock = threading.Lock()
+        self._copier = CopyEngine(self.device)
+
+    # ----- host memory for copies ---------------------------------------------------------------
+    @property
+    def host_arena(self) -> HostArena:
+        """The arena ``get_cpu_copy`` results live in (made on first use when none was given)."""
+        with self._host_arena_lock:
+            if self._host_arena is None:
+                size = min(max(2 * self.get_kv_size_bytes(), 1 << 20), MAX_OWN_HOST_ARENA_BYTES)
+                self._host_arena = HostArena(size, pin=self.device.type == "cuda", name="kvtier-pool-copies")
+            return self._host_arena
+
+    def _host_flat(self, nbytes: int, out: torch.Tensor | None) -> torch.Tensor:
+        """``out[:nbytes]``, else an arena block of ``nbytes`` (freed when the copy's tensors are gone),
+        else -- arena exhausted -- a fresh host buffer (pinned on CUDA), counted as a fallback."""
+        if out is not None:
+            return out[:nbytes]
+        if nbytes:
+            arena = self.host_arena
+            block = arena.alloc_tensor(nbytes)
+            if block is not None:
+                return block
+            arena.count_fallback()
+        return host_buffer((nbytes,), torch.uint8, self.device)
+
+    def _copy_parts(self, slots: torch.Tensor) -> list[Part]:
+        """The word views and rows a copy of ``slots`` gathers (latent only here): page rows when the
+        slots are whole pages in order (same bytes, same layout), else token rows."""
+        pages = whole_pages(slots, self.page_size, self._lat_full_pages)
+        if pages is not None:
+            return [(self._lat_pages, pages)]
+        return [(self._lat_words, slots)]
 
     def _arena(self, component: str, nbytes: int, shared: bool, arenas: Mapping[str, torch.Tensor] | None) -> torch.Tensor:
         """The arena of ``component``: given (checked), or allocated (in shared memory when ``shared`` on the CPU)."""
@@ -185,11 +248,28 @@ class MLATokenToKVPool:
         data = as_words(data, self._lat_word).to(self.device, non_blocking=True)
         self._lat_words[layer_id].index_copy_(0, slots, data)
 
-    def get_kv_buffer_rows(self, layer_id: int, loc: Any) -> torch.Tensor:
-        """Latent rows of ``loc`` on model layer ``layer_id``: ``(n, 1, kv_cache_dim)`` ``store_dtype`` (a copy, on the pool's device)."""
+    def get_kv_buffer_rows(self, layer_id: int, loc: Any, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Latent rows of ``loc`` on model layer ``layer_id``: ``(n, 1, kv_cache_dim)`` ``store_dtype`` (a copy,
+        on the pool's device; with ``out``, a contiguous uint8 host buffer of ``n * row_bytes`` bytes such as a
+        :meth:`host_block`, the rows are gathered straight into it and returned as its view).
+
+        Raises:
+            TypeError/ValueError: bad layer, slots or ``out``.
+        """
         layer_id = check_layer(layer_id, self.layer_num, self.start_layer)
         slots = self._slots(loc)
-        return self.kv_buffer[layer_id].index_select(0, slots)
+        if out is None:
+            return self.kv_buffer[layer_id].index_select(0, slots)
+        n = slots.numel()
+        _check_out(out, n * self.row_bytes, self._lat_word.itemsize)
+        flat = out[:n * self.row_bytes]
+        self._copier.gather_to_host([(self._lat_words[layer_id:layer_id + 1], slots)], flat)
+        return flat.view(self.store_dtype).view(n, 1, self.kv_cache_dim)
+
+    def host_block(self, nbytes: int) -> torch.Tensor:
+        """A ``(nbytes,)`` uint8 host buffer from :attr:`host_arena` (faulted in already; freed when
+        every view of it is gone), or fresh memory when the arena has no room."""
+        return self._host_flat(nbytes, None)
 
     # ----- moves --------------------------------------------------------------------------------
     def _check_move(self, tgt_loc: Any, src_loc: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -219,19 +299,9 @@ class MLATokenToKVPool:
         """Host bytes the latent part of a copy of ``n_slots`` slots takes (``layers * n * row_bytes``)."""
         return self.layer_num * n_slots * self.row_bytes
 
-    def _latent_copy(self, slots: torch.Tensor, out: torch.Tensor | None = None) -> list[list[torch.Tensor]]:
-        n = slots.numel()
-        nbytes = self.latent_copy_nbytes(n)
-        flat = host_buffer((nbytes,), torch.uint8, self.device) if out is None else out[:nbytes]
-        words = flat.view(self._lat_word).view(self.layer_num, n, self.row_bytes // self._lat_word.itemsize)
-        if n:
-            if self.device.type == "cpu":
-                # one gather per layer into its slice: ~2x faster than one gather along dim 1
-                for layer in range(self.layer_num):
-                    torch.index_select(self._lat_words[layer], 0, slots, out=words[layer])
-            else:
-                words.copy_(self._lat_words.index_select(1, slots), non_blocking=True)
-        rows = flat.view(self.layer_num, n, self.row_bytes).view(self.store_dtype)
+    def _latent_chunks(self, flat: torch.Tensor, n: int) -> list[list[torch.Tensor]]:
+        """The latent part of a copied ``flat`` buffer as ``kv[layer][chunk]`` views."""
+        rows = flat[:self.latent_copy_nbytes(n)].view(self.layer_num, n, self.row_bytes).view(self.store_dtype)
         rows = rows.view(self.layer_num, n, 1, self.kv_cache_dim)
         return [[rows[layer, i:i + KV_CHUNK_SLOTS] for i in range(0, n, KV_CHUNK_SLOTS)] for layer in range(self.layer_num)]
 
@@ -241,17 +311,18 @@ class MLATokenToKVPool:
         Args:
             indices: ``(n,)`` int slots.
             out: optional flat uint8 host buffer of at least ``latent_copy_nbytes(n)`` bytes to copy
-                into (reusing host memory avoids page faults on fresh allocations).
+                into; without it the copy lives in :attr:`host_arena` (see :meth:`_host_flat`).
 
         Returns:
             ``{"kv": kv, "src_loc": src}``: ``kv[layer]`` is a list of chunks ``(c, 1, kv_cache_dim)``
             ``store_dtype`` with ``c <= 8192``; ``src`` the ``(n,)`` int64 source slots.
         """
         slots = self._slots(indices, "indices")
-        _check_out(out, self.latent_copy_nbytes(slots.numel()), self._lat_word.itemsize)
-        copy = {"kv": self._latent_copy(slots, out), "src_loc": slots.to("cpu", copy=True)}
-        self._sync()
-        return copy
+        nbytes = self.latent_copy_nbytes(slots.numel())
+        _check_out(out, nbytes, self._lat_word.itemsize)
+        flat = self._host_flat(nbytes, out)
+        self._copier.gather_to_host(self._copy_parts(slots), flat)
+        return {"kv": self._latent_chunks(flat, slots.numel()), "src_loc": slots.to("cpu", copy=True)}
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -276,13 +347,26 @@ class MLATokenToKVPool:
         return [[as_words(c.reshape(c.shape[0], -1), self._lat_word) for c in chunks] for chunks in kv]
 
     def _load_latent(self, sources: list[list[torch.Tensor]], slots: torch.Tensor) -> None:
+        """Scatter checked source chunks (already on the pool's device) onto ``slots``: as page rows
+        when the slots are whole pages in order (chunks hold whole pages), else token rows."""
+        ps = self.page_size
+        pages = whole_pages(slots, ps, self._lat_full_pages)
         for layer, chunks in enumerate(sources):
-            dst = self._lat_words[layer]
             start = 0
             for data in chunks:
                 rows = data.shape[0]
-                dst.index_copy_(0, slots[start:start + rows], data.to(self.device, non_blocking=True))
+                if pages is not None:
+                    scatter_rows(self._lat_pages[layer], pages[start // ps:(start + rows) // ps], data.reshape(rows // ps, -1))
+                else:
+                    scatter_rows(self._lat_words[layer], slots[start:start + rows], data)
                 start += rows
+
+    def _upload(self, sources: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
+        """``sources`` (nested lists of host tensors) on the pool's device, nesting kept (one DMA on
+        CUDA when they lie back to back; the tensors themselves on the CPU)."""
+        flat = [t for group in sources for t in group]
+        moved = iter(self._copier.to_device(flat))
+        return [[next(moved) for _ in group] for group in sources]
 
     def load_cpu_copy(self, copy: Mapping[str, Any], indices: Any) -> None:
         """Write a :meth:`get_cpu_copy` result onto slots ``indices`` (may differ from the source slots).
@@ -296,8 +380,8 @@ class MLATokenToKVPool:
         if not isinstance(copy, Mapping) or "kv" not in copy:
             raise ValueError("copy must be a mapping with a 'kv' entry (a get_cpu_copy result)")
         self._check_latent_copy(copy["kv"], slots.numel())
-        self._load_latent(self._latent_sources(copy["kv"]), slots)
-        self._sync()
+        self._load_latent(self._upload(self._latent_sources(copy["kv"])), slots)
+        self._copier.finish()
 
 
 def _check_out(out: torch.Tensor | None, nbytes: int, align: int = 1) -> None:

@@ -17,7 +17,7 @@ from kvtier.server.daemon.core import Daemon
 from kvtier.server.daemon.errors import InvalidArgument
 from kvtier.server.daemon.kv_ops import KVSelection
 from kvtier.server.daemon.pools import PoolRequest, parse_hf_config
-from kvtier.server.service import messages
+from kvtier.server.service import kv_wire, messages
 from kvtier.server.service.auth import caller_of
 from kvtier.server.service.streams import StreamGuard
 from kvtier.v1 import pool_pb2, pool_pb2_grpc
@@ -95,17 +95,17 @@ class PoolServicer(pool_pb2_grpc.PoolServiceServicer):
         self.state.counters.add(caller, "kv_bytes_written", nbytes)
         return pool_pb2.WriteKVResponse(bytes_written=nbytes, num_slots=buf.slots.numel())
 
-    def ReadKV(self, request: pool_pb2.ReadKVRequest, context: grpc.ServicerContext) -> Iterator[pool_pb2.ReadKVResponse]:
+    def ReadKV(self, request: pool_pb2.ReadKVRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
         caller, cfg = caller_of(context), self.state.config
         chunk = kv_ops.chunk_size(request.chunk_bytes, cfg.chunk_bytes, cfg.max_chunk_bytes)
         with self.streams.stream(context, "ReadKV") as touch:
             segments = kv_ops.read_kv(self.pools, caller, _selection(request.header))
             self.state.counters.add(caller, "kv_reads")
-            for seg, data in segments:
+            for seg, data in segments:  # ReadKVResponse wire bytes (registered with a raw serializer: kv_wire)
                 view, comp = memoryview(data), messages.COMPONENT_TO_PROTO[seg.component]
                 for off in range(0, seg.nbytes, chunk):
                     touch()
-                    yield pool_pb2.ReadKVResponse(layer_id=seg.layer_id, component=comp, offset=off, data=bytes(view[off:off + chunk]))
+                    yield kv_wire.encode_read_chunk(seg.layer_id, comp, off, view[off:off + chunk])
                 self.state.counters.add(caller, "kv_bytes_read", seg.nbytes)
 
     def MoveKV(self, request: pool_pb2.MoveKVRequest, context: grpc.ServicerContext) -> pool_pb2.MoveKVResponse:

@@ -18,6 +18,7 @@ from typing import Any
 import grpc
 
 from kvtier.server.daemon.core import Daemon
+from kvtier.server.service.kv_wire import with_raw_responses
 from kvtier.server.service.pool_servicer import PoolServicer
 from kvtier.server.service.streams import StreamGuard
 from kvtier.server.service.tier_servicer import TierServicer
@@ -47,7 +48,9 @@ class ServiceEntry:
 
 
 SERVICES: list[ServiceEntry] = [
-    ServiceEntry.of(pool_pb2, "PoolService", pool_pb2_grpc.add_PoolServiceServicer_to_server, PoolServicer),
+    # ReadKV yields wire bytes it serialized itself (one copy of each chunk; kv_wire)
+    ServiceEntry.of(pool_pb2, "PoolService", with_raw_responses(pool_pb2_grpc.add_PoolServiceServicer_to_server, ["ReadKV"]),
+                    PoolServicer),
     ServiceEntry.of(tier_pb2, "TierService", tier_pb2_grpc.add_TierServiceServicer_to_server, TierServicer),
     ServiceEntry.of(transfer_pb2, "TransferService", transfer_pb2_grpc.add_TransferServiceServicer_to_server, TransferServicer),
 ]

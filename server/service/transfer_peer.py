@@ -15,6 +15,7 @@ unix-socket peer (else FAILED_PRECONDITION: a bearer token never crosses a netwo
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -118,6 +119,27 @@ class GrpcPeerConnector:
     def __init__(self, options: Sequence[tuple[str, int]], tls: grpc.ChannelCredentials | None = None) -> None:
         self.options = list(options)
         self.tls = tls
+        self._channels: dict[str, grpc.Channel] = {}
+        self._lock = threading.Lock()  # a dict lock only (level 1 of the daemon's lock order)
+
+    def _channel(self, address: str) -> grpc.Channel:
+        """The channel to ``address``, opened on first use and kept: a new connection per pull cost more
+        than the layout call (BENCHMARKS.md); gRPC reconnects by itself when the peer restarts, and the
+        caller's token travels per call, so callers share it."""
+        with self._lock:
+            ch = self._channels.get(address)
+            if ch is None:
+                ch = (grpc.secure_channel(address, self.tls, options=self.options) if self.tls is not None
+                      else grpc.insecure_channel(address, options=self.options))
+                self._channels[address] = ch
+            return ch
+
+    def close(self) -> None:
+        """Close every kept channel (at shutdown)."""
+        with self._lock:
+            channels, self._channels = list(self._channels.values()), {}
+        for ch in channels:
+            ch.close()
 
     @classmethod
     def for_config(cls, config: DaemonConfig) -> GrpcPeerConnector:
@@ -137,7 +159,4 @@ class GrpcPeerConnector:
                 raise FailedPrecondition(f"refusing to send the caller's token to peer {address} in plaintext: give the "
                                          f"daemon --peer-tls-ca (peers over TLS), or use a loopback/unix peer")
             metadata.append(("authorization", f"Bearer {caller.token}"))
-        channel = (grpc.secure_channel(address, self.tls, options=self.options) if self.tls is not None
-                   else grpc.insecure_channel(address, options=self.options))
-        with channel:
-            yield GrpcPeerLink(channel, address, metadata)
+        yield GrpcPeerLink(self._channel(address), address, metadata)

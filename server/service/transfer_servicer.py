@@ -29,6 +29,7 @@ class TransferServicer(transfer_pb2_grpc.TransferServiceServicer):
     def __init__(self, state: Daemon, streams: StreamGuard) -> None:
         self.transfer = state.transfer
         self.peers = GrpcPeerConnector.for_config(state.config)
+        state.add_shutdown_hook(self.peers.close)  # the channels it keeps to peers
         self.streams = streams
 
     def GetTransferLayout(self, request: transfer_pb2.TransferLayoutRequest, context: grpc.ServicerContext) -> transfer_pb2.TransferLayout:

@@ -156,6 +156,11 @@ class Tier(ABC):
         got = self.read_into(keys, outs)
         yield [o[:n] if n else None for o, n in zip(outs, got)]
 
+    def record_buffer(self, nbytes: int) -> torch.Tensor:
+        """A ``(nbytes,)`` uint8 host buffer to build a record in that this tier can store without a
+        copy (the host tier: a block of its arena). Here: fresh memory."""
+        return torch.empty(nbytes, dtype=torch.uint8)
+
     def report_damaged(self, key: bytes, err: Exception) -> None:
         """A reader found ``key``'s record bad (e.g. another model's fingerprint): count, log, drop."""
         log.warning("%s tier: record %s failed its checks (%s); dropped, read as a miss", self.name, key.hex(), err)

@@ -53,6 +53,7 @@ import lmdb
 import numpy as np
 import torch
 
+from kvtier.server.hostmem import HostArena
 from kvtier.server.tiers.base import EvictHook, RecordLike, Tier
 from kvtier.server.tiers.disk_faults import (
     check_disk_path, check_injected_fault, describe_fault, free_bytes, is_io_fault, open_failure,
@@ -74,6 +75,20 @@ log = logging.getLogger(__name__)
 _SEQ = struct.Struct(">Q")  # big-endian: the order sub-database iterates oldest first
 _PROBE_KEY = b"probe"  # in its own sub-database, so a probe left behind is never taken for a record
 _MIN_PROBE_BYTES = 4096
+
+
+def _mapping_address(path: str) -> int:
+    """Start address of this process's mapping of ``path`` (LMDB's map of its data file), 0 if none
+    is found (``env.info()`` reports 0 unless the map is fixed, so /proc/self/maps tells)."""
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                parts = line.split(maxsplit=5)
+                if len(parts) == 6 and parts[5].strip() == path and parts[2] == "00000000":
+                    return int(parts[0].split("-")[0], 16)
+    except OSError:
+        pass
+    return 0
 
 
 class DiskTier(Tier):
@@ -104,6 +119,9 @@ class DiskTier(Tier):
         self._touched: dict[bytes, None] = {}  # read hits whose new LRU position is not on disk yet
         self._next_seq = 0
         self._scrubbed = 0
+        self._map_addr = 0
+        self._data_fd = -1
+        self._read_arena: HostArena | None = None
 
     # ----- environment ------------------------------------------------------------------------
     def _env(self) -> tuple[lmdb.Environment, lmdb._Database, lmdb._Database, lmdb._Database]:
@@ -114,13 +132,20 @@ class DiskTier(Tier):
             if self._env_obj is None:
                 self._env_obj = open_environment(
                     self.config.path, map_size=self.config.capacity_bytes, max_readers=self.config.max_readers,
-                    max_dbs=4, subdir=True, sync=self.config.sync, metasync=self.config.sync, readahead=False,
+                    max_dbs=4, subdir=True, sync=self.config.sync, metasync=False, readahead=False,
                     meminit=False,
                 )
                 self._pid = os.getpid()
                 env = self._env_obj
                 self._dbs = (env.open_db(b"records"), env.open_db(b"seq"), env.open_db(b"order"))
                 self._probe_db = env.open_db(b"probe")
+                data = os.path.realpath(os.path.join(self.config.path, "data.mdb"))
+                self._map_addr = _mapping_address(data)
+                if self._data_fd >= 0:
+                    os.close(self._data_fd)
+                self._data_fd = os.open(data, os.O_RDONLY | os.O_CLOEXEC) if self._map_addr else -1
+                if self.config.read_buffer_bytes > 0 and self._read_arena is None:
+                    self._read_arena = HostArena(self.config.read_buffer_bytes, pin=False, name="kvtier-disk-reads")
                 self._load_index(scrub=self.config.scrub_on_open)
             return (self._env_obj, *self._dbs)
 
@@ -242,7 +267,7 @@ class DiskTier(Tier):
 
     # ----- writes -----------------------------------------------------------------------------
     def _stamp(self, txn: lmdb.Transaction, key: bytes) -> None:
-        _, _, seqdb, orderdb = self._env()
+        _, seqdb, orderdb = self._dbs  # a transaction is open: so is the environment
         old = self._seq.get(key)
         if old is not None:
             txn.delete(_SEQ.pack(old), db=orderdb)
@@ -260,7 +285,7 @@ class DiskTier(Tier):
         self._touched.clear()
 
     def _delete(self, txn: lmdb.Transaction, key: bytes) -> None:
-        _, records, seqdb, orderdb = self._env()
+        records, seqdb, orderdb = self._dbs
         txn.delete(key, db=records)
         txn.delete(key, db=seqdb)
         s = self._seq.pop(key, None)
@@ -409,41 +434,80 @@ class DiskTier(Tier):
             return len(present)
 
     # ----- reads ------------------------------------------------------------------------------
-    def read_into(self, keys: Sequence[bytes], outs: Sequence[torch.Tensor]) -> list[int]:
-        self._check_outs(keys, outs)
+    def _copy_out(self, view: memoryview, out: torch.Tensor) -> None:
+        """Copy a value (a ``buffers=True`` view; the read transaction is open) into ``out``.
+
+        The value's bytes are read from the data file at their offset in LMDB's map with one
+        ``preadv`` (a copy from the page cache, like a plain file read) instead of from the map:
+        the map is a read-only file mapping, so touching a record there page-faults every 4 KiB page
+        the process has not touched yet (every record just spilled), which made restores ~2x slower
+        than a plain file read (BENCHMARKS.md). The bytes are the same: LMDB (no ``writemap``) writes
+        with ``pwrite``, so map and file are one page cache, and the open read transaction keeps
+        those pages from being reused. Falls back to copying from the map.
+        """
+        n = len(view)
+        dst = out.numpy()[:n]
+        off = int(np.frombuffer(view, dtype=np.uint8).ctypes.data) - self._map_addr
+        if self._data_fd >= 0 and 0 <= off and off + n <= self.config.capacity_bytes:
+            if os.preadv(self._data_fd, [memoryview(dst)], off) == n:
+                return
+        dst[:] = np.frombuffer(view, dtype=np.uint8)
+
+    def _read_buffer(self, n: int) -> torch.Tensor:
+        """A host buffer of ``n`` bytes for :meth:`borrow`: a block of the tier's read arena (made
+        when the environment opens; freed when the caller drops it), else fresh memory."""
+        arena = self._read_arena
+        block = arena.alloc_tensor(n) if arena is not None else None
+        return block if block is not None else torch.empty(n, dtype=torch.uint8)
+
+    def _read(self, keys: Sequence[bytes], outs: Sequence[torch.Tensor] | None) -> tuple[list[int], list[torch.Tensor | None]]:
+        """Copy each key's record out in one read transaction (into ``outs``, or buffers of
+        :meth:`_read_buffer`), then verify, count and touch. Returns the sizes (0: miss) and buffers.
+        While unhealthy, or when the read fails with a storage fault (the tier turns unhealthy),
+        every key is a miss.
+
+        Raises:
+            ValueError: a buffer of ``outs`` too small (checked before any copy).
+        """
+        miss: tuple[list[int], list[torch.Tensor | None]] = ([0] * len(keys), [None] * len(keys))
         if not self.health.healthy:
             self._count(misses=len(keys))
-            return [0] * len(keys)
+            return miss
         env, records, _, _ = self._env()
         sizes: list[int] = []
+        bufs: list[torch.Tensor | None] = []
         try:
             with env.begin(db=records, buffers=True) as txn:
                 views = [txn.get(k) for k in keys]
-                for k, v, o in zip(keys, views, outs):
-                    if v is not None and len(v) > o.numel():
-                        raise ValueError(f"buffer of {o.numel()} bytes is too small for the {len(v)}-byte record of key {k.hex()}")
-                for v, o in zip(views, outs):
+                if outs is not None:
+                    for k, v, o in zip(keys, views, outs):
+                        if v is not None and len(v) > o.numel():
+                            raise ValueError(f"buffer of {o.numel()} bytes is too small for the {len(v)}-byte record of key {k.hex()}")
+                for i, v in enumerate(views):
                     if v is None:
                         sizes.append(0)
+                        bufs.append(None)
                         continue
-                    o[:len(v)].numpy()[:] = np.frombuffer(v, dtype=np.uint8)  # copy out inside the txn
+                    o = outs[i] if outs is not None else self._read_buffer(len(v))
+                    self._copy_out(v, o)  # inside the transaction
                     sizes.append(len(v))
+                    bufs.append(o)
         except Exception as e:
             if not is_io_fault(e):
                 raise
             self._fault(e, "read")
             self._count(misses=len(keys))
-            return [0] * len(keys)
+            return miss
         damaged: list[bytes] = []
         if self.config.verify_reads:
-            for i, (k, o, n) in enumerate(zip(keys, outs, sizes)):
+            for i, (k, o, n) in enumerate(zip(keys, bufs, sizes)):
                 if n:
                     try:
-                        verify_record(o[:n])
+                        verify_record(o[:n])  # type: ignore[index]
                     except RecordError as e:
                         log.warning("disk tier: record %s is damaged (%s); dropped, read as a miss", k.hex(), e)
                         damaged.append(k)
-                        sizes[i] = 0
+                        sizes[i], bufs[i] = 0, None
         hits = [k for k, n in zip(keys, sizes) if n]
         self._count(hits=len(hits), misses=len(keys) - len(hits), damaged=len(damaged), bytes_read=sum(sizes))
         with self.index.lock:
@@ -454,7 +518,18 @@ class DiskTier(Tier):
                     self._touched[k] = None
         if damaged:
             self.remove(damaged)
-        return sizes
+        return sizes, bufs
+
+    def read_into(self, keys: Sequence[bytes], outs: Sequence[torch.Tensor]) -> list[int]:
+        self._check_outs(keys, outs)
+        return self._read(keys, outs)[0]
+
+    @contextmanager
+    def borrow(self, keys: Sequence[bytes]) -> Iterator[list[RecordLike | None]]:
+        """Each key's record (None where absent or damaged), verified, in one read transaction; the
+        buffers come from the tier's read arena and are freed when the caller drops them."""
+        sizes, bufs = self._read(keys, None)
+        yield [b[:n] if b is not None and n else None for b, n in zip(bufs, sizes)]
 
     # ----- housekeeping -------------------------------------------------------------------------
     def lmdb_info(self) -> dict[str, int]:
@@ -542,4 +617,7 @@ class DiskTier(Tier):
             if self._env_obj is not None and self._pid == os.getpid():
                 self.flush()
                 close_environment(self.config.path, self._env_obj)
+                if self._data_fd >= 0:
+                    os.close(self._data_fd)
             self._env_obj = None
+            self._data_fd = -1

@@ -81,13 +81,19 @@ class DiskTierConfig(TierConfig):
             hold about two write batches (``max_txn_bytes``) on top of the B-tree.
         max_txn_bytes: a write batch commits in transactions of at most this many record bytes.
         max_readers: LMDB reader slots (concurrent read transactions).
-        sync: fsync on every commit (durable across power loss; slower).
+        sync: fsync every commit's data (durable across power loss; slower). The meta page is
+            synced with the next commit (LMDB's ``metasync=False``: one fsync a commit instead of
+            two), so a power loss can undo the last commit -- a cache loses a record it can
+            recompute -- but never corrupts the environment.
         scrub_on_open: verify every record's checksum at startup and drop damaged ones.
         verify_reads: verify each record's checksum when it is read.
         probe_backoff_initial_s: seconds from a storage failure to the first probe.
         probe_backoff_max_s: the longest wait between probes (the wait doubles from the initial one).
         fault_file: tests only: while this file exists every write transaction fails as on a full disk
             (``KVTIER_DISK_FAULT_FILE``, see :mod:`~kvtier.server.tiers.disk_faults`).
+        read_buffer_bytes: a host arena (made when the environment opens) that
+            :meth:`~kvtier.server.tiers.disk.DiskTier.borrow` copies records into, faulted in once; a
+            record that does not fit gets fresh memory.
     """
 
     kind: ClassVar[str] = "disk"
@@ -102,6 +108,7 @@ class DiskTierConfig(TierConfig):
     probe_backoff_initial_s: float = 1.0
     probe_backoff_max_s: float = 30.0
     fault_file: str = ""
+    read_buffer_bytes: int = 64 << 20
 
     def validate(self) -> None:
         super().validate()

@@ -1,4 +1,11 @@
-"""Host-memory tier: records in (pinned, on CUDA machines) host tensors under a byte budget.
+"""Host-memory tier: records in the host arena (page-locked on CUDA machines) under a byte budget.
+
+Records live in one :class:`~kvtier.server.hostmem.HostArena` (anonymous shared memory faulted in
+once), so a spill from the device writes into memory that is already there, and a transfer engine
+can register the tier's memory as one range (:meth:`HostTier.registration_range`). Producers build
+records straight in it (:meth:`HostTier.record_buffer`); a record that arrives elsewhere is copied
+in; when the arena has no room (fragmentation; it holds the budget plus 1/16) a record stays where
+it is (page-locked first on CUDA), counted in ``arena_fallbacks``.
 
 Thread safety: one lock (the index's) guards the table, the policy and the counters; record bytes
 are copied out *outside* the lock while the key is pinned, so a reader never sees a half-evicted
@@ -8,6 +15,7 @@ record and eviction never waits for a copy. Pins always return to zero (``finall
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -15,6 +23,7 @@ from typing import ClassVar
 
 import torch
 
+from kvtier.server.hostmem import HostArena
 from kvtier.server.tiers.base import EvictHook, RecordLike, Tier, TierConfig
 from kvtier.server.tiers.errors import RecordError
 from kvtier.server.tiers.policy import TierIndex
@@ -34,6 +43,11 @@ class HostTierConfig(TierConfig):
             eviction just drops it.
         pin_memory: keep records in page-locked memory (None: when CUDA is available).
         verify_reads: check each record's checksum when it is read.
+        prefault: fault the arena in at once (``True``), in a background thread at the lowest CPU
+            priority (``"background"``, the default: the daemon starts at once), or on first use.
+        prefault_limit_bytes: fault in at most this much (default 1 GiB: a default daemon does not
+            take its whole 4 GiB budget of memory at start); beyond it each page faults on first use,
+            once. 0: no limit.
     """
 
     kind: ClassVar[str] = "host"
@@ -41,6 +55,8 @@ class HostTierConfig(TierConfig):
     write_back: bool = True
     pin_memory: bool | None = None
     verify_reads: bool = True
+    prefault: bool | str = "background"
+    prefault_limit_bytes: int = 1 << 30
 
 
 class HostTier(Tier):
@@ -58,12 +74,53 @@ class HostTier(Tier):
         self.config = config
         self.pin_memory = torch.cuda.is_available() if config.pin_memory is None else bool(config.pin_memory)
         self._data: dict[bytes, torch.Tensor] = {}
+        self._arena: HostArena | None = None
+        self._arena_lock = threading.Lock()
+
+    @property
+    def arena(self) -> HostArena:
+        """The arena records live in (made on first use: the budget plus 1/16 for page rounding)."""
+        with self._arena_lock:
+            if self._arena is None:
+                size = max(self.config.capacity_bytes + self.config.capacity_bytes // 16, 1 << 20)
+                self._arena = HostArena(size, pin=self.pin_memory, prefault=self.config.prefault,
+                                        prefault_limit=self.config.prefault_limit_bytes or None, name="kvtier-host-tier")
+            return self._arena
+
+    def registration_range(self) -> tuple[int, int]:
+        """``(ptr, nbytes)`` of the tier's arena: one range for a transfer engine to register."""
+        return self.arena.registration_range()
+
+    def record_buffer(self, nbytes: int) -> torch.Tensor:
+        """A block of the tier's arena to build a record in (stored then without a copy); fresh
+        memory (page-locked when the tier is) when the arena has no room."""
+        block = self.arena.alloc_tensor(nbytes)
+        if block is not None:
+            return block
+        self.arena.count_fallback()
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin_memory)
 
     def nbytes(self, keys: Sequence[bytes]) -> list[int | None]:
         with self.index.lock:
             return [int(self._data[k].numel()) if k in self._data else None for k in keys]
 
+    def _in_arena(self, rec: torch.Tensor) -> torch.Tensor | None:
+        """``rec`` itself when it lies in the arena (built there), else a copy in the arena, else None."""
+        arena = self.arena
+        if arena.owns(rec):
+            return rec
+        block = arena.alloc_tensor(int(rec.numel()))
+        if block is not None:
+            block.copy_(rec)
+        return block
+
     def _own(self, rec: torch.Tensor) -> torch.Tensor:
+        """:meth:`_in_arena`; when the arena has no room, ``rec`` (copied to page-locked memory first
+        if the tier pins), counted as a fallback."""
+        owned = self._in_arena(rec)
+        if owned is not None:
+            return owned
+        self.arena.count_fallback()
         if self.pin_memory and not rec.is_pinned():
             pinned = torch.empty(rec.numel(), dtype=torch.uint8, pin_memory=True)
             pinned.copy_(rec)
@@ -90,12 +147,17 @@ class HostTier(Tier):
                 except Exception:
                     self._count(full_errors=1)
                     raise
-                owned = self._own(rec)
+                owned = self._in_arena(rec)
                 for v in victims:
                     if on_evict is not None:
                         on_evict(v, self._data[v])
                     self._count(evictions=1, bytes_evicted=int(self._data[v].numel()))
                     del self._data[v]
+                if owned is None:  # the victims' blocks are free now
+                    try:
+                        owned = self._own(rec)
+                    except (RuntimeError, MemoryError):  # no page-locked memory left: keep it as it is
+                        owned = rec
                 self.index.commit_insert(key, n, victims)
                 self._data[key] = owned
                 self._count(writes=1, bytes_written=n)
@@ -171,7 +233,19 @@ class HostTier(Tier):
         with self.index.lock:
             return self._data.get(key)
 
+    def stats(self):  # type: ignore[override]
+        s = super().stats()
+        a = self._arena
+        if a is not None:
+            st = a.stats()
+            s.extra = {**s.extra, "arena_bytes": st.capacity_bytes, "arena_used_bytes": st.used_bytes,
+                       "arena_fallbacks": st.fallbacks}
+        return s
+
     def close(self) -> None:
         with self.index.lock:
             for k in list(self._data):
                 self._drop(k)
+        with self._arena_lock:
+            if self._arena is not None:
+                self._arena.close()  # stops its prefault; unmapped once no block is alive

@@ -10,7 +10,8 @@ Protocol of one request (what ``kvtier replay`` does):
    *some* tier with the fastest tier of each page. Pins nothing.
 2. :meth:`load` -- under a new lease: pins device hits, brings the rest of that prefix up from the
    host/disk tiers into newly allocated pages, and allocates fresh pages for the remaining tokens.
-3. the caller writes its new KV into the fresh slots, then :meth:`store` hands those pages to the cache.
+3. the caller writes its new KV into the fresh slots, then :meth:`store` hands those pages to the cache
+   (and publishes their records to the stack's shared tiers, so other daemons find them at once).
 4. :meth:`release` -- unpins the lease's pages and frees fresh pages it did not store.
 
 Decisions (what lives where, which victim) are apart from byte moves: with ``pool=None`` the same
@@ -71,7 +72,7 @@ class PrefixLoad:
         lease: the lease id (32 hex characters, 128 random bits) to :meth:`store` under and :meth:`release`.
         slots: ``(total_tokens,)`` int64 slots: the first ``loaded_pages * page_size`` hold the
             loaded prefix, the rest are fresh pages for the caller to fill.
-        tiers: tier each loaded page came from (``device``, ``host``, ``disk``).
+        tiers: tier each loaded page came from (``device``, ``host``, ``disk``, ``mooncake``).
     """
 
     lease: str
@@ -220,8 +221,8 @@ class PrefixCache:
     def _evict_device(self, key: bytes) -> None:
         page = self._pages[key]
         tkey = self._tier_key(key)
-        if self.stack.tiers:
-            top = self.stack.tiers[0]
+        if self.stack.cascade:
+            top = self.stack.cascade[0]
             if top.contains([tkey])[0]:
                 top.index.touch(tkey)  # same content is already there: no bytes move
                 self.stack.count_move(DEVICE, f"{top.name}(present)", 0)
@@ -235,11 +236,14 @@ class PrefixCache:
         self.allocator.free_pages_by_id([page])
         self.counters["evicted_pages"] += 1
 
-    def _page_record(self, page: int) -> RecordLike:
+    def _page_record(self, page: int, out: torch.Tensor | None = None) -> RecordLike:
+        """The page's record, built in ``out`` (a shared tier's staging, at publish) or where the top
+        cascade tier keeps records (its arena: no copy on entry)."""
         if self.pool is None:
             return self.page_record_bytes
-        pin = bool(getattr(self.stack.tiers[0], "pin_memory", False)) if self.stack.tiers else False
-        return self.codec.encode_page(self.pool, page, pin_memory=pin)
+        if out is None and self.stack.cascade:
+            out = self.stack.cascade[0].record_buffer(self.page_record_bytes)
+        return self.codec.encode_page(self.pool, page, out=out)
 
     # ----- load / store / release ---------------------------------------------------------------
     def load(self, keys: Sequence[bytes], total_tokens: int | None = None, *, expires: bool = True) -> PrefixLoad:
@@ -291,19 +295,26 @@ class PrefixCache:
                 unplaced = list(new_pages[:len(lower)])  # neither a cached page nor a fresh one yet
                 page_of = {i: self._pages[k] for i, (k, t) in enumerate(zip(keys, found)) if t == DEVICE}
                 loaded = len(found)
-                for (i, key), page in zip(lower, new_pages):
-                    if i < loaded and self._load_page(key, found[i], page):
-                        self._pages[key] = page
-                        self._device.commit_insert(key, 1)
+                pairs = list(zip(lower, new_pages))
+                for run in self._tier_runs(pairs, found):
+                    if run[0][0][0] < loaded:
+                        got = self._load_pages(found[run[0][0][0]], [(key, page) for (_, key), page in run])
+                    else:  # past a failed load: the prefix ended there, nothing more is read
+                        got = [0] * len(run)
+                    for ((i, key), page), nbytes in zip(run, got):
+                        if i < loaded and nbytes:
+                            self.stack.count_move(found[i], DEVICE, nbytes)
+                            self._pages[key] = page
+                            self._device.commit_insert(key, 1)
+                            unplaced.remove(page)
+                            page_of[i] = page
+                            lease.pinned.extend(self._device.pin([key]))
+                            continue
+                        if i < loaded:  # a damaged or vanished record: the prefix ends here
+                            self.counters["failed_loads"] += 1
+                            loaded = i
                         unplaced.remove(page)
-                        page_of[i] = page
-                        lease.pinned.extend(self._device.pin([key]))
-                        continue
-                    if i < loaded:  # a damaged or vanished record: the prefix ends here
-                        self.counters["failed_loads"] += 1
-                        loaded = i
-                    unplaced.remove(page)
-                    lease.fresh.insert(0, page)
+                        lease.fresh.insert(0, page)
             except BaseException:
                 if lease_id in self._leases:
                     if unplaced:  # a page being loaded when the error came: free it with the lease
@@ -333,23 +344,42 @@ class PrefixCache:
             self.counters["fresh_pages"] += len(fresh_pages)
             return PrefixLoad(lease_id, slots, tiers)
 
-    def _load_page(self, key: bytes, tier_name: str, page: int) -> bool:
+    def _tier_runs(self, pairs: list[tuple[tuple[int, bytes], int]], found: list[str]) -> list[list[tuple[tuple[int, bytes], int]]]:
+        """Cut ``((i, key), page)`` pairs into runs of one tier, each at most that tier's
+        ``borrow_batch`` keys (1 where the tier has none: one record borrowed at a time)."""
+        runs: list[list[tuple[tuple[int, bytes], int]]] = []
+        for pair in pairs:
+            name = found[pair[0][0]]
+            if runs and found[runs[-1][0][0][0]] == name:
+                tier = self.stack.tier(name)
+                if len(runs[-1]) < max(1, int(getattr(tier, "borrow_batch", 1))):
+                    runs[-1].append(pair)
+                    continue
+            runs.append([pair])
+        return runs
+
+    def _load_pages(self, tier_name: str, items: list[tuple[bytes, int]]) -> list[int]:
+        """Borrow the records of ``items`` ``(key, pool page)`` from one tier in one batch and write
+        each onto its page; returns the record bytes per item (0: absent or damaged)."""
         tier = self.stack.tier(tier_name)
         assert tier is not None
-        tkey = self._tier_key(key)
-        with tier.borrow([tkey]) as (rec,):
-            if rec is None:
-                return False
-            if self.pool is not None:
-                assert isinstance(rec, torch.Tensor)
-                try:
-                    self.codec.load_page(self.pool, rec, page)
-                except RecordError as e:
-                    tier.report_damaged(tkey, e)
-                    return False
-            nbytes = rec if isinstance(rec, int) else int(rec.numel())
-        self.stack.count_move(tier_name, DEVICE, nbytes)
-        return True
+        tkeys = [self._tier_key(k) for k, _ in items]
+        out = []
+        with tier.borrow(tkeys) as recs:
+            for tkey, (_, page), rec in zip(tkeys, items, recs):
+                if rec is None:
+                    out.append(0)
+                    continue
+                if self.pool is not None:
+                    assert isinstance(rec, torch.Tensor)
+                    try:
+                        self.codec.load_page(self.pool, rec, page)
+                    except RecordError as e:
+                        tier.report_damaged(tkey, e)
+                        out.append(0)
+                        continue
+                out.append(rec if isinstance(rec, int) else int(rec.numel()))
+        return out
 
     def _new_lease_id(self) -> str:
         while True:
@@ -390,7 +420,7 @@ class PrefixCache:
             fresh = set(lease.fresh)
             if any(p not in fresh for p in page_ids) or len(set(page_ids)) != len(page_ids):
                 raise ValueError("slots must be distinct fresh pages of this lease")
-            adopted = 0
+            adopted: list[tuple[bytes, int]] = []
             for key, page in zip(keys, page_ids):
                 if key in self._device:
                     continue
@@ -399,9 +429,13 @@ class PrefixCache:
                 self._device.commit_insert(key, 1)
                 self._device.pin([key])
                 lease.pinned.append(key)
-                adopted += 1
+                adopted.append((key, page))
             self.counters["stores"] += 1
-            return adopted
+            if adopted and self.stack.shared:  # other daemons see the new pages at once
+                self.stack.publish([self._tier_key(k) for k, _ in adopted],
+                                   lambda i, out: self._page_record(adopted[i][1], out), source=DEVICE,
+                                   record_size=self.page_record_bytes)
+            return len(adopted)
 
     def release(self, lease_id: str) -> None:
         """Unpin the lease's pages and free its fresh pages.

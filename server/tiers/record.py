@@ -67,12 +67,14 @@ def _parse_fixed(buf: np.ndarray) -> tuple[Any, ...]:
     return fields
 
 
+_ZERO_CHECKSUM = bytes(8)
+
+
 def _checksum(buf: np.ndarray, header_nbytes: int, end: int) -> int:
-    h = xxhash.xxh3_64()
-    fixed = bytearray(buf[:_FIXED.size].tobytes())
-    fixed[_CHECKSUM_AT:_FIXED.size] = b"\0" * 8
-    h.update(bytes(fixed))
-    h.update(memoryview(buf[_FIXED.size:end]))
+    """xxh3_64 of ``buf[:end]`` with the checksum field read as zeros (streamed: no copy)."""
+    h = xxhash.xxh3_64(buf[:_CHECKSUM_AT])
+    h.update(_ZERO_CHECKSUM)
+    h.update(buf[_FIXED.size:end])
     return h.intdigest()
 
 
@@ -199,10 +201,12 @@ class RecordCodec:
         return self.nbytes(self.page_size, 1)
 
     # ----- encode -------------------------------------------------------------------------------
-    def encode_from_pool(self, pool: DSATokenToKVPool, slots: torch.Tensor, *, pin_memory: bool = False) -> torch.Tensor:
+    def encode_from_pool(self, pool: DSATokenToKVPool, slots: torch.Tensor, *, pin_memory: bool = False,
+                         out: torch.Tensor | None = None) -> torch.Tensor:
         """Copy ``slots`` ``(n,)`` int64 of ``pool`` into a new sealed record (1-D uint8 host tensor).
 
-        The payload is written by ``pool.get_cpu_copy(slots, out=...)`` straight into the record.
+        The payload is written by ``pool.get_cpu_copy(slots, out=...)`` straight into the record,
+        which is ``out[:nbytes]`` when given (e.g. a host tier's :meth:`record_buffer`).
 
         Raises:
             ValueError/TypeError: bad slots (from the pool).
@@ -210,7 +214,7 @@ class RecordCodec:
         slots = torch.as_tensor(slots, dtype=torch.int64).reshape(-1).cpu()
         pages, _ = first_appearance_pages(slots, self.page_size)
         n, p = slots.numel(), pages.numel()
-        rec = torch.empty(self.nbytes(n, p), dtype=torch.uint8, pin_memory=pin_memory)
+        rec = self._buffer(self.nbytes(n, p), pin_memory, out)
         lat, idx = self.latent_nbytes(n), self.index_nbytes(p)
         start = self.header_nbytes
         pool.get_cpu_copy(slots, out=rec[start:start + lat + idx])
@@ -229,6 +233,14 @@ class RecordCodec:
         digest = _checksum(arr, self.header_nbytes, arr.size)
         arr[_CHECKSUM_AT:_FIXED.size] = np.frombuffer(struct.pack("<Q", digest), dtype=np.uint8)
 
+    @staticmethod
+    def _buffer(nbytes: int, pin_memory: bool, out: torch.Tensor | None) -> torch.Tensor:
+        if out is None:
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin_memory)
+        if out.dtype != torch.uint8 or out.dim() != 1 or out.device.type != "cpu" or not out.is_contiguous() or out.numel() < nbytes:
+            raise ValueError(f"out must be a contiguous 1-D uint8 host tensor of at least {nbytes} bytes")
+        return out[:nbytes]
+
     def _page_header(self) -> tuple[bytes, Any]:
         """The header of every one-page record of this codec with its checksum field zero, and an
         xxh3_64 state that has hashed it (a one-page record's checksum is that state over its payload)."""
@@ -242,19 +254,25 @@ class RecordCodec:
             self._one_page = (header, h)
         return self._one_page
 
-    def encode_page(self, pool: DSATokenToKVPool, page: int, *, pin_memory: bool = False) -> torch.Tensor:
+    def encode_page(self, pool: DSATokenToKVPool, page: int, *, pin_memory: bool = False,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
         """A sealed record of one whole pool page (the prefix cache's unit): the same bytes as
         :meth:`encode_from_pool` of the page's slots, copied as one strided copy per component
-        (every layer's rows of that page; every live layer's page row) after a header made once.
+        (every layer's rows of that page; every live layer's page row) after a header made once,
+        into ``out[:nbytes]`` when given.
+
+        Args:
+            out: build the record in the first :meth:`page_nbytes` bytes of this contiguous 1-D uint8
+                host tensor (e.g. a transfer engine's registered staging memory) instead of a new one.
 
         Raises:
-            ValueError: ``page`` outside the pool.
+            ValueError: ``page`` outside the pool, or ``out`` too small or not a 1-D uint8 host tensor.
         """
         ps = self.page_size
         if not 0 <= page < pool.num_slots // ps or page >= pool.num_pages:
             raise ValueError(f"page {page} is outside the pool")
         header, hashed = self._page_header()
-        rec = torch.empty(self.nbytes(ps, 1), dtype=torch.uint8, pin_memory=pin_memory)
+        rec = self._buffer(self.nbytes(ps, 1), pin_memory, out)
         s, lat_n, idx_n = self.header_nbytes, self.latent_nbytes(ps), self.index_nbytes(1)
         L, rb = self.model.num_layers, self.row_bytes
         rec[s:s + lat_n].view(L, ps, rb).copy_(pool.arena("latent").view(L, pool.num_slots, rb)[:, page * ps:(page + 1) * ps])
@@ -303,8 +321,9 @@ class RecordCodec:
             rows[:, page].copy_(t[s + lat_n:s + lat_n + idx_n].view(len(self.live_layers), -1).to(dev, non_blocking=True))
         pool._sync()
 
-    def encode_copy(self, copy: dict[str, Any], *, pin_memory: bool = False) -> torch.Tensor:
-        """A sealed record of a ``get_cpu_copy`` result (one copy of its bytes).
+    def encode_copy(self, copy: dict[str, Any], *, pin_memory: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
+        """A sealed record of a ``get_cpu_copy`` result (one copy of its bytes), in ``out[:nbytes]``
+        when given.
 
         Raises:
             ValueError: the copy's layout differs from this codec's (layers, chunk shapes).
@@ -313,7 +332,7 @@ class RecordCodec:
         n = src.numel()
         pages, _ = first_appearance_pages(src, self.page_size)
         p = pages.numel()
-        rec = torch.empty(self.nbytes(n, p), dtype=torch.uint8, pin_memory=pin_memory)
+        rec = self._buffer(self.nbytes(n, p), pin_memory, out)
         latent, index, src_out = self.payload(rec, n, p)
         kv, idx = copy["kv"], copy["index_k"]
         if len(kv) != self.model.num_layers or len(idx) != self.model.num_layers:

@@ -39,7 +39,8 @@ def test_change_is_not_retried_read_is(tmp_path):
 
 def test_attach_imports_only_the_pool_core_of_the_server(tmp_path):
     """The client imports nothing of ``kvtier.server`` until it attaches, and then only the grpc-free
-    pool core (``kvtier.server.pool``, ``kvtier.server.model_config`` and its presets)."""
+    pool core (``kvtier.server.pool``, ``kvtier.server.model_config`` and its presets, and the host
+    memory the pool copies into, ``kvtier.server.hostmem``)."""
     code = f"""
 import sys
 from kvtier.client import KVTierClient
@@ -48,7 +49,7 @@ with DaemonProcess(extra_args=["--device", "cpu", "--pool", "glm-5.2:128", "--po
     assert not [m for m in sys.modules if m.startswith("kvtier.server")]
     with KVTierClient(d.address) as c, c.attach("default") as ap:
         ap.allocate_slots(1)
-allowed = ("kvtier.server.pool", "kvtier.server.model_config", "kvtier.server.presets")
+allowed = ("kvtier.server.pool", "kvtier.server.model_config", "kvtier.server.presets", "kvtier.server.hostmem")
 bad = sorted(m for m in sys.modules if m.startswith("kvtier.server") and m != "kvtier.server"
              and not m.startswith(allowed))
 print(bad)

@@ -120,3 +120,21 @@ def test_an_offload_past_every_tier_quota_is_refused_naming_the_quota(tmp_path):
         assert d.offload_store.contains(B, "big") and not d.offload_store.contains(A, "big")
     finally:
         d.close()
+
+
+def test_the_daemon_has_one_host_arena_for_host_records_and_pools_host_copies():
+    """Pools of a daemon copy into the host tier's arena (one fd, one registration range), not into an
+    arena each: an offloaded copy's record lands there too."""
+    d = daemon(host_memory_bytes=16 << 20)
+    try:
+        host = d.tiers.stack.tier("host")
+        pool(d, A)
+        entry = d.pools.get(A, "p")
+        assert entry.pool.host_arena is host.arena is d.pools.host_arena
+        slots = entry.alloc(128)
+        copy = entry.pool.get_cpu_copy(slots)
+        assert all(host.arena.owns(c) for layer in copy["kv"] for c in layer)
+        ptr, n = host.registration_range()
+        assert (ptr, n) == host.arena.registration_range() and n >= 16 << 20
+    finally:
+        d.close()

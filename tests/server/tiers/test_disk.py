@@ -266,3 +266,33 @@ def test_disk_reads_racing_eviction_return_the_whole_record_or_a_miss(tmp_path, 
     assert s.damaged == 0 and s.hits > 0 and s.misses > 0 and s.evictions > 0
     assert disk.index.used <= disk.index.capacity
     disk.close()
+
+
+def test_borrow_reads_a_batch_in_one_transaction_into_the_read_arena(tmp_path, records):
+    """Verified records land in the tier's read arena (faulted in once) and free it when dropped; a
+    record larger than the arena comes in fresh memory; misses are None."""
+    disk = disk_at(tmp_path, read_buffer_bytes=1 * MiB)  # room for 5 page records
+    disk.write(list(records.items()))
+    keys = list(records)[:8] + [b"absent"]
+    with disk.borrow(keys) as got:
+        assert got[-1] is None
+        for k, rec in zip(keys, got[:-1]):
+            assert torch.equal(rec, records[k])
+        arena = disk._read_arena
+        in_arena = sum(arena.owns(r) for r in got[:-1])
+        assert in_arena == 5  # the arena holds 5, the other 3 are fresh memory
+    del got, rec
+    assert arena.stats().used_bytes == 0
+    assert disk.stats().hits == 8 and disk.stats().misses == 1
+    disk.close()
+
+
+def test_reads_copy_the_records_bytes_from_the_data_file_inside_the_transaction(tmp_path, records):
+    """The copy goes through the data file at the value's offset in LMDB's map (no page faults on the
+    map): the offset rule must hold for every record, or reads would return other bytes."""
+    disk = disk_at(tmp_path)
+    disk.write(list(records.items()))
+    assert disk._map_addr and disk._data_fd >= 0
+    for k, rec in records.items():
+        assert torch.equal(read(disk, k, rec.numel() + 10), rec)
+    disk.close()

@@ -71,7 +71,7 @@ def test_damaged_record_is_a_miss_counted_and_dropped(records, codec):
     k = next(iter(records))
     rec = records[k].clone()
     host.write([(k, rec)])
-    rec[codec.header_nbytes + 77] ^= 1  # memory corruption after the write
+    host.record(k)[codec.header_nbytes + 77] ^= 1  # memory corruption of the stored record after the write
     out = torch.empty(rec.numel(), dtype=torch.uint8)
     assert host.read_into([k], [out]) == [0]
     assert host.stats().damaged == 1 and host.contains([k]) == [False]
@@ -133,3 +133,33 @@ def test_reads_racing_eviction_return_the_whole_record_or_a_miss(records, codec)
     assert bad == []
     s = host.stats()
     assert s.pinned == 0 and s.damaged == 0 and s.evictions > 0 and s.hits > 0
+
+
+def test_records_live_in_the_tiers_arena_and_one_built_there_is_stored_without_a_copy(records, codec):
+    host = HostTier(HostTierConfig(capacity_bytes=10 * codec.page_nbytes(), prefault=True))
+    k1, k2 = list(records)[:2]
+    host.write([(k1, records[k1])])  # built elsewhere: copied in
+    stored = host.record(k1)
+    assert host.arena.owns(stored) and stored.data_ptr() != records[k1].data_ptr()
+    assert torch.equal(stored, records[k1])
+    buf = host.record_buffer(records[k2].numel())
+    buf.copy_(records[k2])
+    host.write([(k2, buf)])
+    assert host.record(k2) is buf  # built in the arena: kept as it is
+    ptr, n = host.registration_range()
+    assert ptr <= stored.data_ptr() < ptr + n and n >= 10 * codec.page_nbytes()
+    assert host.stats().extra["arena_used_bytes"] >= 2 * codec.page_nbytes()
+
+
+def test_a_full_tier_frees_its_victims_blocks_before_storing_the_new_record(records, codec):
+    """At budget, the arena (budget + 1/16) has no room for a record built elsewhere until the victims
+    are gone: eviction comes first, so the record still lands in the arena (no fallback)."""
+    size = codec.page_nbytes()
+    host = HostTier(HostTierConfig(capacity_bytes=8 * size, prefault=True))
+    assert host.arena.capacity < 9 * -(-size // 4096) * 4096  # a 9th record cannot fit beside 8
+    recs = list(records.values())
+    for i in range(12):
+        host.write([(b"key-%02d" % i, recs[i % len(recs)])])
+    assert all(host.arena.owns(host.record(b"key-%02d" % i)) for i in range(4, 12))
+    assert host.stats().extra["arena_fallbacks"] == 0
+    assert host.arena.stats().live_blocks == 8  # the evicted records' blocks went back

@@ -1,0 +1,77 @@
+"""``kvtier bench``: kvtier against the plain limit of the same bytes (and SGLang's own pool), as ratios."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import click
+
+
+def _case_names() -> list[str]:
+    return ["capacity", "copies", "disk", "daemon", "pd", "replay"]
+
+
+@click.command()
+@click.option("--quick", is_flag=True, help="Small sizes and few repetitions (the whole run takes under 2 minutes).")
+@click.option("--out", "out", type=click.Path(file_okay=False, path_type=Path), default=Path("bench-results"),
+              show_default=True, help="Directory for results.json and one PNG plot per comparison.")
+@click.option("--json", "as_json", is_flag=True, help="Print results.json to stdout (progress goes to stderr).")
+@click.option("--case", "only", multiple=True, metavar="NAME",
+              help=f"Run only this case (repeatable): {', '.join(_case_names())}.")
+@click.option("--sglang-python", default=None, metavar="PATH", envvar="KVTIER_SGLANG_PYTHON",
+              help="Interpreter that imports sglang==0.5.23, to compare with SGLang's own pool "
+                   "(env KVTIER_SGLANG_PYTHON). Default: this interpreter, if it imports sglang.")
+@click.option("--torch-threads", type=click.IntRange(min=1), default=1, show_default=True,
+              help="torch intra-op threads for every case (the daemon's default is 1 too).")
+def bench(quick: bool, out: Path, as_json: bool, only: tuple[str, ...], sglang_python: str | None,
+          torch_threads: int) -> None:
+    """Measure kvtier against plain baselines of the same bytes, in one run.
+
+    Each case times kvtier and its baseline interleaved (medians after a warm-up) and reports
+    kvtier's figure, the baseline's and the ratio (> 1: kvtier better): capacity, get_cpu_copy /
+    load_cpu_copy, disk spill and restore, the daemon's data path vs a gRPC echo, PullKV vs raw
+    Mooncake reads, and a replay of the Mooncake trace. Writes OUT/results.json and a plot per
+    comparison.
+    """
+    import torch
+    from rich.console import Console
+
+    from kvtier.bench import BenchCaseError, BenchContext, all_cases, run_cases
+    from kvtier.bench.report import print_table, results_document, write_outputs
+
+    cases = all_cases()
+    known = [c.name for c in cases]
+    unknown = [n for n in only if n not in known]
+    if unknown:
+        raise click.BadParameter(f"unknown case {unknown[0]!r}; cases: {', '.join(known)}", param_hint="--case")
+    if only:
+        cases = [c for c in cases if c.name in only]
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise click.ClickException(f"cannot create --out directory {out}: {e.strerror}; pass another --out DIR") from None
+    console = Console(stderr=True) if as_json else Console(width=None if sys.stdout.isatty() else 160)
+    torch.set_num_threads(torch_threads)
+    load_before = list(os.getloadavg())
+    started = time.time()
+    work = Path(tempfile.mkdtemp(prefix=".kvtier-bench-", dir=out))  # same file system as --out (fsync is real)
+    try:
+        results = run_cases(cases, lambda _case: BenchContext(quick=quick, workdir=work, sglang_python=sglang_python),
+                            console=console)
+    except BenchCaseError as e:
+        raise click.ClickException(f"{e} (rerun with --case NAME to isolate it)") from None
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    doc = results_document(results, {"quick": quick, "cases": [c.name for c in cases], "torch_threads": torch_threads}, started, load_before)
+    written = write_outputs(doc, results, out)
+    if as_json:
+        click.echo(json.dumps(doc, indent=1, default=str))
+    else:
+        print_table(results, console)
+        console.print(f"wrote {written[0]} and {len(written) - 1} plots")

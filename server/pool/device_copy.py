@@ -1,0 +1,150 @@
+"""Moving a copy between a pool's buffers and host memory: row gathers into a host buffer, and on
+CUDA the staged path DESIGN.md asks for.
+
+A copy is a list of *parts*, each ``(src, index)``: ``src`` a ``(groups, rows, words)`` word view of a
+pool component (layers x slots x row words, or live layers x pages x page words) and ``index`` the
+rows to take. The host bytes of a copy are the parts one after another, each ``(groups, len(index),
+words)``, exactly the ``get_cpu_copy`` / record payload layout.
+
+* CPU: one ``index_select`` per group straight into its slice of the host buffer (one pass over the
+  bytes; ~2x faster than one gather along dim 1).
+* CUDA: every part is gathered on the device into one contiguous staging buffer (on the current
+  stream, after the work that wrote the pool), then a side stream that waits for it copies the whole
+  staging buffer to the (page-locked) host buffer in one DMA and records an event; only that event is
+  waited for -- never the whole device. Host to device is the reverse: the host bytes go up in one
+  DMA on the side stream when they lie back to back (a ``get_cpu_copy`` result or a record payload),
+  else one DMA per tensor, and the current stream waits for that event before the pool is written.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+import torch
+
+Part = tuple[torch.Tensor, torch.Tensor]
+
+
+def part_nbytes(src: torch.Tensor, index: torch.Tensor) -> int:
+    """Host bytes of one part: ``groups * len(index) * words * word size``."""
+    return src.shape[0] * index.numel() * src.shape[2] * src.element_size()
+
+
+def host_views(flat: torch.Tensor, parts: Sequence[Part]) -> list[torch.Tensor]:
+    """``(groups, len(index), words)`` views of consecutive slices of the uint8 buffer ``flat``."""
+    views, start = [], 0
+    for src, index in parts:
+        n = part_nbytes(src, index)
+        views.append(flat[start:start + n].view(src.dtype).view(src.shape[0], index.numel(), src.shape[2]))
+        start += n
+    return views
+
+
+def scatter_rows(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst[index[i]] = src[i]`` along dim 0 (``index`` distinct, checked by the caller).
+
+    On the CPU through numpy's fancy assignment, which copies each row as one block: 1.5-1.7x
+    torch's element-wise ``index_copy_`` on the same int64 rows (measured, BENCHMARKS.md). On a
+    device, ``index_copy_``.
+    """
+    if dst.device.type == "cpu":
+        dst.numpy()[index.numpy()] = src.numpy()
+    else:
+        dst.index_copy_(0, index, src)
+
+
+def contiguous_span(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """One uint8 view covering ``tensors`` when they are contiguous, on the CPU, in one storage and
+    back to back in this order; else None."""
+    if not tensors or any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
+        return None
+    storage = tensors[0].untyped_storage()
+    start = tensors[0].data_ptr()
+    end = start
+    for t in tensors:
+        if t.untyped_storage().data_ptr() != storage.data_ptr() or t.data_ptr() != end:
+            return None
+        end += t.numel() * t.element_size()
+    offset = start - storage.data_ptr()
+    return torch.empty(0, dtype=torch.uint8).set_(storage, offset, (end - start,))
+
+
+class CopyEngine:
+    """Gathers to host and uploads for one pool device (a side stream on CUDA, made on first use)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._stream: torch.cuda.Stream | None = None
+        self._lock = threading.Lock()
+
+    def _side_stream(self) -> torch.cuda.Stream:
+        with self._lock:
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(self.device)
+            return self._stream
+
+    def gather_to_host(self, parts: Sequence[Part], flat: torch.Tensor) -> None:
+        """Copy every part's rows into the host buffer ``flat`` (laid out as :func:`host_views`);
+        complete when this returns."""
+        if self.device.type != "cuda":
+            for (src, index), dst in zip(parts, host_views(flat, parts)):
+                if index.numel():
+                    for g in range(src.shape[0]):
+                        torch.index_select(src[g], 0, index, out=dst[g])
+            return
+        nbytes = sum(part_nbytes(s, i) for s, i in parts)
+        if nbytes == 0:
+            return
+        current = torch.cuda.current_stream(self.device)
+        staging = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        for (src, index), dst in zip(parts, host_views(staging, parts)):
+            if index.numel():
+                torch.index_select(src, 1, index, out=dst)  # one gather per component, on the device
+        side = self._side_stream()
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            flat[:nbytes].copy_(staging, non_blocking=True)  # one DMA into page-locked memory
+            staging.record_stream(side)
+        done = torch.cuda.Event()
+        done.record(side)
+        done.synchronize()
+
+    def to_device(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """``tensors`` (host) as device tensors of the same shapes and dtypes; on the CPU the tensors
+        themselves. On CUDA the current stream waits (an event, not a device sync) until they are there."""
+        if self.device.type != "cuda" or not tensors:
+            return list(tensors)
+        if all(t.device == self.device for t in tensors):
+            return list(tensors)
+        sizes = [t.numel() * t.element_size() for t in tensors]
+        staging = torch.empty(sum(sizes), dtype=torch.uint8, device=self.device)
+        current = torch.cuda.current_stream(self.device)
+        side = self._side_stream()
+        side.wait_stream(current)  # the staging memory may have been in use on the current stream
+        span = contiguous_span(tensors)
+        with torch.cuda.stream(side):
+            if span is not None:
+                staging.copy_(span, non_blocking=True)  # one DMA for the whole copy
+            else:
+                start = 0
+                for t, n in zip(tensors, sizes):
+                    staging[start:start + n].copy_(t.contiguous().view(-1).view(torch.uint8), non_blocking=True)
+                    start += n
+            staging.record_stream(side)
+        uploaded = torch.cuda.Event()
+        uploaded.record(side)
+        current.wait_event(uploaded)
+        out, start = [], 0
+        for t, n in zip(tensors, sizes):
+            out.append(staging[start:start + n].view(t.dtype).view(t.shape))
+            start += n
+        return out
+
+    def finish(self) -> None:
+        """Wait (an event on the current stream, not a device sync) until the pool writes queued so
+        far are done, so the host sources may be dropped or reused."""
+        if self.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(self.device))
+            done.synchronize()

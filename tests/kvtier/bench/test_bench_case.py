@@ -1,0 +1,53 @@
+"""The case interface's arithmetic: paired ratios, direction, equal figures, interleaving order."""
+
+from __future__ import annotations
+
+from kvtier.bench.case import Comparison, Figure, interleaved
+
+
+def test_paired_ratio_is_the_median_of_per_round_ratios():
+    c = Comparison("x.y", "t", "GB/s", Figure.from_samples("k", [2.0, 4.0, 9.0]), Figure.from_samples("b", [1.0, 4.0, 3.0]))
+    assert c.ratio == 2.0  # per round 2, 1, 3 -> median 2 (the ratio of medians would be 4/3)
+    assert Comparison("x.y", "t", "GB/s", c.kvtier, c.baseline, paired=False).ratio == 4.0 / 3.0
+
+
+def test_lower_is_better_inverts_and_equal_figures_are_one():
+    c = Comparison("x.y", "t", "bytes", Figure("k", 50.0), Figure("b", 100.0), higher_is_better=False, target=1.5)
+    assert c.ratio == 2.0 and c.meets_target is True
+    assert Comparison("x.y", "t", "%", Figure("k", 0.0), Figure("b", 0.0)).ratio == 1.0
+
+
+def test_interleaved_runs_rounds_in_order_and_drops_warmup():
+    calls: list[str] = []
+    t = interleaved({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, 2, warmup=1,
+                    setup=lambda: calls.append("s"))
+    assert calls == ["s", "a", "b"] * 3
+    assert len(t["a"]) == len(t["b"]) == 2
+
+
+def test_cli_refuses_an_unknown_case_in_one_line(tmp_path):
+    from click.testing import CliRunner
+
+    from kvtier.cli import main
+
+    r = CliRunner().invoke(main, ["bench", "--case", "nope", "--out", str(tmp_path / "o")])
+    assert r.exit_code == 2 and "unknown case 'nope'" in r.output and "Traceback" not in r.output
+
+
+def test_a_failing_case_is_a_one_line_error_naming_it(tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    import kvtier.bench as bench
+    from kvtier.bench.case import Case
+    from kvtier.cli import main
+
+    class Broken(Case):
+        name = "capacity"
+
+        def run(self, ctx):
+            raise RuntimeError("a wrong byte")
+
+    monkeypatch.setattr(bench, "all_cases", lambda: [Broken()])
+    r = CliRunner().invoke(main, ["bench", "--out", str(tmp_path / "o")])
+    assert r.exit_code == 1 and "case 'capacity' failed: RuntimeError: a wrong byte" in r.output
+    assert "Traceback" not in r.output

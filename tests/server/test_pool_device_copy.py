@@ -1,0 +1,92 @@
+"""The copy engine's pieces: host layout of parts, back-to-back detection (one DMA), row scatters;
+the CUDA staging path itself is ``cuda``-marked (it never runs on a CPU machine)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtier.server.model_config import DSAModelConfig
+from kvtier.server.pool import create_pool, slots_of_pages
+from kvtier.server.pool.device_copy import CopyEngine, contiguous_span, host_views, part_nbytes, scatter_rows
+from pool_reference import RefPool, assert_same_bytes, randomize, snapshot
+
+
+def test_contiguous_span_covers_back_to_back_views_of_one_storage_only():
+    flat = torch.arange(100, dtype=torch.uint8)
+    a, b = flat[10:30].view(4, 5), flat[30:60]
+    span = contiguous_span([a, b])
+    assert span is not None and span.data_ptr() == a.data_ptr() and span.numel() == 50
+    assert torch.equal(span, flat[10:60])
+    assert contiguous_span([a, flat[31:60]]) is None  # a gap
+    assert contiguous_span([b, a]) is None  # out of order
+    assert contiguous_span([a, torch.arange(30, 60, dtype=torch.uint8)]) is None  # another storage
+    assert contiguous_span([]) is None
+
+
+def test_a_get_cpu_copy_result_is_one_span_in_copy_order():
+    """What lets CUDA upload a copy in one DMA: its chunks (latent layers, then live indexer pages)."""
+    pool = create_pool(DSAModelConfig.from_preset("glm-5.2", num_layers=8), 1024, device="cpu")
+    copy = pool.get_cpu_copy(slots_of_pages(torch.tensor([3, 9]), 64))
+    chunks = [c for layer in copy["kv"] for c in layer] + [c for layer in copy["index_k"] for c in layer]
+    span = contiguous_span([c.reshape(-1).view(torch.uint8) for c in chunks])
+    assert span is not None and span.numel() == pool.cpu_copy_nbytes(slots_of_pages(torch.tensor([3, 9]), 64))
+
+
+def test_host_views_lay_parts_out_one_after_another():
+    src = torch.zeros(3, 10, 4, dtype=torch.int64)
+    idx = torch.tensor([1, 5])
+    flat = torch.zeros(2 * part_nbytes(src, idx), dtype=torch.uint8)
+    v1, v2 = host_views(flat, [(src, idx), (src, idx)])
+    assert v1.shape == (3, 2, 4) and v1.data_ptr() == flat.data_ptr()
+    assert v2.data_ptr() == flat.data_ptr() + 3 * 2 * 4 * 8
+
+
+def test_scatter_rows_writes_rows_at_distinct_targets():
+    dst = torch.zeros(6, 3, dtype=torch.int64)
+    scatter_rows(dst, torch.tensor([4, 0]), torch.tensor([[1, 2, 3], [7, 8, 9]]))
+    assert dst.tolist() == [[7, 8, 9], [0, 0, 0], [0, 0, 0], [0, 0, 0], [1, 2, 3], [0, 0, 0]]
+
+
+def test_cpu_engine_uploads_nothing():
+    t = [torch.ones(3)]
+    assert CopyEngine(torch.device("cpu")).to_device(t)[0] is t[0]
+
+
+# ----- CUDA (never run on a CPU machine) ------------------------------------------------------------
+cuda = pytest.mark.cuda
+
+
+@cuda
+@pytest.mark.parametrize("whole_pages", [True, False])
+def test_cuda_copy_goes_through_the_pinned_arena_and_back_byte_exact(whole_pages):
+    model = DSAModelConfig.from_preset("glm-5.2", num_layers=8)
+    pool = create_pool(model, 1024, device="cuda")
+    randomize(pool, 3)
+    if whole_pages:
+        a, b = slots_of_pages(torch.tensor([3, 9]), 64), slots_of_pages(torch.tensor([1, 12]), 64)
+    else:
+        a, b = torch.arange(70, 170), torch.arange(600, 700).flip(0)
+    expected = RefPool(pool)
+    copy = pool.get_cpu_copy(a)
+    assert pool.host_arena.pinned and all(c.is_pinned() for layer in copy["kv"] for c in layer)
+    assert all(pool.host_arena.owns(c) for layer in copy["index_k"] for c in layer)
+    expected.move(b.tolist(), a.tolist())
+    pool.load_cpu_copy(copy, b.cuda())
+    assert_same_bytes(expected.buffers(), snapshot(pool))
+
+
+@cuda
+def test_cuda_load_of_a_copy_made_of_separate_tensors_uploads_each():
+    """An SGLang-made copy (a tensor per layer, not back to back): one DMA per tensor, same bytes."""
+    model = DSAModelConfig.from_preset("glm-5.2", num_layers=8)
+    pool = create_pool(model, 1024, device="cuda")
+    randomize(pool, 4)
+    a, b = slots_of_pages(torch.tensor([2]), 64), slots_of_pages(torch.tensor([7]), 64)
+    copy = pool.get_cpu_copy(a)
+    split = {"kv": [[c.clone() for c in layer] for layer in copy["kv"]],
+             "index_k": [[c.clone() for c in layer] for layer in copy["index_k"]], "src_loc": copy["src_loc"]}
+    expected = RefPool(pool)
+    expected.move(b.tolist(), a.tolist())
+    pool.load_cpu_copy(split, b)
+    assert_same_bytes(expected.buffers(), snapshot(pool))
