@@ -34,18 +34,19 @@ class _CallDetails(collections.namedtuple("_CallDetails", ("method", "timeout", 
     pass
 
 
-class _BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
-                   grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
-    """Adds ``authorization: Bearer <token>`` to every call of a channel."""
+class _CallMetadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                    grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    """Adds fixed metadata entries to every call of a channel: ``authorization: Bearer <token>``, an
+    attach session's ``x-kvtier-session`` (both secrets: never printed)."""
 
-    def __init__(self, token: str) -> None:
-        self._entry = ("authorization", f"Bearer {token}")
+    def __init__(self, entries: list[tuple[str, str]]) -> None:
+        self._entries = list(entries)
 
     def __repr__(self) -> str:
-        return "_BearerToken(<hidden>)"
+        return f"_CallMetadata({[k for k, _ in self._entries]}, values hidden)"
 
     def _details(self, d: grpc.ClientCallDetails) -> _CallDetails:
-        metadata = [*(d.metadata or ()), self._entry]
+        metadata = [*(d.metadata or ()), *self._entries]
         return _CallDetails(d.method, d.timeout, metadata, d.credentials, getattr(d, "wait_for_ready", None),
                             getattr(d, "compression", None))
 
@@ -77,6 +78,8 @@ class BaseClient:
         tls_server_name: name to check the daemon's certificate against (default: the host).
         tls_client_cert, tls_client_key: PEM client certificate and key for a daemon that requires
             mutual TLS (``--tls-client-ca``).
+        metadata: more ``(key, value)`` metadata on every call (an attached pool's client carries its
+            session this way; values are never printed).
 
     Raises:
         ValueError: bad address or sizes, or a token for a TCP address beyond loopback without TLS
@@ -96,6 +99,7 @@ class BaseClient:
         tls_server_name: str | None = None,
         tls_client_cert: str | Path | None = None,
         tls_client_key: str | Path | None = None,
+        metadata: list[tuple[str, str]] | tuple[tuple[str, str], ...] = (),
     ) -> None:
         if timeout <= 0:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
@@ -112,6 +116,9 @@ class BaseClient:
         options: list[tuple[str, Any]] = [("grpc.max_send_message_length", max_message_bytes),
                                           ("grpc.max_receive_message_length", max_message_bytes)]
         token = token if token is not None else (os.environ.get(TOKEN_ENV) or None)
+        self._token = token
+        self._tls = {"tls_root_cert": tls_root_cert, "tls_server_name": tls_server_name,
+                     "tls_client_cert": tls_client_cert, "tls_client_key": tls_client_key}
         tls = tls_root_cert is not None or tls_client_cert is not None
         if token and not tls and not is_loopback(self.address):
             raise ValueError(f"refusing to send a token to {self.address} without TLS: pass tls_root_cert "
@@ -126,7 +133,8 @@ class BaseClient:
             self._raw_channel = grpc.secure_channel(self.address, creds, options=options)
         else:
             self._raw_channel = grpc.insecure_channel(self.address, options=options)
-        self._channel = grpc.intercept_channel(self._raw_channel, _BearerToken(token)) if token else self._raw_channel
+        entries = ([("authorization", f"Bearer {token}")] if token else []) + [(k, v) for k, v in metadata]
+        self._channel = grpc.intercept_channel(self._raw_channel, _CallMetadata(entries)) if entries else self._raw_channel
         self._stubs: dict[type, Any] = {}
 
     # ----- plumbing for mixins ------------------------------------------------------------------

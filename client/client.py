@@ -8,6 +8,7 @@ add it to the bases below, e.g. ``class KVTierClient(PoolMixin, TierMixin, BaseC
 
 from __future__ import annotations
 
+from kvtier.client.attach import AttachMixin
 from kvtier.client.base import BaseClient
 from kvtier.client.pool import PoolMixin
 from kvtier.client.storage import StorageMixin
@@ -15,7 +16,7 @@ from kvtier.client.tiers import TierMixin
 from kvtier.client.transfer import TransferMixin
 
 
-class KVTierClient(PoolMixin, TierMixin, TransferMixin, StorageMixin, BaseClient):
+class KVTierClient(PoolMixin, TierMixin, TransferMixin, StorageMixin, AttachMixin, BaseClient):
     """Client of a kvtier daemon; see :class:`~kvtier.client.base.BaseClient` for the arguments.
 
     Example::
@@ -24,6 +25,10 @@ class KVTierClient(PoolMixin, TierMixin, TransferMixin, StorageMixin, BaseClient
             slots = c.allocate_slots("default", 100)
             c.write_kv("default", slots, latent={0: rows}, index={0: (keys, scales)})
             kv = c.read_kv("default", slots)
+
+        with KVTierClient() as c, c.attach("default") as pool:   # local attach: the pool's memory, mapped here
+            slots = pool.allocate_slots(64)
+            pool.set_kv_buffer(0, slots, rows)                    # writes the daemon's bytes directly
     """
 
     def __enter__(self) -> KVTierClient:

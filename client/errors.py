@@ -73,3 +73,9 @@ def from_rpc_error(err: grpc.RpcError) -> KVTierError:
     details = (err.details() if hasattr(err, "details") else None) or str(err)
     cls = _BY_CODE.get(code, KVTierError)
     return cls(details, code)
+
+
+def from_code_name(name: str, details: str) -> KVTierError:
+    """The :class:`KVTierError` subclass for a status code given by name (the attach channel's errors)."""
+    code = getattr(grpc.StatusCode, str(name), grpc.StatusCode.UNKNOWN)
+    return _BY_CODE.get(code, KVTierError)(details, code)

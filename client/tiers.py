@@ -95,12 +95,14 @@ class TierMixin(BaseClient):
         r = self.unary(self._tiers.LoadPrefix, req, idempotent=False, timeout=timeout)
         return PrefixLease(pool_id, r.lease_id, torch.tensor(list(r.slots), dtype=torch.int64), list(r.page_tiers))
 
-    def store_prefix(self, lease: PrefixLease, page_keys: Sequence[bytes], slots: Slots, *,
+    def store_prefix(self, lease: PrefixLease, page_keys: Sequence[bytes], slots: Slots, *, release: bool = False,
                      timeout: float | None = None) -> int:
         """Hand the lease's fresh pages at ``slots`` (whole pages, in key order) to the cache; returns
-        the pages adopted. Raises InvalidArgumentError (not the lease's fresh pages), NotFoundError."""
+        the pages adopted. ``release``: then end the lease in the same call (no ReleasePrefix needed;
+        if the store fails the lease stays open). Raises InvalidArgumentError (not the lease's fresh
+        pages), NotFoundError."""
         req = tier_pb2.StorePrefixRequest(pool_id=lease.pool_id, lease_id=lease.lease_id, page_keys=list(page_keys),
-                                          slots=slot_list(slots))
+                                          slots=slot_list(slots), release=release)
         return self.unary(self._tiers.StorePrefix, req, idempotent=False, timeout=timeout).stored_pages
 
     def release_prefix(self, lease: PrefixLease, *, timeout: float | None = None) -> None:

@@ -12,7 +12,17 @@ small pool, and tears it down afterwards::
         assert d.client.where_is(d.pool_id, keys[:1]) == [["disk"]]
 
 ``kvtier_daemon_factory(**budgets)`` starts more (or differently sized) daemons; all stop at the end
-of the test. Budgets: ``device_pages`` (pool pages), ``host_pages`` and ``disk_pages`` (records of one
+of the test. ``kvtier_attached_pool`` is the tiny pool attached to the test process (local attach:
+its tensors are the daemon's memory), and ``d.attach()`` attaches more; every attached pool is
+detached at the end of the test::
+
+    def test_my_worker(kvtier_attached_pool):
+        ap = kvtier_attached_pool
+        lease = ap.load_prefix(keys)
+        ap.kv_buffer[0][lease.slots] = rows.view(-1, 1, 656)     # write KV through the tensors
+        ap.store_prefix(lease, keys, lease.slots)
+        ap.release_prefix(lease)
+ Budgets: ``device_pages`` (pool pages), ``host_pages`` and ``disk_pages`` (records of one
 page each; the LMDB map is twice the records' size), ``write_through``, ``num_layers`` (of ``model``).
 The daemon is configured by a TOML file in its temp dir (``[tiers]`` table).
 
@@ -60,6 +70,14 @@ class TinyDaemon:
     budgets: dict[str, Any]
     workdir: Path
     process: Any = field(repr=False, default=None)
+    attached: list[Any] = field(repr=False, default_factory=list)
+
+    def attach(self) -> Any:
+        """The pool attached to this process (a :class:`kvtier.client.AttachedPool`); detached when
+        the daemon is stopped, at the end of the test."""
+        ap = self.client.attach(self.pool_id)
+        self.attached.append(ap)
+        return ap
 
     def page_keys(self, n: int, seed: int = 0) -> list[bytes]:
         """``n`` chained page keys of a synthetic token sequence (distinct per ``seed``)."""
@@ -68,12 +86,13 @@ class TinyDaemon:
         start = seed * 1_000_003
         return page_keys(list(range(start, start + n * self.page_size)), self.page_size)
 
-    def put_pages(self, keys: list[bytes]) -> list[str]:
+    def put_pages(self, keys: list[bytes], attached: Any = None) -> list[str]:
         """One request over ``keys``: load the present prefix, write random KV into the rest, store,
-        release. Returns the tier each loaded page came from."""
+        release. Returns the tier each loaded page came from. With ``attached`` (from :meth:`attach`)
+        the KV is written through its tensors in its session instead of over gRPC."""
         import torch
 
-        c = self.client
+        c = attached.client if attached is not None else self.client
         lease = c.load_prefix(self.pool_id, keys)
         try:
             n = lease.loaded_pages
@@ -84,7 +103,13 @@ class TinyDaemon:
                 live = [i for i, ch in enumerate(lay.skip_mask) if ch == "F"]
                 index = {i: (torch.randint(0, 256, (fresh.numel(), lay.index_head_dim), dtype=torch.uint8),
                              torch.rand(fresh.numel())) for i in live}
-                c.write_kv(self.pool_id, fresh, latent={i: rows for i in range(lay.num_layers)}, index=index)
+                if attached is not None:
+                    for i in range(lay.num_layers):
+                        attached.kv_buffer[i][fresh] = rows.view(fresh.numel(), 1, -1)
+                    for i, (k, sc) in index.items():
+                        attached.set_index_k_scale_buffer(i, fresh, k, sc)
+                else:
+                    c.write_kv(self.pool_id, fresh, latent={i: rows for i in range(lay.num_layers)}, index=index)
                 c.store_prefix(lease, keys[n:], fresh)
             return lease.tiers
         finally:
@@ -120,7 +145,9 @@ def start_tiny_daemon(workdir: Path, *, device_pages: int = 8, host_pages: int =
 
 
 def stop_tiny_daemon(d: TinyDaemon) -> int | None:
-    """Close the client, stop the daemon (SIGTERM), return its exit code."""
+    """Detach its attached pools, close the client, stop the daemon (SIGTERM), return its exit code."""
+    for ap in d.attached:
+        ap.detach()
     d.client.close()
     code = d.process.stop()
     d.process.cleanup()
@@ -155,6 +182,14 @@ def kvtier_daemon(kvtier_daemon_factory: Callable[..., TinyDaemon]) -> TinyDaemo
     """An ephemeral daemon with tiny budgets (pool 8 pages, host 4 pages, disk 8 pages) and a pool
     ``tiny`` of GLM-5.2's first 4 layers."""
     return kvtier_daemon_factory()
+
+
+@pytest.fixture
+def kvtier_attached_pool(kvtier_daemon: TinyDaemon) -> Any:
+    """The pool ``tiny`` of ``kvtier_daemon`` attached to this process (an :class:`kvtier.client.AttachedPool`:
+    ``kv_buffer``, ``index_k_with_scale_buffer``, ``set_kv_buffer``, ... on the daemon's memory, and
+    ``load_prefix``/``store_prefix``/``release_prefix``/``allocate_slots`` in its session); detached after the test."""
+    return kvtier_daemon.attach()
 
 
 @pytest.fixture

@@ -1,8 +1,10 @@
 """``kvtier replay``: replay the Mooncake conversation trace through a kvtier daemon.
 
-For each request in arrival order: look up its prefix pages, load the hits from whatever tier holds
-them, verify every loaded byte, write the misses (KV filled from hash id, layer and position), store
-them and release the request. Starts an embedded daemon (tiers in a temp dir) unless ``--server``.
+For each request in arrival order: load its prefix pages (the hits from whatever tier holds them),
+verify every loaded byte, write the misses (KV filled from hash id, layer and position), store them
+and release the request. Starts an embedded daemon (tiers in a temp dir) unless ``--server``. With a
+local daemon (embedded, or a unix-socket ``--server``) the replay pool is attached and KV is written
+and verified in its memory; otherwise KV travels over gRPC (``--transport`` forces one).
 """
 
 from __future__ import annotations
@@ -50,12 +52,36 @@ def daemon_args(scale: ReplayScale, disk_path: str) -> list[str]:
             "--write-back" if scale.write_back else "--write-through"]
 
 
+TRANSPORTS = ("auto", "attach", "grpc")
+
+
+def pick_transport(transport: str, address: str) -> str:
+    """``attach`` or ``grpc`` for a daemon at ``address``: ``auto`` attaches when it is local (a unix socket).
+
+    Raises:
+        ValueError: ``attach`` asked for a daemon on TCP, or an unknown transport.
+    """
+    from kvtier.addresses import is_unix, resolve_address
+
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+    local = is_unix(resolve_address(address))
+    if transport == "attach" and not local:
+        raise ValueError(f"--transport attach needs the daemon's unix socket on this machine; {address} is TCP "
+                         f"(pass its socket path to --server, or use --transport grpc)")
+    return transport if transport != "auto" else ("attach" if local else "grpc")
+
+
 def replay_through_daemon(requests: list[Any], scale: ReplayScale, *, server: str | None = None,
-                          on_request: Any = None, workdir: str | None = None) -> ReplayResult:
-    """Replay ``requests`` through ``server`` (or an embedded daemon with ``scale``'s budgets)."""
-    from kvtier.cli.replay_backend import ClientBackend
+                          on_request: Any = None, workdir: str | None = None, transport: str = "auto") -> ReplayResult:
+    """Replay ``requests`` through ``server`` (or an embedded daemon with ``scale``'s budgets), attached
+    to the replay pool when the daemon is local (``transport="auto"``) or as ``transport`` says."""
+    from kvtier.cli.replay_backend import AttachedBackend, ClientBackend
     from kvtier.client import KVTierClient
     from kvtier.client.spawn import DaemonProcess
+
+    if server is not None:
+        pick_transport(transport, server)  # a bad combination fails before anything starts
 
     tmp = Path(tempfile.mkdtemp(prefix="kvtier-replay-", dir=workdir))
     try:
@@ -64,10 +90,15 @@ def replay_through_daemon(requests: list[Any], scale: ReplayScale, *, server: st
             daemon = DaemonProcess(extra_args=daemon_args(scale, str(tmp / "disk")))
             daemon.start()
         try:
-            with KVTierClient(server or daemon.address, timeout=120.0) as c:  # type: ignore[union-attr]
-                backend = ClientBackend(c, scale.model, scale.num_layers, scale.device_tokens)
+            address = server or daemon.address  # type: ignore[union-attr]
+            chosen = pick_transport(transport, address)
+            cls = AttachedBackend if chosen == "attach" else ClientBackend
+            with KVTierClient(address, timeout=120.0) as c:
+                backend = cls(c, scale.model, scale.num_layers, scale.device_tokens)
                 try:
-                    return run_replay(requests, backend, scale, on_request=on_request)
+                    res = run_replay(requests, backend, scale, on_request=on_request)
+                    res.transport = chosen
+                    return res
                 finally:
                     backend.close()
         finally:
@@ -114,6 +145,8 @@ def _print_report(res: ReplayResult, belady: int | None) -> None:
     if belady is not None and res.tokens:
         t.add_row("Belady upper bound", f"{belady / res.tokens:.2%}")
     t.add_row("miss tokens", f"{res.miss_tokens:,}")
+    if res.transport:
+        t.add_row("KV transport", res.transport)
     if not res.simulate:
         t.add_row("verification failures", f"{res.verify_failures:,}" + (" [green]ok[/green]" if not res.verify_failures else ""))
     for move, m in sorted(res.moves.items()):
@@ -132,6 +165,9 @@ def _print_report(res: ReplayResult, belady: int | None) -> None:
 @click.option("--model", default="glm-5.2", show_default=True, help="Model preset.")
 @click.option("--requests", "n_requests", type=click.IntRange(min=1), default=None, help="Only the first N requests.")
 @click.option("--server", default=None, metavar="ADDR", help="Use this daemon instead of an embedded one.")
+@click.option("--transport", type=click.Choice(TRANSPORTS), default="auto", show_default=True,
+              help="How KV reaches the daemon: attach (map the pool, write and verify in its memory; needs a local "
+                   "daemon), grpc (WriteKV/ReadKV streams), auto (attach when the daemon is local).")
 @click.option("--simulate", is_flag=True, help="Pure cache simulation of the same policy (no bytes, no daemon).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Write the result as one JSON object.")
 @click.option("--layers", "num_layers", type=click.IntRange(min=1), default=4, show_default=True,
@@ -143,7 +179,8 @@ def _print_report(res: ReplayResult, belady: int | None) -> None:
 @click.option("--disk-size", "disk_bytes", callback=_bytes, default="4GiB", show_default=True, help="Disk tier budget (LMDB map size).")
 @click.option("--write-through/--write-back", default=False, show_default=True, help="Host tier write policy.")
 @click.option("--belady/--no-belady", default=True, show_default=True, help="Compute Belady's upper bound.")
-def replay(trace_path: str, model: str, n_requests: int | None, server: str | None, simulate: bool, json_path: str | None,
+def replay(trace_path: str, model: str, n_requests: int | None, server: str | None, transport: str, simulate: bool,
+           json_path: str | None,
            num_layers: int, tokens_per_block: int, device_tokens: int, host_bytes: int, disk_bytes: int,
            write_through: bool, belady: bool) -> None:
     """Replay the Mooncake trace: prefix lookups, loads from every tier, verified bytes, hit rates.
@@ -155,6 +192,8 @@ def replay(trace_path: str, model: str, n_requests: int | None, server: str | No
                         write_back=not write_through)
     try:
         scale.validate()
+        if server is not None:
+            pick_transport(transport, server)
         requests = read_trace(trace_path, n_requests)
     except (ValueError, OSError) as e:
         raise click.UsageError(str(e)) from None
@@ -170,7 +209,7 @@ def replay(trace_path: str, model: str, n_requests: int | None, server: str | No
 
         try:
             res = simulate_fn(requests, scale, tick) if simulate else replay_through_daemon(
-                requests, scale, server=server, on_request=tick)
+                requests, scale, server=server, on_request=tick, transport=transport)
         except Exception as e:  # a daemon error (e.g. a request larger than the pool) or a failed start
             if type(e).__module__.startswith(("kvtier.client", "kvtier.server.tiers")) or isinstance(e, RuntimeError):
                 raise click.ClickException(f"{type(e).__name__}: {e}") from None

@@ -1,8 +1,17 @@
-"""The replay driver's backend over gRPC: a daemon's TierService and PoolService through the client.
+"""The replay driver's backends on a daemon: attached to the replay pool (local), or KV bytes over gRPC.
 
-Latent rows travel as raw uint8 rows; the indexer's page rows (64 FP8 keys of 128 bytes, then 64 FP32
-scales) are split into per-token keys and scales for WriteKV and joined back after ReadKV, so the
-driver compares exactly the bytes a page record holds.
+Both create a fresh pool on the daemon and drive its prefix cache through :class:`KVTierClient`
+(LoadPrefix, StorePrefix, ReleasePrefix).
+
+* :class:`AttachedBackend` (``--transport attach``; the default whenever the daemon is local):
+  the pool is attached (``KVTierClient.attach``), the misses' KV is written straight into the
+  attached tensors and every loaded page is verified where it lies -- no KV byte crosses gRPC.
+  Ordering: the writes are plain CPU stores, complete before StorePrefix is called; LoadPrefix's
+  pages are complete when it returns.
+* :class:`ClientBackend` (``--transport grpc``): KV travels as WriteKV/ReadKV streams. Latent rows
+  travel as raw uint8 rows; the indexer's page rows (64 FP8 keys of 128 bytes, then 64 FP32 scales)
+  are split into per-token keys and scales for WriteKV and joined back after ReadKV, so the driver
+  compares exactly the bytes a page record holds.
 """
 
 from __future__ import annotations
@@ -18,7 +27,7 @@ from kvtier.client.tiers import PrefixLease
 
 
 class ClientBackend:
-    """A fresh pool on a daemon, driven through :class:`KVTierClient`.
+    """A fresh pool on a daemon, KV bytes over gRPC.
 
     Args:
         client: connected client.
@@ -39,17 +48,15 @@ class ClientBackend:
         self.layers = lay.num_layers
         self.live = [i for i, c in enumerate(lay.skip_mask) if c == "F"]
         self.key_bytes = self.page_size * lay.index_head_dim
-        self._leases: dict[int, PrefixLease] = {}
+        self._leases: dict[str, PrefixLease] = {}
 
-    def lookup(self, keys: Sequence[bytes]) -> dict[str, int]:
-        return self.client.lookup_prefix(self.pool_id, keys).per_tier
-
-    def load(self, keys: Sequence[bytes]) -> tuple[int, np.ndarray, list[str]]:
+    def load(self, keys: Sequence[bytes]) -> tuple[str, np.ndarray, list[str]]:
         lease = self.client.load_prefix(self.pool_id, keys)
         self._leases[lease.lease_id] = lease
         return lease.lease_id, lease.slots.numpy(), lease.tiers
 
     def read(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """KV of whole-page ``slots``: ``(latent (L, n, row_bytes), index (live, n / page_size, page_bytes))`` uint8."""
         kv = self.client.read_kv(self.pool_id, slots)
         n = len(slots)
         p = n // self.page_size
@@ -60,7 +67,11 @@ class ClientBackend:
             idx[pos, :, self.key_bytes:] = kv.index_scale[layer].contiguous().view(torch.uint8).numpy().reshape(p, -1)
         return lat, idx
 
-    def write(self, slots: np.ndarray, latent: np.ndarray, index: np.ndarray) -> None:
+    def verify(self, fill, pages, slots: np.ndarray) -> int:  # type: ignore[no-untyped-def]
+        return fill.count_bad_pages(pages, *self.read(slots))
+
+    def write(self, fill, pages, slots: np.ndarray) -> None:  # type: ignore[no-untyped-def]
+        latent, index = fill.expected(pages)
         n = len(slots)
         lat = {layer: torch.from_numpy(latent[layer]) for layer in range(self.layers)}
         ix = {}
@@ -71,10 +82,12 @@ class ClientBackend:
             ix[layer] = (torch.from_numpy(keys), torch.from_numpy(scales))
         self.client.write_kv(self.pool_id, slots, latent=lat, index=ix)
 
-    def store(self, lease: int, keys: Sequence[bytes], slots: np.ndarray) -> None:
-        self.client.store_prefix(self._leases[lease], keys, slots)
+    def store(self, lease: str, keys: Sequence[bytes], slots: np.ndarray, release: bool = False) -> None:
+        self.client.store_prefix(self._leases[lease], keys, slots, release=release)
+        if release:
+            del self._leases[lease]
 
-    def release(self, lease: int) -> None:
+    def release(self, lease: str) -> None:
         self.client.release_prefix(self._leases.pop(lease))
 
     def moves(self) -> dict[str, dict[str, int]]:
@@ -82,3 +95,49 @@ class ClientBackend:
 
     def close(self) -> None:
         self.client.delete_pool(self.pool_id, force=True)
+
+
+class AttachedBackend(ClientBackend):
+    """A fresh pool on a local daemon, attached: KV written and verified in the attached tensors.
+
+    Args: as :class:`ClientBackend` (the client must reach the daemon by its unix socket).
+
+    Raises:
+        FailedPreconditionError: the daemon is not local (attach needs its unix socket).
+    """
+
+    def __init__(self, client: KVTierClient, model: str, num_layers: int, device_tokens: int, pool_id: str = "") -> None:
+        super().__init__(client, model, num_layers, device_tokens, pool_id)
+        try:
+            self.attached = client.attach(self.pool_id)
+        except BaseException:
+            client.delete_pool(self.pool_id, force=True)
+            raise
+        from kvtier.server.replay.fill import pool_words  # the fill works on the pool core's views
+
+        self._words = pool_words(self.attached.pool)
+        self.session = self.attached.client  # LoadPrefix in the session: its leases are the session's
+
+    def load(self, keys: Sequence[bytes]) -> tuple[str, np.ndarray, list[str]]:
+        lease = self.session.load_prefix(self.pool_id, keys)
+        self._leases[lease.lease_id] = lease
+        return lease.lease_id, lease.slots.numpy(), lease.tiers
+
+    def verify(self, fill, pages, slots: np.ndarray) -> int:  # type: ignore[no-untyped-def]
+        return fill.count_bad_in_pool(pages, *self._words, slots[::self.page_size] // self.page_size)
+
+    def write(self, fill, pages, slots: np.ndarray) -> None:  # type: ignore[no-untyped-def]
+        fill.fill_pool(pages, *self._words, slots[::self.page_size] // self.page_size)
+
+    def store(self, lease: str, keys: Sequence[bytes], slots: np.ndarray, release: bool = False) -> None:
+        self.session.store_prefix(self._leases[lease], keys, slots, release=release)
+        if release:
+            del self._leases[lease]
+
+    def release(self, lease: str) -> None:
+        self.session.release_prefix(self._leases.pop(lease))
+
+    def close(self) -> None:
+        self._words = None  # type: ignore[assignment]
+        self.attached.detach()
+        super().close()

@@ -28,7 +28,7 @@ from typing import Any
 
 from kvtier.server.daemon.config_keys import check_known_keys
 from kvtier.server.daemon.quotas import Quotas
-from kvtier.server.daemon.tenants import DEFAULT_TENANT, check_tenant_name
+from kvtier.server.daemon.tenants import DEFAULT_TENANT, TenantSettings, check_tenant_name
 from kvtier.server.daemon.tier_settings import TierSettings
 from kvtier.server.daemon.unit_settings import UnitSettings
 
@@ -167,6 +167,11 @@ class DaemonConfig:
     quotas: Quotas = field(default_factory=Quotas)
     """Per-tenant byte quotas, ``[quotas.<tenant>]`` tables (``pool_bytes``, ``host_bytes``,
     ``disk_bytes``; ``[quotas."*"]`` for every tenant without its own), see ``kvtier.server.daemon.quotas``."""
+    tenants: dict[str, TenantSettings] = field(default_factory=dict)
+    """Per-tenant settings, ``[tenants.<name>]`` tables (``attach_uids``: uids besides the daemon's own
+    that may attach the tenant's pools), see :class:`~kvtier.server.daemon.tenants.TenantSettings`."""
+    attach_staging_bytes: int = 256 * MiB
+    """Local attach: bytes of staging buffers (page transfers) one attach session may hold at once."""
     ready_file: str = ""
     """If set, the bound address is written to this file once the daemon serves (for port 0)."""
     pools: tuple[PoolSpec, ...] = field(default=())
@@ -210,6 +215,10 @@ class DaemonConfig:
             raise ValueError(f"stream_idle_seconds must be > 0, got {self.stream_idle_seconds}")
         if self.close_seconds <= 0:
             raise ValueError(f"close_seconds must be > 0, got {self.close_seconds}")
+        if not isinstance(self.tenants, dict) or not all(isinstance(v, TenantSettings) for v in self.tenants.values()):
+            raise ValueError("tenants must map tenant names to TenantSettings (a [tenants.<name>] table in TOML)")
+        if self.attach_staging_bytes < 0:
+            raise ValueError(f"attach_staging_bytes must be >= 0, got {self.attach_staging_bytes}")
         if not isinstance(self.quotas, Quotas):
             raise ValueError("quotas must be a Quotas object (a [quotas.<tenant>] table in TOML)")
         if self.transfer_engine not in TRANSFER_ENGINES:
@@ -249,9 +258,11 @@ class DaemonConfig:
         """Build from a parsed TOML document. Raises ValueError on unknown keys or bad values."""
         check_known_keys(cls, data, "config")
         kwargs = dict(data)
-        for key in ("host_memory_bytes", "pool_memory_bytes", "max_message_bytes", "chunk_bytes"):
+        for key in ("host_memory_bytes", "pool_memory_bytes", "max_message_bytes", "chunk_bytes", "attach_staging_bytes"):
             if key in kwargs:
                 kwargs[key] = parse_bytes(kwargs[key], key)
+        if "tenants" in kwargs:
+            kwargs["tenants"] = TenantSettings.table_from_mapping(kwargs["tenants"])
         if "quotas" in kwargs:
             kwargs["quotas"] = Quotas.from_mapping(kwargs["quotas"], parse_bytes)
         if "pools" in kwargs:

@@ -28,16 +28,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from kvtier import __version__
+from kvtier.server.daemon.attach import AttachService
 from kvtier.server.daemon.config import DaemonConfig
 from kvtier.server.daemon.offload_store import OffloadStore
 from kvtier.server.daemon.pools import PoolEntry, PoolRegistry, PoolRequest
+from kvtier.server.daemon.sessions import AttachSession, SessionRegistry
 from kvtier.server.daemon.tenants import Caller, TokenTable
 from kvtier.server.daemon.tier_runtime import TierRuntime
 from kvtier.server.daemon.transfer import TransferState
 from kvtier.server.daemon.unit_settings import UnitSettings
 from kvtier.server.daemon.unit_store import UnitStore
-from kvtier.server.pool import resolve_device
+from kvtier.server.pool import resolve_device, slots_of_pages
 
 log = logging.getLogger("kvtier.daemon")
 
@@ -84,7 +88,8 @@ class TierUsage:
 @dataclass(frozen=True)
 class DaemonStats:
     """What GetStats answers: the caller's pools and counters, every tier's use (daemon-wide and the
-    tenant's) and health, and the metrics endpoint's URL ("" when off)."""
+    tenant's) and health, the metrics endpoint's URL ("" when off), the attach channel's socket ("" on
+    a TCP daemon) and the tenant's live attach sessions."""
 
     tenant: str
     version: str
@@ -94,6 +99,8 @@ class DaemonStats:
     tiers: list[TierUsage]
     counters: dict[str, int] = field(default_factory=dict)
     metrics_address: str = ""
+    attach_socket: str = ""
+    attach_sessions: int = 0
 
 
 class Daemon:
@@ -108,6 +115,9 @@ class Daemon:
         offload_store: the one store of offloaded copies, in ``tiers.stack``.
         units: the unit store (an engine's pages, KV + indexer as one record each), in ``tiers.stack``.
         transfer: PD transfer (layouts, pulls, page streams).
+        sessions: live attach sessions; attach: attach handshakes and staging buffers
+            (README "Local attach"). attach_socket: the attach channel's socket path once it
+            listens ("" without one: a TCP daemon).
         metrics: the Prometheus metrics (``DaemonMetrics``) when ``metrics_port`` is set, else None;
             ``metrics_address`` is their URL once served ("" before or without).
 
@@ -133,6 +143,9 @@ class Daemon:
         self.units = UnitStore(self.tiers.stack, UnitSettings.coerce(getattr(self.config, "units", None)))
         self.transfer = TransferState(self)  # PD transfer: the engine (if configured) and its registrations
         self.add_shutdown_hook(self.transfer.close)
+        self.sessions = SessionRegistry()
+        self.attach = AttachService(self)
+        self.attach_socket = ""  # set by the attach channel once it listens
 
     @property
     def uptime_seconds(self) -> float:
@@ -153,6 +166,44 @@ class Daemon:
             log.info("pool %r of tenant %r: %s %s, %d tokens, %d bytes on %s", entry.pool_id, entry.tenant,
                      entry.model.name, entry.role, entry.allocator.size, entry.pool.get_kv_size_bytes(), entry.pool.device)
 
+    def end_session(self, session: AttachSession, reason: str) -> bool:
+        """End an attach session (its connection closed, or its pool was deleted): free the slots it
+        owns and release its leases, under its pool's exclusive lock (so no call in the session is
+        half-way); close its staging buffers. Counted and logged. Returns False if it had ended already."""
+        if not self.sessions.remove(session):
+            return False
+        entry, freed, released = session.entry, 0, 0
+        with entry.lock.exclusive():
+            session.ended = True  # a call in the session that takes the lock after this fails NOT_FOUND
+            if not entry.deleted:
+                pages = entry.session_pages(session.number)
+                if pages:
+                    slots = slots_of_pages(torch.tensor(pages, dtype=torch.int64), entry.page_size)
+                    freed = entry.free(slots, session.number)
+                released = self.tiers.release_session_leases(entry, session)
+        for shm in session.staging:
+            shm.close_fd()
+        session.staging.clear()
+        caller = Caller(session.tenant)
+        self.counters.add(caller, "attach_sessions_ended")
+        self.counters.add(caller, "attach_pages_freed", freed)
+        self.counters.add(caller, "attach_leases_released", released)
+        log.info("attach session %d of pool %r ended (%s): %d pages freed, %d leases released", session.number,
+                 entry.pool_id, reason, freed, released)
+        hook = getattr(session, "close_hook", None)
+        if hook is not None:
+            hook()  # the channel closes the connection (when the daemon ended the session)
+        return True
+
+    def delete_pool(self, caller: Caller, pool_id: str, *, force: bool = False) -> int:
+        """DeletePool: delete ``caller``'s pool (see :meth:`PoolRegistry.delete`) and end the attach
+        sessions on it (their workers' connections are closed). Returns the bytes freed."""
+        entry = self.pools.get(caller, pool_id)
+        freed = self.pools.delete(caller, pool_id, force=force)
+        for session in self.sessions.of_entry(entry):
+            self.end_session(session, "its pool was deleted")
+        return freed
+
     def tier_usage(self, caller: Caller) -> list[TierUsage]:
         """Usage of the device pools and of each tier below (prefix pages and copies together):
         daemon-wide and ``caller``'s tenant's, with each tier's health. Reads plain integers and the
@@ -172,7 +223,8 @@ class Daemon:
     def stats(self, caller: Caller) -> DaemonStats:
         """GetStats: monitoring, so only the registry's short lock and the counters' leaf lock."""
         return DaemonStats(caller.tenant, self.version, self.uptime_seconds, self.device, self.pools.list(caller),
-                           self.tier_usage(caller), self.counters.snapshot(caller), self.metrics_address)
+                           self.tier_usage(caller), self.counters.snapshot(caller), self.metrics_address,
+                           self.attach_socket, sum(1 for s in self.sessions.all() if s.tenant == caller.tenant))
 
     def add_shutdown_hook(self, hook: Callable[[], None]) -> None:
         """Run ``hook`` in :meth:`close` (hooks run last-added first; errors are logged, not raised)."""

@@ -13,7 +13,8 @@ token); the indexer components exist on live layers only. A data message carries
 bytes (a 1-byte-chunk stream cannot hold a worker for hours).
 
 Every operation takes the :class:`~kvtier.server.daemon.tenants.Caller` explicitly: it sees only its
-tenant's pools and copies.
+tenant's pools and copies. A caller in an attach session owns the slots it allocates; pages owned
+by another session are never freed, written, moved onto or restored into (FAILED_PRECONDITION).
 """
 
 from __future__ import annotations
@@ -175,6 +176,28 @@ class KVWriteBuffer:
         return torch.from_numpy(self._bufs[(layer_id, component)])
 
 
+def allocate_slots(registry: PoolRegistry, caller: Caller, pool_id: str, num_tokens: int) -> tuple[torch.Tensor, int]:
+    """Allocate whole pages for ``num_tokens`` (owned by the caller's attach session, if any);
+    returns ``(slots (num_tokens,) int64, page_size)``.
+
+    Raises:
+        NotFound: unknown pool, or the caller's session ended. ResourceExhausted: too few free pages.
+    """
+    with registry.locked(caller, pool_id, exclusive=True) as entry:
+        return entry.alloc(num_tokens, entry.owner_of(caller)), entry.page_size
+
+
+def free_slots(registry: PoolRegistry, caller: Caller, pool_id: str, slots: Any) -> int:
+    """Free every page ``slots`` touch; returns the pages freed.
+
+    Raises:
+        InvalidArgument: bad or unallocated slots. FailedPrecondition: a page of the prefix cache or
+            of another attach session.
+    """
+    with registry.locked(caller, pool_id, exclusive=True) as entry:
+        return entry.free(entry.slots(slots), entry.owner_of(caller))
+
+
 def write_kv(registry: PoolRegistry, caller: Caller, buf: KVWriteBuffer) -> int:
     """Commit a complete :class:`KVWriteBuffer` into its pool; returns the bytes written.
 
@@ -188,6 +211,7 @@ def write_kv(registry: PoolRegistry, caller: Caller, buf: KVWriteBuffer) -> int:
     sel = buf.selection
     with registry.locked(caller, sel.pool_id, exclusive=True) as entry:
         slots = entry.slots(buf.slots, unique=True)
+        entry.check_owner(torch.unique(slots // entry.page_size), entry.owner_of(caller))
         n = slots.numel()
         pool = entry.pool
         sw = pool.index_scale_bytes // 4
@@ -243,6 +267,7 @@ def move_kv(registry: PoolRegistry, caller: Caller, pool_id: str, tgt: Any, src:
         s = entry.slots(src, "src_slots")
         if t.numel() != s.numel():
             raise InvalidArgument(f"tgt_slots has {t.numel()} slots but src_slots has {s.numel()}")
+        entry.check_owner(torch.unique(t // entry.page_size), entry.owner_of(caller), "tgt_slots")
         entry.pool.move_kv_cache(t, s)
         return t.numel()
 
@@ -272,14 +297,16 @@ def offload(registry: PoolRegistry, store: OffloadStore, caller: Caller, pool_id
         t = entry.slots(slots, unique=True)
         if t.numel() == 0:
             raise InvalidArgument("offload needs at least one slot")
+        owner = entry.owner_of(caller)
         if free_slots:  # checked before anything is stored, so a refusal leaves no copy behind
             entry.check_client_owned(torch.unique(t // entry.page_size), "offload slots")
+            entry.check_owner(torch.unique(t // entry.page_size), owner, "offload slots")
         nbytes = entry.pool.cpu_copy_nbytes(t)
         store.check_room(caller, key, nbytes)
         copy = entry.pool.get_cpu_copy(t)
         durable = bool(store.put(caller, key, HostCopy(copy, nbytes, t.numel(), entry.model.fingerprint(),
                                                        entry.model.fingerprint_digest(), entry.pool_id)))
-        freed = entry.free(t) if free_slots else 0
+        freed = entry.free(t, owner) if free_slots else 0
         return OffloadResult(nbytes, t.numel(), freed, durable)
 
 
@@ -307,18 +334,20 @@ def restore(registry: PoolRegistry, store: OffloadStore, caller: Caller, pool_id
             raise FailedPrecondition(
                 f"copy {key!r} has another layout than pool {pool_id!r}: "
                 f"{_layout_difference(dict(hc.layout), entry.model.fingerprint())}")
+        owner = entry.owner_of(caller)
         fresh = slots is None or len(slots) == 0
         if fresh:
-            t = entry.alloc(hc.num_tokens)
+            t = entry.alloc(hc.num_tokens, owner)
         else:
             t = entry.slots(slots, unique=True)
             if t.numel() != hc.num_tokens:
                 raise InvalidArgument(f"copy {key!r} holds {hc.num_tokens} tokens but {t.numel()} slots were given")
+            entry.check_owner(torch.unique(t // entry.page_size), owner)
         try:
             entry.pool.load_cpu_copy(hc.copy, t)
         except BaseException:
             if fresh:
-                entry.free(t)
+                entry.free(t, owner)
             raise
     if drop:
         store.drop(caller, key)

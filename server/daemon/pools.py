@@ -9,6 +9,9 @@ an update only (nothing is taken or called under it). Each pool has a readers-wr
 buffer infos, describe) hold it shared and run in parallel; anything that changes pool bytes or the
 allocator (WriteKV commit, MoveKV, Restore, AllocateSlots, FreeSlots, Offload with free, DeletePool)
 holds it exclusive, so per pool those run one at a time.
+
+Ownership (README "Local attach"): pages allocated in an attach session belong to it
+(:attr:`PoolEntry.page_owner`); only that session frees, overwrites or moves onto them.
 """
 
 from __future__ import annotations
@@ -102,6 +105,8 @@ class PoolEntry:
         cache_owned: ``(num_pages + 1,)`` bool, True on pages the prefix cache holds (cached pages
             and the fresh pages of its leases). Clients read and write them through a lease, but
             ``FreeSlots``, ``Offload(free_slots)`` and ``PullKV`` never free them: only the cache does.
+        page_owner: ``(num_pages + 1,)`` int64, the number of the attach session that allocated each
+            page (0: none). Changed under the exclusive lock only.
     """
 
     pool_id: str
@@ -118,11 +123,42 @@ class PoolEntry:
     lock: RWLock = field(default_factory=RWLock)
     page_allocated: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.bool))
     cache_owned: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.bool))
+    page_owner: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
     deleted: bool = False
 
     def __post_init__(self) -> None:
         self.page_allocated = torch.zeros(self.allocator.num_pages + 1, dtype=torch.bool)
         self.cache_owned = torch.zeros(self.allocator.num_pages + 1, dtype=torch.bool)
+        self.page_owner = torch.zeros(self.allocator.num_pages + 1, dtype=torch.int64)
+
+    def owner_of(self, caller: Caller) -> int:
+        """The page owner ``caller``'s calls act as in this pool: the number of its attach session if
+        it is attached to this pool, else 0 (no session). Caller holds the lock.
+
+        Raises:
+            NotFound: the caller's session has ended (its slots and leases were given back).
+        """
+        session = caller.session
+        if session is None or session.entry is not self:
+            return 0
+        if session.ended:
+            raise NotFound("the attach session has ended (its slots and leases were given back); attach again")
+        return session.number
+
+    def check_owner(self, pages: Any, owner: int, what: str = "slots") -> None:
+        """Raise FailedPrecondition if any of ``pages`` belongs to an attach session other than ``owner``."""
+        t = torch.as_tensor(pages, dtype=torch.int64).reshape(-1)
+        if t.numel():
+            o = self.page_owner[t]
+            bad = (o != 0) & (o != owner)
+            if bool(bad.any()):
+                raise FailedPrecondition(
+                    f"{what}: page {int(t[bad][0])} of pool {self.pool_id!r} belongs to another worker's attach "
+                    f"session; only that worker may free, overwrite or move onto it")
+
+    def session_pages(self, owner: int) -> list[int]:
+        """Pages the attach session numbered ``owner`` (> 0) holds."""
+        return torch.nonzero(self.page_owner == owner).reshape(-1).tolist()
 
     def check_client_owned(self, pages: Any, what: str = "slots") -> None:
         """Raise FailedPrecondition if any of ``pages`` belongs to the prefix cache (its own pages,
@@ -165,8 +201,9 @@ class PoolEntry:
                 raise InvalidArgument(f"{what} contains slot {first} on page {first // self.page_size}, which is not allocated")
         return t
 
-    def alloc(self, n_tokens: int) -> torch.Tensor:
+    def alloc(self, n_tokens: int, owner: int = 0) -> torch.Tensor:
         """Allocate whole pages for ``n_tokens``; caller holds the lock exclusive. Returns ``(n,)`` slots.
+        ``owner``: the attach session the pages belong to (:meth:`owner_of`; 0: none).
 
         When too few pages are free, unpinned prefix-cache pages are evicted first (LRU, down the
         stack, as LoadPrefix does).
@@ -189,19 +226,25 @@ class PoolEntry:
             need = self.allocator.pages_for(n_tokens)
             raise ResourceExhausted(
                 f"pool {self.pool_id!r}: {n_tokens} tokens need {need} pages, {self.allocator.free_pages} are free")
-        self.page_allocated[torch.unique(slots // self.page_size)] = True
+        pages = torch.unique(slots // self.page_size)
+        self.page_allocated[pages] = True
+        self.page_owner[pages] = owner
         return slots
 
-    def free(self, slots: torch.Tensor) -> int:
-        """Free every page ``slots`` (already checked by :meth:`slots`) touch; caller holds the lock exclusive.
+    def free(self, slots: torch.Tensor, owner: int = 0) -> int:
+        """Free every page ``slots`` (already checked by :meth:`slots`) touch, as ``owner``
+        (:meth:`owner_of`); caller holds the lock exclusive.
 
         Raises:
-            FailedPrecondition: a page belongs to the prefix cache (nothing is freed then).
+            FailedPrecondition: a page belongs to the prefix cache or to another attach session
+                (nothing is freed then).
         """
         pages = sorted(set((slots // self.page_size).tolist()))
         self.check_client_owned(pages)
+        self.check_owner(pages, owner)
         freed = self.allocator.free_pages_by_id(pages)
         self.page_allocated[pages] = False
+        self.page_owner[pages] = 0
         return freed
 
 
@@ -289,8 +332,10 @@ class PoolRegistry:
             self._reserved[key] = nbytes
         try:
             try:
-                pool = create_pool(model, size, role=req.role, device=device, host_arena=self.host_arena)
-            except (RuntimeError, MemoryError):
+                # CPU pools live in anonymous shared memory, so a local worker can attach them
+                pool = create_pool(model, size, role=req.role, device=device, host_arena=self.host_arena,
+                                   shared=device.type == "cpu")
+            except (RuntimeError, MemoryError, OSError):
                 mem = device_memory(device)  # the allocator's own text is long and names its C++ source
                 raise ResourceExhausted(
                     shortfall_message(nbytes, mem, f"pool {pool_id!r}")
@@ -349,6 +394,8 @@ class PoolRegistry:
                 raise FailedPrecondition(
                     f"pool {pool_id!r} still has {entry.allocator.used_pages} pages allocated; free them or force")
             entry.deleted = True
+        for shm in entry.pool.shared_memory.values():
+            shm.close_fd()  # no new attach; mappings (the daemon's, attached workers') keep the memory until gone
         with self._lock:
             if self._pools.get((caller.tenant, pool_id)) is entry:
                 del self._pools[(caller.tenant, pool_id)]

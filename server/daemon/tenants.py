@@ -8,6 +8,10 @@ Without ``--auth-tokens`` there is one tenant, :data:`DEFAULT_TENANT`. With it, 
 :class:`TokenTable` maps bearer tokens (``authorization: Bearer <token>`` metadata) to tenants; the
 service layer turns metadata into a :class:`Caller` (``kvtier.server.service.auth``).
 
+Local attach (README "Local attach") authenticates a worker's token with :func:`authenticate`, the
+same code the gRPC interceptor uses, and checks the worker's uid (``SO_PEERCRED``) against
+:class:`TenantSettings` ``attach_uids`` (``[tenants.<name>]`` in the daemon's config).
+
 Tier keys carry the tenant *above* the tiers (:func:`tenant_key`): ``b"t" + len(name) + name + rest``.
 The tiers store opaque byte keys and never know tenants; :func:`tenant_of_key` reads the tenant back
 for per-tenant quotas and usage, :func:`key_body` the rest (its namespace, ``p:``/``o:``, first) for
@@ -22,8 +26,16 @@ import os
 import re
 import stat
 import tomllib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from kvtier.server.daemon.config_keys import check_known_keys
+from kvtier.server.daemon.errors import Unauthenticated
+
+if TYPE_CHECKING:
+    from kvtier.server.daemon.sessions import AttachSession
 
 DEFAULT_TENANT = "default"
 TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
@@ -58,6 +70,9 @@ class Caller:
 
     tenant: str
     token: str | None = field(default=None, repr=False, compare=False)
+    session: AttachSession | None = field(default=None, repr=False, compare=False)
+    """The attach session the call is made in (``x-kvtier-session`` metadata), or None: slots it
+    allocates and leases it takes belong to that session (README "Local attach")."""
 
     def __post_init__(self) -> None:
         check_tenant_name(self.tenant)
@@ -66,6 +81,64 @@ class Caller:
     def default(cls) -> Caller:
         """The one tenant of a daemon without ``--auth-tokens``."""
         return cls(DEFAULT_TENANT)
+
+    def in_session(self, session: AttachSession | None) -> Caller:
+        """This caller, making its calls in ``session``."""
+        return Caller(self.tenant, self.token, session)
+
+
+def unauthenticated_message(token: str | None) -> str:
+    """What a caller without a known token is told (gRPC and the attach channel alike)."""
+    why = "unknown token" if token else "no token"
+    return (f"{why}: this daemon serves tenants; send `authorization: Bearer <token>` metadata "
+            f"(KVTierClient(token=...) or KVTIER_TOKEN) with a token from its --auth-tokens file")
+
+
+def authenticate(tokens: TokenTable | None, token: str | None) -> Caller:
+    """The caller a bearer token names: without a token table every caller is tenant ``default``;
+    with one, the token's tenant. The gRPC auth interceptor and the attach channel both call this.
+
+    Raises:
+        Unauthenticated: a table is set and ``token`` is missing or unknown.
+    """
+    if tokens is None:
+        return Caller.default()
+    tenant = tokens.tenant_for(token)
+    if tenant is None:
+        raise Unauthenticated(unauthenticated_message(token))
+    return Caller(tenant, token)
+
+
+@dataclass(frozen=True)
+class TenantSettings:
+    """Per-tenant settings (``[tenants.<name>]`` in the daemon's config).
+
+    Attributes:
+        attach_uids: uids besides the daemon's own whose processes may attach this tenant's pools
+            (local attach checks the connecting process's uid with ``SO_PEERCRED``). The daemon's
+            socket directory is private (0700): give those users a way in (a group, an ACL) too.
+    """
+
+    attach_uids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if any(isinstance(u, bool) or not isinstance(u, int) or not 0 <= u < 2**32 for u in self.attach_uids):
+            raise ValueError(f"attach_uids must be uids (integers 0..2^32-1), got {list(self.attach_uids)!r}")
+
+    @classmethod
+    def table_from_mapping(cls, data: Mapping[str, Any]) -> dict[str, TenantSettings]:
+        """``{tenant: settings}`` from a parsed ``[tenants]`` TOML table. Raises ValueError naming a
+        bad tenant name, key or value."""
+        if not isinstance(data, Mapping):
+            raise ValueError("[tenants] must be a table of [tenants.<name>] tables")
+        out = {}
+        for name, table in data.items():
+            check_tenant_name(name)
+            if not isinstance(table, Mapping):
+                raise ValueError(f"[tenants.{name}] must be a table")
+            check_known_keys(cls, table, f"[tenants.{name}]")
+            out[name] = cls(attach_uids=tuple(table.get("attach_uids", ())))
+        return out
 
 
 def tenant_key(tenant: str, rest: bytes) -> bytes:

@@ -231,6 +231,8 @@ class TransferState:
                 _check_allocated(entry, dst, "destination pages")
                 # a failed pull frees its destination pages: they must be the caller's to free
                 entry.check_client_owned(dst, "destination pages")
+                owner = entry.owner_of(caller)
+                entry.check_owner(dst, owner, "destination pages")
                 local = self.layout(entry)
                 if local.latent[0] == remote.latent[0]:
                     raise InvalidArgument(f"pool {spec.pool_id!r} would pull from itself; use MoveKV to copy pages within a pool")
@@ -241,7 +243,7 @@ class TransferState:
                 try:
                     stats = pull_pages(transport, remote, plan)
                 except Exception as e:
-                    freed = entry.free(slots_of_pages(torch.from_numpy(dst), entry.page_size))
+                    freed = entry.free(slots_of_pages(torch.from_numpy(dst), entry.page_size), owner)
                     self.counters.add(caller, "pulls_failed")
                     raise TransferError(f"pull from {address} pool {spec.peer_pool_id!r} failed; the {freed} destination "
                                         f"pages {dst.tolist()[:16]} were freed: {e}") from e

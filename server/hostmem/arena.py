@@ -6,10 +6,12 @@ arena maps its memory once, faults every page in once (``MADV_POPULATE_WRITE``, 
 on kernels without it), and never gives pages back to the kernel: a block freed and handed out again
 is already there.
 
-Memory: anonymous shared memory (``os.memfd_create``, ``MAP_SHARED``), nothing named in ``/dev/shm``,
-so nothing is left behind even after ``kill -9``. :attr:`HostArena.fd` and :attr:`HostBlock.offset`
-are what a later local attach passes to a worker over a unix socket (``SCM_RIGHTS``) so it can map
-the same bytes. On a CUDA machine (``pin=None``: when CUDA is available) the whole mapping is
+Memory: anonymous shared memory from :class:`kvtier.memfd.SharedMemory` (a sealed memfd,
+``MAP_SHARED``; the same primitive the pools' arenas use), nothing named in ``/dev/shm``, so nothing is
+left behind even after ``kill -9``. :attr:`HostArena.fd` and :attr:`HostBlock.offset` could be passed
+to another process over a unix socket (``SCM_RIGHTS``) to map the same bytes -- but the host arena holds
+every tenant's records, so local attach never passes it (it passes a pool's own arenas, and per-session
+staging buffers). On a CUDA machine (``pin=None``: when CUDA is available) the whole mapping is
 page-locked once with ``cudaHostRegister`` (through ``torch.cuda.cudart()``), so copies to and from
 the device are real DMA and ``tensor.is_pinned()`` is true for every block.
 :meth:`HostArena.registration_range` is the one contiguous range a transfer engine registers.
@@ -38,6 +40,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvtier.memfd import SharedMemory
 from kvtier.server.hostmem.cuda import cuda_host_register, cuda_host_unregister
 from kvtier.server.hostmem.extents import ExtentAllocator
 
@@ -116,15 +119,9 @@ class HostArena:
         pages = -(-nbytes // page_bytes)
         self.capacity = pages * page_bytes
         self._pid = os.getpid()
-        self.fd = os.memfd_create(name, os.MFD_CLOEXEC)
-        try:
-            os.ftruncate(self.fd, self.capacity)
-            self._mmap = mmap.mmap(self.fd, self.capacity, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        except BaseException:
-            os.close(self.fd)
-            raise
-        self._mem = _Memory(self._mmap, self.fd, np.frombuffer(self._mmap, dtype=np.uint8))
-        self.base_ptr = int(self._mem.array.ctypes.data)
+        shm = SharedMemory.create(self.capacity, name)
+        self._mem = _Memory(shm)
+        self.base_ptr = shm.address
         self._extents = ExtentAllocator(pages)
         self._prefault_end = self.capacity if prefault_limit is None else min(self.capacity, max(0, int(prefault_limit)))
         self._fallbacks = 0
@@ -135,11 +132,15 @@ class HostArena:
         if self.pinned:
             cuda_host_register(self.base_ptr, self.capacity)
         self._mem.pinned_ptr = self.base_ptr if self.pinned else 0
-        del self._mmap
-        self._finalizer = weakref.finalize(self, _close_memory, self._mem, self._stop)
+        self._finalizer = weakref.finalize(self, _close_memory, self._mem, self._stop, self._extents)
         if prefault == "background":  # the thread holds the memory, not the arena: a dropped arena stops it
             threading.Thread(target=_prefault, args=(self._mem, self._prefault_end, self._stop), kwargs={"background": True},
                              name=f"{name}-prefault", daemon=True).start()
+
+    @property
+    def fd(self) -> int:
+        """The memfd behind the arena (``-1`` once closed)."""
+        return self._mem.shm.fd
 
     # ----- blocks -----------------------------------------------------------------------------
     def alloc(self, nbytes: int) -> HostBlock | None:
@@ -207,10 +208,12 @@ class HostArena:
 
 
 class _Memory:
-    """The mapping, its memfd and the ndarray over it (every block's array is a view of it)."""
+    """The shared memory and the ndarray over it (every block's array is a view of it: the mapping
+    lives while a block does)."""
 
-    def __init__(self, mm: mmap.mmap, fd: int, array: np.ndarray) -> None:
-        self.mmap, self.fd, self.array = mm, fd, array
+    def __init__(self, shm: SharedMemory) -> None:
+        self.shm = shm
+        self.array: np.ndarray | None = shm.array
         self.pinned_ptr = 0
         self.prefaulted = 0
 
@@ -229,24 +232,19 @@ def _prefault(mem: _Memory, end: int, stop: threading.Event, *, background: bool
             return
         n = min(_PREFAULT_CHUNK, end - start)
         try:
-            mem.mmap.madvise(MADV_POPULATE_WRITE, start, n)
+            mem.shm.madvise(MADV_POPULATE_WRITE, start, n)
         except (OSError, ValueError):  # older kernel: write one byte of each page (its bytes stay)
             chunk = array[start:start + n]
             chunk[::PAGE_BYTES] = chunk[::PAGE_BYTES]
         mem.prefaulted = start + n
 
 
-def _close_memory(mem: _Memory, stop: threading.Event) -> None:
+def _close_memory(mem: _Memory, stop: threading.Event, extents: ExtentAllocator) -> None:
     stop.set()
-    mem.array = None  # blocks still alive keep the mapping through their views
-    try:
-        mem.mmap.close()  # refused while a block (an exported buffer) is alive: it unmaps with the last one
-        if mem.pinned_ptr:
-            cuda_host_unregister(mem.pinned_ptr)
-    except BufferError:
+    mem.array = None  # hands out nothing more; blocks still alive keep the mapping through their views
+    live = extents.stats().live_extents
+    if mem.pinned_ptr and not live:
+        cuda_host_unregister(mem.pinned_ptr)  # with blocks alive the range stays registered (and mapped)
+    if live:
         log.debug("host arena closed with blocks alive; the mapping goes with the last of them")
-    finally:
-        try:
-            os.close(mem.fd)
-        except OSError:
-            pass
+    mem.shm.close_fd()

@@ -3,14 +3,22 @@
 Every per-layer buffer of a component (latent KV, indexer) is a view into a single allocation, so
 
 * registered ranges never overlap and a transfer engine may register one range per component;
-* a local worker can later map the whole component at once (shared memory on the CPU with
-  ``shared=True``, one CUDA IPC handle on a GPU) while the daemon keeps tiering it;
+* a local worker maps the whole component at once (local attach: on the CPU the arena is
+  anonymous shared memory, :class:`kvtier.memfd.SharedMemory`, whose descriptor the daemon passes
+  to the worker; on a GPU one CUDA IPC handle) while the daemon keeps tiering it;
 * all-layer copies run as one gather/scatter over a ``(layers, rows, words)`` view.
+
+A pool either allocates its arenas (:func:`alloc_arena`, :func:`shared_arena`) or is built over
+arenas that already exist (:func:`check_arena`: an attached worker's mapping of the daemon's).
 """
 
 from __future__ import annotations
 
 import torch
+
+from kvtier.memfd import SharedMemory
+
+ARENA_ALIGN = 64  # bytes: every word view (up to int64) of an arena starts aligned
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -56,12 +64,40 @@ def as_words(t: torch.Tensor, word: torch.dtype) -> torch.Tensor:
     return t.view(torch.uint8).view(word)
 
 
-def alloc_arena(nbytes: int, device: torch.device, *, shared: bool = False) -> torch.Tensor:
-    """Zero-filled uint8 ``(nbytes,)`` buffer on ``device``; in shared memory when ``shared`` (CPU only)."""
-    buf = torch.zeros(nbytes, dtype=torch.uint8, device=device)
-    if shared and device.type == "cpu" and nbytes:
-        buf.share_memory_()
-    return buf
+def alloc_arena(nbytes: int, device: torch.device) -> torch.Tensor:
+    """Zero-filled uint8 ``(nbytes,)`` buffer on ``device`` (private to this process)."""
+    return torch.zeros(nbytes, dtype=torch.uint8, device=device)
+
+
+def shared_arena(nbytes: int, name: str) -> tuple[torch.Tensor, SharedMemory]:
+    """Zero-filled uint8 ``(nbytes,)`` host buffer in anonymous shared memory (a sealed memfd named
+    ``name``) and the region behind it, whose descriptor a local worker can map.
+
+    Raises:
+        ValueError: ``nbytes`` < 1. OSError: the kernel refused the memory.
+    """
+    shm = SharedMemory.create(nbytes, name)
+    return shm.tensor(), shm
+
+
+def check_arena(t: object, nbytes: int, device: torch.device, what: str) -> torch.Tensor:
+    """``t`` if it can back a pool component of ``nbytes`` on ``device``: a contiguous 1-D uint8
+    tensor of exactly ``nbytes`` bytes on that device, starting :data:`ARENA_ALIGN`-byte aligned.
+
+    Raises:
+        TypeError/ValueError: naming the first mismatch (the pool is not built then).
+    """
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"arenas[{what!r}] must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != torch.uint8 or t.dim() != 1 or not t.is_contiguous():
+        raise ValueError(f"arenas[{what!r}] must be a contiguous 1-D uint8 tensor, got {tuple(t.shape)} {t.dtype}")
+    if t.numel() != nbytes:
+        raise ValueError(f"arenas[{what!r}] holds {t.numel()} bytes but the pool's {what} component needs {nbytes}")
+    if t.device.type != device.type or (device.index is not None and t.device.index != device.index):
+        raise ValueError(f"arenas[{what!r}] lies on {t.device}, not on the pool's device {device}")
+    if nbytes and t.data_ptr() % ARENA_ALIGN:
+        raise ValueError(f"arenas[{what!r}] must start {ARENA_ALIGN}-byte aligned")
+    return t
 
 
 def host_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

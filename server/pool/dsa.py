@@ -21,7 +21,7 @@ import torch
 
 from kvtier.server.hostmem import HostArena
 from kvtier.server.model_config import index_token_bytes
-from kvtier.server.pool.arena import alloc_arena, as_words, word_dtype
+from kvtier.server.pool.arena import as_words, word_dtype
 from kvtier.server.pool.buffer_info import BufferRange, BufInfos, live_ranges
 from kvtier.server.pool.device_copy import Part, scatter_rows
 from kvtier.server.pool.mla import MLATokenToKVPool, _check_out, _chunk_rows, whole_pages
@@ -66,6 +66,8 @@ class DSATokenToKVPool(MLATokenToKVPool):
             buffer). None: no layer skips. The model's layer 0 may not skip; a pipeline stage's first
             layer (``start_layer > 0``) may.
         start_layer: model layer id of the first layer (see :class:`MLATokenToKVPool`).
+        shared, arenas: see :class:`MLATokenToKVPool`; ``arenas["index_k"]`` holds the live layers'
+            indexer pages (may be left out when no layer is live).
 
     Attributes:
         index_k_with_scale_buffer: list of ``layer_num`` uint8 tensors ``(num_pages, page_bytes)``,
@@ -92,6 +94,7 @@ class DSATokenToKVPool(MLATokenToKVPool):
         shared: bool = False,
         start_layer: int = 0,
         host_arena: HostArena | None = None,
+        arenas: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
         if isinstance(index_head_dim, bool) or not isinstance(index_head_dim, int) or index_head_dim <= 0 or index_head_dim % 128:
             raise ValueError(f"index_head_dim must be a positive multiple of 128, got {index_head_dim!r}")
@@ -104,7 +107,7 @@ class DSATokenToKVPool(MLATokenToKVPool):
         if isinstance(index_buf_size, bool) or not isinstance(index_buf_size, int) or index_buf_size <= 0:
             raise ValueError(f"index_buf_size must be a positive integer, got {index_buf_size!r}")
         super().__init__(size, page_size, kv_lora_rank, qk_rope_head_dim, layer_num, device, kv_cache_dtype, shared=shared,
-                         start_layer=start_layer, host_arena=host_arena)
+                         start_layer=start_layer, host_arena=host_arena, arenas=arenas)
 
         self.index_head_dim = index_head_dim
         self.index_buf_size = index_buf_size
@@ -118,7 +121,7 @@ class DSATokenToKVPool(MLATokenToKVPool):
         self.index_slots = self.num_pages * page_size
 
         n_live = len(self.live_layers)
-        self._idx_arena = alloc_arena(n_live * self.num_pages * self.index_page_bytes, self.device, shared=shared)
+        self._idx_arena = self._arena("index_k", n_live * self.num_pages * self.index_page_bytes, shared, arenas)
         pages = self._idx_arena.view(n_live, self.num_pages, self.index_page_bytes)
         # Word views of the page rows: keys (live, pages, page_size, key_words) and
         # scales (live, pages, page_size, scale_words); both address a token by (page, offset).
@@ -136,6 +139,14 @@ class DSATokenToKVPool(MLATokenToKVPool):
         self.index_k_with_scale_buffer: list[torch.Tensor] = [
             empty if s else pages[self._live_pos[i]] for i, s in enumerate(mask)
         ]
+
+    def arena_nbytes(self) -> dict[str, int]:
+        """Bytes of the ``latent`` and ``index_k`` arenas (what ``arenas=`` must hold)."""
+        return {"latent": int(self._lat_arena.nbytes), "index_k": int(self._idx_arena.nbytes)}
+
+    def arena(self, component: str) -> torch.Tensor:
+        """The ``(nbytes,)`` uint8 arena of ``latent`` or ``index_k``."""
+        return {"latent": self._lat_arena, "index_k": self._idx_arena}[component]
 
     # ----- sizes and infos ----------------------------------------------------------------------
     def get_kv_size_bytes(self) -> int:

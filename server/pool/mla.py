@@ -21,7 +21,8 @@ import torch
 
 from kvtier.server.hostmem import HostArena
 from kvtier.server.model_config import KV_CACHE_DTYPES, latent_row_bytes
-from kvtier.server.pool.arena import alloc_arena, as_words, host_buffer, resolve_device, word_dtype
+from kvtier.memfd import SharedMemory
+from kvtier.server.pool.arena import alloc_arena, as_words, check_arena, host_buffer, resolve_device, shared_arena, word_dtype
 from kvtier.server.pool.buffer_info import BufInfos
 from kvtier.server.pool.device_copy import CopyEngine, Part, scatter_rows
 from kvtier.server.pool.validation import as_slots, check_layer, check_rows, check_unique
@@ -71,7 +72,12 @@ class MLATokenToKVPool:
         layer_num: number of layers.
         device: ``"auto"``, ``"cpu"`` or ``"cuda"``.
         kv_cache_dtype: ``"bf16"`` or ``"fp8"``.
-        shared: CPU only: put the buffers in shared memory so a local worker can map them.
+        shared: CPU only: put the buffers in anonymous shared memory (:attr:`shared_memory`) so a
+            local worker can map them (the daemon's pools; see README "Local attach").
+        arenas: build the pool over existing memory instead of allocating: ``{"latent": t}`` (and
+            ``"index_k"`` for a DSA pool), each a contiguous 1-D uint8 tensor of exactly the bytes the
+            component needs (:meth:`arena_nbytes`) on ``device`` -- an attached worker's mapping of the
+            daemon's arenas, so both sides address the same bytes through the same views.
         start_layer: model layer id of the first layer (a pipeline-parallel stage's, as SGLang's
             ``start_layer``); methods taking ``layer_id`` take model layer ids, buffer lists are indexed
             by position (``layer_id - start_layer``).
@@ -83,11 +89,14 @@ class MLATokenToKVPool:
         kv_buffer: list of ``layer_num`` tensors ``(size + page_size, 1, kv_cache_dim)``, position
             ``i`` holding model layer ``start_layer + i``.
         start_layer, end_layer: the model layers ``[start_layer, end_layer)`` the pool holds.
+        shared_memory: component -> :class:`~kvtier.memfd.SharedMemory` behind its arena when the pool
+            allocated it ``shared`` (empty otherwise).
         store_dtype: ``torch.bfloat16`` or ``torch.uint8``.
         row_bytes: bytes of one latent row (1152 or 656).
 
     Raises:
         ValueError: non-positive sizes, an unknown dtype or device.
+        TypeError/ValueError: an ``arenas`` tensor of the wrong size, dtype, shape, device or alignment.
     """
 
     def __init__(
@@ -103,6 +112,7 @@ class MLATokenToKVPool:
         shared: bool = False,
         start_layer: int = 0,
         host_arena: HostArena | None = None,
+        arenas: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
         for name, v in (("size", size), ("page_size", page_size), ("kv_lora_rank", kv_lora_rank),
                         ("qk_rope_head_dim", qk_rope_head_dim), ("layer_num", layer_num)):
@@ -125,7 +135,13 @@ class MLATokenToKVPool:
         self.num_slots = size + page_size  # rows per layer, padding page included
 
         self._lat_word = word_dtype(self.row_bytes)
-        self._lat_arena = alloc_arena(layer_num * self.num_slots * self.row_bytes, self.device, shared=shared)
+        if arenas is not None and not isinstance(arenas, Mapping):
+            raise TypeError(f"arenas must be a mapping of component -> tensor, got {type(arenas).__name__}")
+        if arenas is not None and set(arenas) - {"latent", "index_k"}:
+            raise ValueError(f"arenas has unknown components {sorted(set(arenas) - {'latent', 'index_k'})}; "
+                             f"known: 'latent', 'index_k'")
+        self.shared_memory: dict[str, SharedMemory] = {}
+        self._lat_arena = self._arena("latent", layer_num * self.num_slots * self.row_bytes, shared, arenas)
         # (layers, slots, words): the view every copy goes through.
         self._lat_words = self._lat_arena.view(self._lat_word).view(layer_num, self.num_slots, -1)
         self.kv_buffer: list[torch.Tensor] = [
@@ -171,6 +187,25 @@ class MLATokenToKVPool:
         if pages is not None:
             return [(self._lat_pages, pages)]
         return [(self._lat_words, slots)]
+
+    def _arena(self, component: str, nbytes: int, shared: bool, arenas: Mapping[str, torch.Tensor] | None) -> torch.Tensor:
+        """The arena of ``component``: given (checked), or allocated (in shared memory when ``shared`` on the CPU)."""
+        if arenas is not None:
+            if component not in arenas and nbytes == 0:
+                return torch.empty(0, dtype=torch.uint8, device=self.device)
+            return check_arena(arenas.get(component), nbytes, self.device, component)
+        if shared and self.device.type == "cpu" and nbytes:
+            t, self.shared_memory[component] = shared_arena(nbytes, f"kvtier-{component}")
+            return t
+        return alloc_arena(nbytes, self.device)
+
+    def arena_nbytes(self) -> dict[str, int]:
+        """Bytes of each component's arena (``latent``; ``index_k`` for a DSA pool): what ``arenas=`` must hold."""
+        return {"latent": int(self._lat_arena.nbytes)}
+
+    def arena(self, component: str) -> torch.Tensor:
+        """The ``(nbytes,)`` uint8 arena of ``component`` (every per-layer buffer is a view of it)."""
+        return {"latent": self._lat_arena}[component]
 
     # ----- sizes and infos ----------------------------------------------------------------------
     def get_kv_size_bytes(self) -> int:

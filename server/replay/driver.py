@@ -1,8 +1,10 @@
-"""Replay a trace against a prefix-cache backend: look up, load, verify, write misses, store, release.
+"""Replay a trace against a prefix-cache backend: load, verify, write misses, store, release.
 
 The driver talks to a :class:`ReplayBackend`: :class:`InProcessBackend` (the domain objects in this
-process, real LMDB; or, with ``simulate``, the same policy on size-only tiers) or the gRPC client
-backend in ``kvtier.cli.replay``. Hit counts are pages served per tier times the page size.
+process, real LMDB; or, with ``simulate``, the same policy on size-only tiers) or the client backends
+in ``kvtier.cli.replay_backend`` (attached to a daemon's pool, or KV bytes over gRPC). Hit counts are
+pages served per tier times the page size. A request's load answers what a lookup would (the
+longest present prefix, per page the tier it came from), so the driver asks no lookup first.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch
 
 from kvtier.server.pool import PagedTokenAllocator, create_pool
 from kvtier.server.replay.belady import belady_hits
-from kvtier.server.replay.fill import PageFill
+from kvtier.server.replay.fill import PageFill, pool_words
 from kvtier.server.replay.scale import ReplayScale
 from kvtier.server.replay.trace import PageRef, RequestKeys, TraceRequest
 from kvtier.server.tiers import PrefixCache, RecordCodec, TierStack
@@ -30,20 +32,18 @@ class ReplayBackend(Protocol):
 
     simulate: bool
 
-    def lookup(self, keys: Sequence[bytes]) -> dict[str, int]:
-        """Per tier, the longest prefix of ``keys`` present (pages)."""
-
     def load(self, keys: Sequence[bytes]) -> tuple[str, np.ndarray, list[str]]:
         """``(lease, slots (len(keys) * page_size,) int64, tier of each loaded page)``."""
 
-    def read(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """KV of whole-page ``slots``: ``(latent (L, n, row_bytes), index (live, n / page_size, page_bytes))`` uint8."""
+    def verify(self, fill: PageFill, pages: Sequence[tuple[int, int]], slots: np.ndarray) -> int:
+        """How many of ``pages`` ``[(hash id, page in block)]``, loaded on whole-page ``slots``, differ
+        anywhere from ``fill``'s bytes."""
 
-    def write(self, slots: np.ndarray, latent: np.ndarray, index: np.ndarray) -> None:
-        """Write KV (shapes as :meth:`read`) into whole-page ``slots``."""
+    def write(self, fill: PageFill, pages: Sequence[tuple[int, int]], slots: np.ndarray) -> None:
+        """Write ``fill``'s bytes of ``pages`` into whole-page ``slots``."""
 
-    def store(self, lease: str, keys: Sequence[bytes], slots: np.ndarray) -> None:
-        """Hand the pages at ``slots`` to the cache under ``keys``."""
+    def store(self, lease: str, keys: Sequence[bytes], slots: np.ndarray, release: bool = False) -> None:
+        """Hand the pages at ``slots`` to the cache under ``keys`` (with ``release``: then end the request)."""
 
     def release(self, lease: str) -> None:
         """End the request."""
@@ -66,6 +66,8 @@ class ReplayResult:
     moves: dict[str, dict[str, int]] = field(default_factory=dict)
     seconds: float = 0.0
     simulate: bool = False
+    transport: str = ""
+    """How KV reached the daemon: ``attach``, ``grpc``, or ``""`` in process / simulated."""
     scale: dict[str, Any] = field(default_factory=dict)
     belady_hit_tokens: int | None = None
 
@@ -108,38 +110,24 @@ class InProcessBackend:
         self.layers = model.num_layers
         self.live = self.codec.live_layers
 
-    def lookup(self, keys: Sequence[bytes]) -> dict[str, int]:
-        return self.cache.lookup(keys).per_tier
+        self._words = pool_words(self.pool) if self.pool is not None else None
 
     def load(self, keys: Sequence[bytes]) -> tuple[str, np.ndarray, list[str]]:
         ld = self.cache.load(keys)
         return ld.lease, ld.slots.numpy(), ld.tiers
 
-    def read(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        assert self.pool is not None
-        n = len(slots)
-        p = n // self.page_size
-        flat = self.pool.get_cpu_copy(torch.from_numpy(slots))
-        lat = np.stack([torch.cat(c).reshape(n, -1).view(torch.uint8).numpy() for c in flat["kv"]]) if n else \
-            np.empty((self.layers, 0, self.codec.row_bytes), np.uint8)
-        idx = np.stack([torch.cat(flat["index_k"][layer]).numpy() for layer in self.live]) if p and self.live else \
-            np.empty((len(self.live), p, self.codec.index_page_bytes), np.uint8)
-        return lat, idx
+    def verify(self, fill: PageFill, pages: Sequence[tuple[int, int]], slots: np.ndarray) -> int:
+        assert self._words is not None
+        return fill.count_bad_in_pool(pages, *self._words, slots[::self.page_size] // self.page_size)
 
-    def write(self, slots: np.ndarray, latent: np.ndarray, index: np.ndarray) -> None:
-        assert self.pool is not None
-        loc = torch.from_numpy(slots)
-        for layer in range(self.layers):
-            self.pool.set_kv_buffer(layer, loc, torch.from_numpy(latent[layer]))
-        ps, hd = self.page_size, self.pool.index_head_dim
-        for pos, layer in enumerate(self.live):
-            rows = index[pos]
-            keys = np.ascontiguousarray(rows[:, :ps * hd]).reshape(-1, hd)
-            scales = np.ascontiguousarray(rows[:, ps * hd:]).view(np.float32).reshape(-1)
-            self.pool.set_index_k_scale_buffer(layer, loc, torch.from_numpy(keys), torch.from_numpy(scales))
+    def write(self, fill: PageFill, pages: Sequence[tuple[int, int]], slots: np.ndarray) -> None:
+        assert self._words is not None
+        fill.fill_pool(pages, *self._words, slots[::self.page_size] // self.page_size)
 
-    def store(self, lease: str, keys: Sequence[bytes], slots: np.ndarray) -> None:
+    def store(self, lease: str, keys: Sequence[bytes], slots: np.ndarray, release: bool = False) -> None:
         self.cache.store(lease, keys, torch.from_numpy(slots))
+        if release:
+            self.cache.release(lease)
 
     def release(self, lease: str) -> None:
         self.cache.release(lease)
@@ -171,21 +159,21 @@ def replay(requests: Sequence[TraceRequest], backend: ReplayBackend, scale: Repl
     for i, req in enumerate(requests):
         pages: list[PageRef] = keys_of.pages(req.hash_ids)
         keys = [p.key for p in pages]
-        backend.lookup(keys)
         lease, slots, tiers = backend.load(keys)
+        released = False
         try:
             n = len(tiers)
             if fill is not None and n:
-                lat, idx = backend.read(slots[:n * ps])
-                res.verify_failures += fill.count_bad_pages([(p.hash_id, p.page_in_block) for p in pages[:n]], lat, idx)
+                res.verify_failures += backend.verify(fill, [(p.hash_id, p.page_in_block) for p in pages[:n]], slots[:n * ps])
                 res.verified_pages += n
             if n < len(pages):
                 if fill is not None:
-                    lat, idx = fill.expected([(p.hash_id, p.page_in_block) for p in pages[n:]])
-                    backend.write(slots[n * ps:], lat, idx)
-                backend.store(lease, keys[n:], slots[n * ps:])
+                    backend.write(fill, [(p.hash_id, p.page_in_block) for p in pages[n:]], slots[n * ps:])
+                backend.store(lease, keys[n:], slots[n * ps:], release=True)  # one call: store, then release
+                released = True
         finally:
-            backend.release(lease)
+            if not released:
+                backend.release(lease)
         res.requests += 1
         res.tokens += len(pages) * ps
         for t in tiers:

@@ -7,6 +7,11 @@ UNAUTHENTICATED before any servicer code runs. The health and reflection service
 
 The servicers get the caller explicitly: the interceptor hands them a context that carries it
 (:func:`caller_of`), and they pass it into every domain call. Tokens are never logged.
+
+An attached worker's calls carry ``x-kvtier-session: <session id>`` metadata (README "Local
+attach"); the interceptor resolves it in the caller's tenant and the caller makes its calls in that
+session. An id that names no live session of the tenant is refused with NOT_FOUND before any
+servicer code runs (its slots were freed when it ended: nothing may act on them as its owner).
 """
 
 from __future__ import annotations
@@ -17,8 +22,10 @@ from typing import Any
 
 import grpc
 
+from kvtier.attach_wire import SESSION_METADATA
 from kvtier.server.daemon.errors import Unauthenticated
-from kvtier.server.daemon.tenants import Caller, TokenTable
+from kvtier.server.daemon.sessions import SessionRegistry
+from kvtier.server.daemon.tenants import Caller, TokenTable, authenticate
 from kvtier.server.service.interceptors import handler_like
 
 log = logging.getLogger("kvtier.service")
@@ -60,15 +67,23 @@ def bearer_token(metadata: Sequence[tuple[str, Any]] | None) -> str | None:
     return None
 
 
+def metadata_value(metadata: Sequence[tuple[str, Any]] | None, key: str) -> str | None:
+    """The value of the first ``key`` entry of ``metadata`` (None if there is none)."""
+    for k, value in metadata or ():
+        if k.lower() == key and isinstance(value, str):
+            return value
+    return None
+
+
 def _wrap(behavior: Callable[..., Any], caller: Caller) -> Callable[..., Any]:
     def call(request_or_iterator: Any, context: grpc.ServicerContext) -> Any:
         return behavior(request_or_iterator, CallerContext(context, caller))
     return call
 
 
-def _refuse(message: str) -> Callable[..., Any]:
+def _refuse(message: str, code: grpc.StatusCode = grpc.StatusCode.UNAUTHENTICATED) -> Callable[..., Any]:
     def call(_request: Any, context: grpc.ServicerContext) -> Any:
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        context.abort(code, message)
     return call
 
 
@@ -80,28 +95,39 @@ class AuthInterceptor(grpc.ServerInterceptor):
         timer: the RPC latency interceptor (``observability.RpcMetricsInterceptor``) installed inside
             this one, if any: a call refused here never reaches it, so the refusal is timed through
             its ``time_refusal``.
+        sessions: the daemon's attach sessions (``x-kvtier-session`` metadata is resolved there);
+            None: such metadata is refused.
     """
 
-    def __init__(self, tokens: TokenTable | None, *, timer: Any = None) -> None:
+    def __init__(self, tokens: TokenTable | None, *, timer: Any = None, sessions: SessionRegistry | None = None) -> None:
         self.tokens = tokens
         self.timer = timer
+        self.sessions = sessions
+
+    def _refusal(self, handler: grpc.RpcMethodHandler, method: str, message: str, code: grpc.StatusCode) -> grpc.RpcMethodHandler:
+        refuse = _refuse(message, code)
+        if self.timer is not None:
+            refuse = self.timer.time_refusal(refuse, method)
+        return handler_like(handler, lambda _b: refuse)
 
     def intercept_service(self, continuation: Callable[..., Any], handler_call_details: Any) -> Any:
         handler = continuation(handler_call_details)
         method = handler_call_details.method
         if handler is None or method.startswith(OPEN_METHOD_PREFIXES):
             return handler
-        if self.tokens is None:
-            return handler_like(handler, lambda b: _wrap(b, Caller.default()))
-        token = bearer_token(handler_call_details.invocation_metadata)
-        tenant = self.tokens.tenant_for(token)
-        if tenant is None:
-            why = "unknown token" if token else "no token"
-            log.info("%s -> UNAUTHENTICATED: %s", method, why)
-            message = (f"{why}: this daemon serves tenants; send `authorization: Bearer <token>` metadata "
-                       f"(KVTierClient(token=...) or KVTIER_TOKEN) with a token from its --auth-tokens file")
-            refuse = _refuse(message)
-            if self.timer is not None:
-                refuse = self.timer.time_refusal(refuse, method)
-            return handler_like(handler, lambda _b: refuse)
-        return handler_like(handler, lambda b: _wrap(b, Caller(tenant, token)))
+        metadata = handler_call_details.invocation_metadata
+        token = bearer_token(metadata) if self.tokens is not None else None
+        try:
+            caller = authenticate(self.tokens, token)
+        except Unauthenticated as e:
+            log.info("%s -> UNAUTHENTICATED: %s", method, "unknown token" if token else "no token")
+            return self._refusal(handler, method, str(e), grpc.StatusCode.UNAUTHENTICATED)
+        session_id = metadata_value(metadata, SESSION_METADATA)
+        if session_id is not None:
+            session = self.sessions.get(caller.tenant, session_id) if self.sessions is not None else None
+            if session is None:
+                log.info("%s -> NOT_FOUND: an unknown or ended attach session", method)
+                return self._refusal(handler, method, "the attach session is unknown or has ended (its slots and "
+                                     "leases were given back); attach again", grpc.StatusCode.NOT_FOUND)
+            caller = caller.in_session(session)
+        return handler_like(handler, lambda b: _wrap(b, caller))

@@ -112,4 +112,5 @@ def stats(s: DaemonStats, max_message_bytes: int) -> pool_pb2.StatsResponse:
              for t in s.tiers]
     return pool_pb2.StatsResponse(
         version=s.version, uptime_seconds=s.uptime_seconds, device=s.device, pools=pools, tiers=tiers,
-        counters=s.counters, max_message_bytes=max_message_bytes, tenant=s.tenant, metrics_address=s.metrics_address)
+        counters=s.counters, max_message_bytes=max_message_bytes, tenant=s.tenant, metrics_address=s.metrics_address,
+        attach_socket=s.attach_socket, attach_sessions=s.attach_sessions)

@@ -58,24 +58,21 @@ class PoolServicer(pool_pb2_grpc.PoolServiceServicer):
 
     def DeletePool(self, request: pool_pb2.DeletePoolRequest, context: grpc.ServicerContext) -> pool_pb2.DeletePoolResponse:
         caller = caller_of(context)
-        freed = self.pools.delete(caller, request.pool_id, force=request.force)
+        freed = self.state.delete_pool(caller, request.pool_id, force=request.force)
         self.state.counters.add(caller, "pools_deleted")
         return pool_pb2.DeletePoolResponse(freed_bytes=freed)
 
     # ----- slots --------------------------------------------------------------------------------
     def AllocateSlots(self, request: pool_pb2.AllocateSlotsRequest, context: grpc.ServicerContext) -> pool_pb2.AllocateSlotsResponse:
         caller = caller_of(context)
-        with self.pools.locked(caller, request.pool_id, exclusive=True) as entry:
-            slots = entry.alloc(request.num_tokens)
-            ps = entry.page_size
+        slots, ps = kv_ops.allocate_slots(self.pools, caller, request.pool_id, request.num_tokens)
         self.state.counters.add(caller, "slots_allocated", request.num_tokens)
         return pool_pb2.AllocateSlotsResponse(pages=slots[::ps].div(ps, rounding_mode="floor").tolist(),
                                               num_tokens=request.num_tokens, page_size=ps)
 
     def FreeSlots(self, request: pool_pb2.FreeSlotsRequest, context: grpc.ServicerContext) -> pool_pb2.FreeSlotsResponse:
         caller = caller_of(context)
-        with self.pools.locked(caller, request.pool_id, exclusive=True) as entry:
-            freed = entry.free(entry.slots(list(request.slots)))
+        freed = kv_ops.free_slots(self.pools, caller, request.pool_id, list(request.slots))
         self.state.counters.add(caller, "pages_freed", freed)
         return pool_pb2.FreeSlotsResponse(freed_pages=freed)
 

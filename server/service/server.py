@@ -38,6 +38,8 @@ from kvtier.addresses import (
 from kvtier.server.daemon.config import DaemonConfig
 from kvtier.server.daemon.core import Daemon
 from kvtier.server.observe.logs import configure_logging
+from kvtier.attach_wire import attach_socket_path
+from kvtier.server.service.attach_channel import AttachChannel
 from kvtier.server.service.auth import AuthInterceptor
 from kvtier.server.service.errors import DomainErrorInterceptor
 from kvtier.server.service.interceptors import CallTracker
@@ -195,7 +197,8 @@ def create_server(
     rpc_timer = state.metrics.interceptor if state.metrics else None
     # the RPC timer sits inside auth, so it sees the authenticated caller's tenant; auth times its own
     # refusals through it (UNAUTHENTICATED, no tenant)
-    interceptors = [calls, AuthInterceptor(state.tokens, timer=rpc_timer), *([rpc_timer] if rpc_timer else []),
+    interceptors = [calls, AuthInterceptor(state.tokens, timer=rpc_timer, sessions=state.sessions),
+                    *([rpc_timer] if rpc_timer else []),
                     DomainErrorInterceptor()]
     server = grpc.server(
         ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="kvtier-rpc"),
@@ -266,7 +269,17 @@ def serve(config: DaemonConfig) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    attach = None
+    if is_unix(address):  # local attach: a side socket beside the gRPC one (a TCP daemon has none)
+        try:
+            attach = AttachChannel(state, attach_socket_path(socket_path(address)))
+        except OSError as e:
+            built.streams.close()
+            state.close()
+            raise AddressError(f"could not listen for local attach beside {address}: {e}") from None
     server.start()
+    if attach is not None:
+        attach.start()
     state.tiers.start_monitor()
     if state.metrics is not None:
         try:
@@ -290,6 +303,8 @@ def serve(config: DaemonConfig) -> int:
     hs.enter_graceful_shutdown()
     stopped = server.stop(config.grace_seconds)
     stopped.wait(config.grace_seconds + STOP_SLACK_SECONDS)
+    if attach is not None:
+        attach.stop()  # sessions end: their slots are freed and leases released before the tiers close
     built.streams.close()
     if state.metrics is not None:
         state.metrics.stop()

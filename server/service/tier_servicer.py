@@ -37,7 +37,8 @@ class TierServicer(tier_pb2_grpc.TierServiceServicer):
                                            loaded_pages=ld.loaded_pages)
 
     def StorePrefix(self, request: tier_pb2.StorePrefixRequest, context: grpc.ServicerContext) -> tier_pb2.StorePrefixResponse:
-        n = self.tiers.store(caller_of(context), request.pool_id, request.lease_id, request.page_keys, request.slots)
+        n = self.tiers.store(caller_of(context), request.pool_id, request.lease_id, request.page_keys, request.slots,
+                             release=request.release)
         return tier_pb2.StorePrefixResponse(stored_pages=n)
 
     def ReleasePrefix(self, request: tier_pb2.ReleasePrefixRequest, context: grpc.ServicerContext) -> tier_pb2.ReleasePrefixResponse:

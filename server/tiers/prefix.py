@@ -90,6 +90,7 @@ class _Lease:
     pinned: list[bytes] = field(default_factory=list)
     fresh: list[int] = field(default_factory=list)
     started: float = field(default_factory=time.monotonic)
+    expires: bool = True
 
 
 def _unknown_lease(lease_id: object) -> str:
@@ -176,7 +177,7 @@ class PrefixCache:
             return 0
         with self._lock:
             now = time.monotonic()
-            old = [i for i, lease in self._leases.items() if now - lease.started >= self.lease_ttl_seconds]
+            old = [i for i, lease in self._leases.items() if lease.expires and now - lease.started >= self.lease_ttl_seconds]
             for i in old:
                 log.warning("prefix cache: a lease was not released within %.0f s; releasing it", self.lease_ttl_seconds)
                 self.release(i)
@@ -245,13 +246,15 @@ class PrefixCache:
         return self.codec.encode_page(self.pool, page, out=out)
 
     # ----- load / store / release ---------------------------------------------------------------
-    def load(self, keys: Sequence[bytes], total_tokens: int | None = None) -> PrefixLoad:
+    def load(self, keys: Sequence[bytes], total_tokens: int | None = None, *, expires: bool = True) -> PrefixLoad:
         """Load the longest present prefix of ``keys`` into device slots and allocate the rest.
 
         Args:
             keys: the request's page keys.
             total_tokens: slots to hand out in all (default ``len(keys) * page_size``); at least the
                 loaded prefix.
+            expires: False: the lease never expires by ``lease_ttl_seconds`` (its holder's end is known
+                otherwise, e.g. an attach session's connection closing).
 
         Returns:
             :class:`PrefixLoad`; the device pages of the loaded prefix are pinned under its lease.
@@ -271,7 +274,7 @@ class PrefixCache:
             lower = [(i, key) for i, (key, t) in enumerate(zip(keys, found)) if t != DEVICE]
             device_hits = [k for k, t in zip(keys, found) if t == DEVICE]
             lease_id = self._new_lease_id()
-            lease = _Lease()
+            lease = _Lease(expires=expires)
             lease.pinned = self._device.pin(device_hits)
             held = {t.name: t.index.pin([self._tier_key(k) for _, k in lower]) for t in self.stack.tiers}
             unplaced: list[int] = []

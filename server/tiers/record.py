@@ -173,6 +173,8 @@ class RecordCodec:
         self.row_bytes = model.latent_row_bytes
         self.index_page_bytes = model.index_page_bytes
         self.store_dtype = torch.bfloat16 if model.kv_cache_dtype == "bf16" else torch.uint8
+        self._one_page: tuple[bytes, Any] | None = None  # see _page_header
+        self._page_src = np.arange(self.page_size, dtype=np.int64)
 
     @classmethod
     def for_pool(cls, model: DSAModelConfig, pool: DSATokenToKVPool) -> RecordCodec:
@@ -239,10 +241,24 @@ class RecordCodec:
             raise ValueError(f"out must be a contiguous 1-D uint8 host tensor of at least {nbytes} bytes")
         return out[:nbytes]
 
+    def _page_header(self) -> tuple[bytes, Any]:
+        """The header of every one-page record of this codec with its checksum field zero, and an
+        xxh3_64 state that has hashed it (a one-page record's checksum is that state over its payload)."""
+        if self._one_page is None:
+            ps = self.page_size
+            fixed = _FIXED.pack(MAGIC, FORMAT_VERSION, 0, ps, 1, self.model.num_layers, len(self._fp),
+                                self.latent_nbytes(ps), self.index_nbytes(1), 8 * ps, 0)
+            header = fixed + self._meta + b"\0" * (self.header_nbytes - len(fixed) - len(self._meta))
+            h = xxhash.xxh3_64()
+            h.update(header)
+            self._one_page = (header, h)
+        return self._one_page
+
     def encode_page(self, pool: DSATokenToKVPool, page: int, *, pin_memory: bool = False,
                     out: torch.Tensor | None = None) -> torch.Tensor:
         """A sealed record of one whole pool page (the prefix cache's unit): the same bytes as
-        :meth:`encode_from_pool` of the page's slots, copied as whole rows (one copy per layer),
+        :meth:`encode_from_pool` of the page's slots, copied as one strided copy per component
+        (every layer's rows of that page; every live layer's page row) after a header made once,
         into ``out[:nbytes]`` when given.
 
         Args:
@@ -255,37 +271,54 @@ class RecordCodec:
         ps = self.page_size
         if not 0 <= page < pool.num_slots // ps or page >= pool.num_pages:
             raise ValueError(f"page {page} is outside the pool")
+        header, hashed = self._page_header()
         rec = self._buffer(self.nbytes(ps, 1), pin_memory, out)
-        latent, index, src = self.payload(rec, ps, 1)
-        for layer, buf in enumerate(pool.kv_buffer):
-            latent[layer].copy_(buf[page * ps:(page + 1) * ps].view(torch.uint8).reshape(ps, self.row_bytes))
-        for pos, layer in enumerate(self.live_layers):
-            index[pos, 0].copy_(pool.index_k_with_scale_buffer[layer][page])
-        torch.arange(page * ps, (page + 1) * ps, dtype=torch.int64, out=src)
+        s, lat_n, idx_n = self.header_nbytes, self.latent_nbytes(ps), self.index_nbytes(1)
+        L, rb = self.model.num_layers, self.row_bytes
+        rec[s:s + lat_n].view(L, ps, rb).copy_(pool.arena("latent").view(L, pool.num_slots, rb)[:, page * ps:(page + 1) * ps])
+        if idx_n:
+            rows = pool.arena("index_k").view(len(self.live_layers), pool.num_pages, self.index_page_bytes)
+            rec[s + lat_n:s + lat_n + idx_n].view(len(self.live_layers), self.index_page_bytes).copy_(rows[:, page])
         pool._sync()
-        self.seal(rec, ps, 1)
+        arr = rec.numpy()
+        arr[s + lat_n + idx_n:].view(np.int64)[:] = self._page_src + page * ps
+        arr[:s] = np.frombuffer(header, dtype=np.uint8)
+        h = hashed.copy()
+        h.update(memoryview(arr[s:]))
+        arr[_CHECKSUM_AT:_FIXED.size] = np.frombuffer(struct.pack("<Q", h.intdigest()), dtype=np.uint8)
         return rec
 
     def load_page(self, pool: DSATokenToKVPool, rec: torch.Tensor, page: int) -> None:
-        """Write a one-page record (checked: :meth:`check`) onto pool page ``page``, whole rows.
+        """Write a one-page record (checked as :meth:`check` checks it) onto pool page ``page``: one
+        strided copy per component.
 
         Raises:
             RecordError: the record fails its checks or is not one whole page in slot order.
             ValueError: ``page`` outside the pool.
         """
         ps = self.page_size
-        info = self.check(rec)
-        _, _, src = self.payload(rec, info.n_tokens, info.n_pages)
-        if info.n_tokens != ps or info.n_pages != 1 or not bool(((src % ps) == torch.arange(ps)).all()):
+        header, hashed = self._page_header()
+        arr = _as_array(rec)
+        s, lat_n, idx_n = self.header_nbytes, self.latent_nbytes(ps), self.index_nbytes(1)
+        if arr.size != s + lat_n + idx_n + 8 * ps or bytes(arr[:_CHECKSUM_AT]) != header[:_CHECKSUM_AT] \
+                or bytes(arr[_FIXED.size:s]) != header[_FIXED.size:]:
+            self.check(rec)  # names what differs (another model, mask, length, a damaged header)
+            raise RecordError("not a one-page record in slot order")
+        h = hashed.copy()
+        h.update(memoryview(arr[s:]))
+        if h.intdigest() != struct.unpack_from("<Q", arr, _CHECKSUM_AT)[0]:
+            raise RecordError("record checksum (xxh3_64) mismatch: the record is damaged")
+        if not np.array_equal(arr[s + lat_n + idx_n:].view(np.int64) % ps, self._page_src):
             raise RecordError("not a one-page record in slot order")
         if not 0 <= page < pool.num_pages or page >= pool.num_slots // ps:
             raise ValueError(f"page {page} is outside the pool")
-        latent, index, _ = self.payload(rec, ps, 1)
-        dev = pool.device
-        for layer, buf in enumerate(pool.kv_buffer):
-            buf[page * ps:(page + 1) * ps].view(torch.uint8).reshape(ps, self.row_bytes).copy_(latent[layer].to(dev, non_blocking=True))
-        for pos, layer in enumerate(self.live_layers):
-            pool.index_k_with_scale_buffer[layer][page].copy_(index[pos, 0].to(dev, non_blocking=True))
+        L, rb, dev = self.model.num_layers, self.row_bytes, pool.device
+        t = rec if isinstance(rec, torch.Tensor) else torch.from_numpy(arr)
+        dst = pool.arena("latent").view(L, pool.num_slots, rb)[:, page * ps:(page + 1) * ps]
+        dst.copy_(t[s:s + lat_n].view(L, ps, rb).to(dev, non_blocking=True))
+        if idx_n:
+            rows = pool.arena("index_k").view(len(self.live_layers), pool.num_pages, self.index_page_bytes)
+            rows[:, page].copy_(t[s + lat_n:s + lat_n + idx_n].view(len(self.live_layers), -1).to(dev, non_blocking=True))
         pool._sync()
 
     def encode_copy(self, copy: dict[str, Any], *, pin_memory: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:

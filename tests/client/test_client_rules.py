@@ -35,3 +35,25 @@ def test_change_is_not_retried_read_is(tmp_path):
     finally:
         d.stop()
         d.cleanup()
+
+
+def test_attach_imports_only_the_pool_core_of_the_server(tmp_path):
+    """The client imports nothing of ``kvtier.server`` until it attaches, and then only the grpc-free
+    pool core (``kvtier.server.pool``, ``kvtier.server.model_config`` and its presets, and the host
+    memory the pool copies into, ``kvtier.server.hostmem``)."""
+    code = f"""
+import sys
+from kvtier.client import KVTierClient
+from kvtier.client.spawn import DaemonProcess
+with DaemonProcess(extra_args=["--device", "cpu", "--pool", "glm-5.2:128", "--pool-layers", "2"]) as d:
+    assert not [m for m in sys.modules if m.startswith("kvtier.server")]
+    with KVTierClient(d.address) as c, c.attach("default") as ap:
+        ap.allocate_slots(1)
+allowed = ("kvtier.server.pool", "kvtier.server.model_config", "kvtier.server.presets", "kvtier.server.hostmem")
+bad = sorted(m for m in sys.modules if m.startswith("kvtier.server") and m != "kvtier.server"
+             and not m.startswith(allowed))
+print(bad)
+sys.exit(1 if bad else 0)
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr

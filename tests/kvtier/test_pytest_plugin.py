@@ -37,3 +37,25 @@ def test_factory_starts_daemons_with_other_budgets(kvtier_daemon_factory):
     assert where == [[], ["disk"], ["disk"], ["host"]] + [["device"]] * 4
     moves = d.client.tier_stats().moves
     assert moves["host->disk"]["count"] == 3 and moves["disk->gone"]["count"] == 1
+
+
+def test_attached_pool_fixture_writes_through_tensors_and_reads_evicted_pages_back(kvtier_daemon, kvtier_attached_pool):
+    """The plugin's attached pool: pages written through its tensors evict like any others (pool 8
+    pages, host 4) and come back byte-exact into its tensors."""
+    import torch
+
+    d, ap = kvtier_daemon, kvtier_attached_pool
+    keys = d.page_keys(10, seed=3)
+    rows = torch.randint(0, 256, (64, 656), dtype=torch.uint8, generator=torch.Generator().manual_seed(4))
+    lease = ap.load_prefix(keys[:1])
+    ap.kv_buffer[2][lease.slots] = rows.view(64, 1, 656)
+    ap.store_prefix(lease, keys[:1], lease.slots)
+    ap.release_prefix(lease)
+    for i in range(1, 10):
+        d.put_pages(keys[i:i + 1], attached=ap)
+    assert d.client.where_is(d.pool_id, keys[:2]) == [["host"]] * 2
+    lease = ap.load_prefix(keys[:1])
+    assert lease.tiers == ["host"]
+    assert torch.equal(ap.kv_buffer[2][lease.slots].view(64, 656), rows)
+    ap.release_prefix(lease)
+    assert d.client.stats().attach_sessions == 1

@@ -1166,6 +1166,8 @@ class StatsResponse(_message.Message):
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _builtins.int
     TENANT_FIELD_NUMBER: _builtins.int
     METRICS_ADDRESS_FIELD_NUMBER: _builtins.int
+    ATTACH_SOCKET_FIELD_NUMBER: _builtins.int
+    ATTACH_SESSIONS_FIELD_NUMBER: _builtins.int
     version: _builtins.str
     uptime_seconds: _builtins.float
     device: _builtins.str
@@ -1174,6 +1176,12 @@ class StatsResponse(_message.Message):
     """the tenant the call was made as ("default" without --auth-tokens)"""
     metrics_address: _builtins.str
     """http://HOST:PORT/metrics of the Prometheus endpoint ("" when off)"""
+    attach_socket: _builtins.str
+    """Local attach: path of the daemon's attach channel (a unix SOCK_SEQPACKET socket beside its gRPC
+    socket, "<socket>.attach"); "" when the daemon listens on TCP (no attach from there).
+    """
+    attach_sessions: _builtins.int
+    """the caller's tenant's live attach sessions"""
     @_builtins.property
     def pools(self) -> _containers.RepeatedCompositeFieldContainer[Global___PoolStats]: ...
     @_builtins.property
@@ -1194,10 +1202,12 @@ class StatsResponse(_message.Message):
         max_message_bytes: _builtins.int = ...,
         tenant: _builtins.str = ...,
         metrics_address: _builtins.str = ...,
+        attach_socket: _builtins.str = ...,
+        attach_sessions: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["counters", b"counters", "device", b"device", "max_message_bytes", b"max_message_bytes", "metrics_address", b"metrics_address", "pools", b"pools", "tenant", b"tenant", "tiers", b"tiers", "uptime_seconds", b"uptime_seconds", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attach_sessions", b"attach_sessions", "attach_socket", b"attach_socket", "counters", b"counters", "device", b"device", "max_message_bytes", b"max_message_bytes", "metrics_address", b"metrics_address", "pools", b"pools", "tenant", b"tenant", "tiers", b"tiers", "uptime_seconds", b"uptime_seconds", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

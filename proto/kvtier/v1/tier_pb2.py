@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14kvtier/v1/tier.proto\x12\tkvtier.v1\"9\n\x13LookupPrefixRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x11\n\tpage_keys\x18\x02 \x03(\x0c\"\xa6\x01\n\x14LookupPrefixResponse\x12\x46\n\x0cprefix_pages\x18\x01 \x03(\x0b\x32\x30.kvtier.v1.LookupPrefixResponse.PrefixPagesEntry\x12\x12\n\npage_tiers\x18\x02 \x03(\t\x1a\x32\n\x10PrefixPagesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"c\n\x11LoadPrefixRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x11\n\tpage_keys\x18\x02 \x03(\x0c\x12\x19\n\x0ctotal_tokens\x18\x03 \x01(\x04H\x00\x88\x01\x01\x42\x0f\n\r_total_tokens\"e\n\x12LoadPrefixResponse\x12\x10\n\x08lease_id\x18\x05 \x01(\t\x12\r\n\x05slots\x18\x02 \x03(\x03\x12\x12\n\npage_tiers\x18\x03 \x03(\t\x12\x14\n\x0cloaded_pages\x18\x04 \x01(\rJ\x04\x08\x01\x10\x02\"_\n\x12StorePrefixRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x05 \x01(\t\x12\x11\n\tpage_keys\x18\x03 \x03(\x0c\x12\r\n\x05slots\x18\x04 \x03(\x03J\x04\x08\x02\x10\x03\"+\n\x13StorePrefixResponse\x12\x14\n\x0cstored_pages\x18\x01 \x01(\r\"?\n\x14ReleasePrefixRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x03 \x01(\tJ\x04\x08\x02\x10\x03\"\x17\n\x15ReleasePrefixResponse\"4\n\x0eWhereIsRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x11\n\tpage_keys\x18\x02 \x03(\x0c\"/\n\x0cPageLocation\x12\x10\n\x08page_key\x18\x01 \x01(\x0c\x12\r\n\x05tiers\x18\x02 \x03(\t\"=\n\x0fWhereIsResponse\x12*\n\tlocations\x18\x01 \x03(\x0b\x32\x17.kvtier.v1.PageLocation\"#\n\x10TierStatsRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\"\xf8\x02\n\x0cTierCounters\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x02 \x01(\x04\x12\x12\n\nused_bytes\x18\x03 \x01(\x04\x12\x0f\n\x07\x65ntries\x18\x04 \x01(\x04\x12\x0e\n\x06pinned\x18\x05 \x01(\x04\x12\x0c\n\x04hits\x18\x06 \x01(\x04\x12\x0e\n\x06misses\x18\x07 \x01(\x04\x12\x0f\n\x07\x64\x61maged\x18\x08 \x01(\x04\x12\x0e\n\x06writes\x18\t \x01(\x04\x12\x15\n\rbytes_written\x18\n \x01(\x04\x12\x12\n\nbytes_read\x18\x0b \x01(\x04\x12\x11\n\tevictions\x18\x0c \x01(\x04\x12\x15\n\rbytes_evicted\x18\r \x01(\x04\x12\x13\n\x0b\x66ull_errors\x18\x0e \x01(\x04\x12\x19\n\x11tenant_used_bytes\x18\x0f \x01(\x04\x12\x1f\n\x12tenant_quota_bytes\x18\x10 \x01(\x04H\x00\x88\x01\x01\x12\x11\n\tio_errors\x18\x11 \x01(\x04\x42\x15\n\x13_tenant_quota_bytes\"M\n\x08TierMove\x12\x0e\n\x06source\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65stination\x18\x02 \x01(\t\x12\r\n\x05\x63ount\x18\x03 \x01(\x04\x12\r\n\x05\x62ytes\x18\x04 \x01(\x04\"_\n\x0f\x44\x65viceTierUsage\x12\r\n\x05pages\x18\x01 \x01(\x04\x12\x14\n\x0cpinned_pages\x18\x02 \x01(\x04\x12\x12\n\nfree_pages\x18\x03 \x01(\x04\x12\x13\n\x0bopen_leases\x18\x04 \x01(\x04\"\x8d\x02\n\x11TierStatsResponse\x12&\n\x05tiers\x18\x01 \x03(\x0b\x32\x17.kvtier.v1.TierCounters\x12\"\n\x05moves\x18\x02 \x03(\x0b\x32\x13.kvtier.v1.TierMove\x12I\n\x0fprefix_counters\x18\x03 \x03(\x0b\x32\x30.kvtier.v1.TierStatsResponse.PrefixCountersEntry\x12*\n\x06\x64\x65vice\x18\x04 \x01(\x0b\x32\x1a.kvtier.v1.DeviceTierUsage\x1a\x35\n\x13PrefixCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x32\xd8\x03\n\x0bTierService\x12O\n\x0cLookupPrefix\x12\x1e.kvtier.v1.LookupPrefixRequest\x1a\x1f.kvtier.v1.LookupPrefixResponse\x12I\n\nLoadPrefix\x12\x1c.kvtier.v1.LoadPrefixRequest\x1a\x1d.kvtier.v1.LoadPrefixResponse\x12L\n\x0bStorePrefix\x12\x1d.kvtier.v1.StorePrefixRequest\x1a\x1e.kvtier.v1.StorePrefixResponse\x12R\n\rReleasePrefix\x12\x1f.kvtier.v1.ReleasePrefixRequest\x1a .kvtier.v1.ReleasePrefixResponse\x12@\n\x07WhereIs\x12\x19.kvtier.v1.WhereIsRequest\x1a\x1a.kvtier.v1.WhereIsResponse\x12I\n\x0cGetTierStats\x12\x1b.kvtier.v1.TierStatsRequest\x1a\x1c.kvtier.v1.TierStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14kvtier/v1/tier.proto\x12\tkvtier.v1\"9\n\x13LookupPrefixRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x11\n\tpage_keys\x18\x02 \x03(\x0c\"\xa6\x01\n\x14LookupPrefixResponse\x12\x46\n\x0cprefix_pages\x18\x01 \x03(\x0b\x32\x30.kvtier.v1.LookupPrefixResponse.PrefixPagesEntry\x12\x12\n\npage_tiers\x18\x02 \x03(\t\x1a\x32\n\x10PrefixPagesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"c\n\x11LoadPrefixRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x11\n\tpage_keys\x18\x02 \x03(\x0c\x12\x19\n\x0ctotal_tokens\x18\x03 \x01(\x04H\x00\x88\x01\x01\x42\x0f\n\r_total_tokens\"e\n\x12LoadPrefixResponse\x12\x10\n\x08lease_id\x18\x05 \x01(\t\x12\r\n\x05slots\x18\x02 \x03(\x03\x12\x12\n\npage_tiers\x18\x03 \x03(\t\x12\x14\n\x0cloaded_pages\x18\x04 \x01(\rJ\x04\x08\x01\x10\x02\"p\n\x12StorePrefixRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x05 \x01(\t\x12\x11\n\tpage_keys\x18\x03 \x03(\x0c\x12\r\n\x05slots\x18\x04 \x03(\x03\x12\x0f\n\x07release\x18\x06 \x01(\x08J\x04\x08\x02\x10\x03\"+\n\x13StorePrefixResponse\x12\x14\n\x0cstored_pages\x18\x01 \x01(\r\"?\n\x14ReleasePrefixRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x03 \x01(\tJ\x04\x08\x02\x10\x03\"\x17\n\x15ReleasePrefixResponse\"4\n\x0eWhereIsRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x11\n\tpage_keys\x18\x02 \x03(\x0c\"/\n\x0cPageLocation\x12\x10\n\x08page_key\x18\x01 \x01(\x0c\x12\r\n\x05tiers\x18\x02 \x03(\t\"=\n\x0fWhereIsResponse\x12*\n\tlocations\x18\x01 \x03(\x0b\x32\x17.kvtier.v1.PageLocation\"#\n\x10TierStatsRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\"\xf8\x02\n\x0cTierCounters\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x02 \x01(\x04\x12\x12\n\nused_bytes\x18\x03 \x01(\x04\x12\x0f\n\x07\x65ntries\x18\x04 \x01(\x04\x12\x0e\n\x06pinned\x18\x05 \x01(\x04\x12\x0c\n\x04hits\x18\x06 \x01(\x04\x12\x0e\n\x06misses\x18\x07 \x01(\x04\x12\x0f\n\x07\x64\x61maged\x18\x08 \x01(\x04\x12\x0e\n\x06writes\x18\t \x01(\x04\x12\x15\n\rbytes_written\x18\n \x01(\x04\x12\x12\n\nbytes_read\x18\x0b \x01(\x04\x12\x11\n\tevictions\x18\x0c \x01(\x04\x12\x15\n\rbytes_evicted\x18\r \x01(\x04\x12\x13\n\x0b\x66ull_errors\x18\x0e \x01(\x04\x12\x19\n\x11tenant_used_bytes\x18\x0f \x01(\x04\x12\x1f\n\x12tenant_quota_bytes\x18\x10 \x01(\x04H\x00\x88\x01\x01\x12\x11\n\tio_errors\x18\x11 \x01(\x04\x42\x15\n\x13_tenant_quota_bytes\"M\n\x08TierMove\x12\x0e\n\x06source\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65stination\x18\x02 \x01(\t\x12\r\n\x05\x63ount\x18\x03 \x01(\x04\x12\r\n\x05\x62ytes\x18\x04 \x01(\x04\"_\n\x0f\x44\x65viceTierUsage\x12\r\n\x05pages\x18\x01 \x01(\x04\x12\x14\n\x0cpinned_pages\x18\x02 \x01(\x04\x12\x12\n\nfree_pages\x18\x03 \x01(\x04\x12\x13\n\x0bopen_leases\x18\x04 \x01(\x04\"\x8d\x02\n\x11TierStatsResponse\x12&\n\x05tiers\x18\x01 \x03(\x0b\x32\x17.kvtier.v1.TierCounters\x12\"\n\x05moves\x18\x02 \x03(\x0b\x32\x13.kvtier.v1.TierMove\x12I\n\x0fprefix_counters\x18\x03 \x03(\x0b\x32\x30.kvtier.v1.TierStatsResponse.PrefixCountersEntry\x12*\n\x06\x64\x65vice\x18\x04 \x01(\x0b\x32\x1a.kvtier.v1.DeviceTierUsage\x1a\x35\n\x13PrefixCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x32\xd8\x03\n\x0bTierService\x12O\n\x0cLookupPrefix\x12\x1e.kvtier.v1.LookupPrefixRequest\x1a\x1f.kvtier.v1.LookupPrefixResponse\x12I\n\nLoadPrefix\x12\x1c.kvtier.v1.LoadPrefixRequest\x1a\x1d.kvtier.v1.LoadPrefixResponse\x12L\n\x0bStorePrefix\x12\x1d.kvtier.v1.StorePrefixRequest\x1a\x1e.kvtier.v1.StorePrefixResponse\x12R\n\rReleasePrefix\x12\x1f.kvtier.v1.ReleasePrefixRequest\x1a .kvtier.v1.ReleasePrefixResponse\x12@\n\x07WhereIs\x12\x19.kvtier.v1.WhereIsRequest\x1a\x1a.kvtier.v1.WhereIsResponse\x12I\n\x0cGetTierStats\x12\x1b.kvtier.v1.TierStatsRequest\x1a\x1c.kvtier.v1.TierStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -46,31 +46,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LOADPREFIXRESPONSE']._serialized_start=364
   _globals['_LOADPREFIXRESPONSE']._serialized_end=465
   _globals['_STOREPREFIXREQUEST']._serialized_start=467
-  _globals['_STOREPREFIXREQUEST']._serialized_end=562
-  _globals['_STOREPREFIXRESPONSE']._serialized_start=564
-  _globals['_STOREPREFIXRESPONSE']._serialized_end=607
-  _globals['_RELEASEPREFIXREQUEST']._serialized_start=609
-  _globals['_RELEASEPREFIXREQUEST']._serialized_end=672
-  _globals['_RELEASEPREFIXRESPONSE']._serialized_start=674
-  _globals['_RELEASEPREFIXRESPONSE']._serialized_end=697
-  _globals['_WHEREISREQUEST']._serialized_start=699
-  _globals['_WHEREISREQUEST']._serialized_end=751
-  _globals['_PAGELOCATION']._serialized_start=753
-  _globals['_PAGELOCATION']._serialized_end=800
-  _globals['_WHEREISRESPONSE']._serialized_start=802
-  _globals['_WHEREISRESPONSE']._serialized_end=863
-  _globals['_TIERSTATSREQUEST']._serialized_start=865
-  _globals['_TIERSTATSREQUEST']._serialized_end=900
-  _globals['_TIERCOUNTERS']._serialized_start=903
-  _globals['_TIERCOUNTERS']._serialized_end=1279
-  _globals['_TIERMOVE']._serialized_start=1281
-  _globals['_TIERMOVE']._serialized_end=1358
-  _globals['_DEVICETIERUSAGE']._serialized_start=1360
-  _globals['_DEVICETIERUSAGE']._serialized_end=1455
-  _globals['_TIERSTATSRESPONSE']._serialized_start=1458
-  _globals['_TIERSTATSRESPONSE']._serialized_end=1727
-  _globals['_TIERSTATSRESPONSE_PREFIXCOUNTERSENTRY']._serialized_start=1674
-  _globals['_TIERSTATSRESPONSE_PREFIXCOUNTERSENTRY']._serialized_end=1727
-  _globals['_TIERSERVICE']._serialized_start=1730
-  _globals['_TIERSERVICE']._serialized_end=2202
+  _globals['_STOREPREFIXREQUEST']._serialized_end=579
+  _globals['_STOREPREFIXRESPONSE']._serialized_start=581
+  _globals['_STOREPREFIXRESPONSE']._serialized_end=624
+  _globals['_RELEASEPREFIXREQUEST']._serialized_start=626
+  _globals['_RELEASEPREFIXREQUEST']._serialized_end=689
+  _globals['_RELEASEPREFIXRESPONSE']._serialized_start=691
+  _globals['_RELEASEPREFIXRESPONSE']._serialized_end=714
+  _globals['_WHEREISREQUEST']._serialized_start=716
+  _globals['_WHEREISREQUEST']._serialized_end=768
+  _globals['_PAGELOCATION']._serialized_start=770
+  _globals['_PAGELOCATION']._serialized_end=817
+  _globals['_WHEREISRESPONSE']._serialized_start=819
+  _globals['_WHEREISRESPONSE']._serialized_end=880
+  _globals['_TIERSTATSREQUEST']._serialized_start=882
+  _globals['_TIERSTATSREQUEST']._serialized_end=917
+  _globals['_TIERCOUNTERS']._serialized_start=920
+  _globals['_TIERCOUNTERS']._serialized_end=1296
+  _globals['_TIERMOVE']._serialized_start=1298
+  _globals['_TIERMOVE']._serialized_end=1375
+  _globals['_DEVICETIERUSAGE']._serialized_start=1377
+  _globals['_DEVICETIERUSAGE']._serialized_end=1472
+  _globals['_TIERSTATSRESPONSE']._serialized_start=1475
+  _globals['_TIERSTATSRESPONSE']._serialized_end=1744
+  _globals['_TIERSTATSRESPONSE_PREFIXCOUNTERSENTRY']._serialized_start=1691
+  _globals['_TIERSTATSRESPONSE_PREFIXCOUNTERSENTRY']._serialized_end=1744
+  _globals['_TIERSERVICE']._serialized_start=1747
+  _globals['_TIERSERVICE']._serialized_end=2219
 # @@protoc_insertion_point(module_scope)

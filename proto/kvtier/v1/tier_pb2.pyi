@@ -178,8 +178,11 @@ class StorePrefixRequest(_message.Message):
     LEASE_ID_FIELD_NUMBER: _builtins.int
     PAGE_KEYS_FIELD_NUMBER: _builtins.int
     SLOTS_FIELD_NUMBER: _builtins.int
+    RELEASE_FIELD_NUMBER: _builtins.int
     pool_id: _builtins.str
     lease_id: _builtins.str
+    release: _builtins.bool
+    """then end the lease (ReleasePrefix in the same call); not if the store fails"""
     @_builtins.property
     def page_keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
         """k keys"""
@@ -195,10 +198,11 @@ class StorePrefixRequest(_message.Message):
         lease_id: _builtins.str = ...,
         page_keys: _abc.Iterable[_builtins.bytes] | None = ...,
         slots: _abc.Iterable[_builtins.int] | None = ...,
+        release: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_id", b"lease_id", "page_keys", b"page_keys", "pool_id", b"pool_id", "slots", b"slots"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_id", b"lease_id", "page_keys", b"page_keys", "pool_id", b"pool_id", "release", b"release", "slots", b"slots"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

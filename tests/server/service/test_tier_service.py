@@ -252,3 +252,18 @@ def test_a_repeated_key_in_a_lower_tier_is_invalid_argument_and_leaks_no_page(ti
     assert c.describe_pool(d.pool_id).free_pages == free
     assert c.where_is(d.pool_id, keys[:1]) == [["host"]]
     verify_nothing_pinned(d)
+
+
+def test_store_with_release_ends_the_lease_in_the_same_call(tiny):
+    """StorePrefix(release=True) stores and releases at once; when the store is refused, the lease stays open."""
+    d, c = tiny, tiny.client
+    keys = d.page_keys(3, seed=21)
+    lease = c.load_prefix(d.pool_id, keys)
+    with pytest.raises(InvalidArgumentError):
+        c.store_prefix(lease, keys, lease.slots[:PAGE], release=True)  # 3 keys, 1 page of slots
+    assert c.tier_stats(d.pool_id).device["open_leases"] == 1
+    assert c.store_prefix(lease, keys, lease.slots, release=True) == 3
+    verify_nothing_pinned(d)
+    with pytest.raises(NotFoundError):
+        c.release_prefix(lease)
+    assert c.where_is(d.pool_id, keys) == [["device"]] * 3

@@ -115,13 +115,15 @@ def test_failure_between_latent_and_indexer_parts_is_invisible(pool, allocator, 
     cache = PrefixCache(stack, allocator, codec, pool=pool)
     keys = keys_for(16)
     written = store_pages(cache, pool, keys, seed=3)
-    class FailingIndexer(list):
-        """The pool's indexer buffers, failing when the record copy reaches them (after the latent part)."""
+    arena = pool.arena
 
-        def __getitem__(self, i):
+    def failing_indexer(component):
+        """The pool's arenas, failing when the record copy reaches the indexer (after the latent part)."""
+        if component == "index_k":
             raise RuntimeError("injected: failed after the latent part, before the indexer part")
+        return arena(component)
 
-    monkeypatch.setattr(pool, "index_k_with_scale_buffer", FailingIndexer(pool.index_k_with_scale_buffer))
+    monkeypatch.setattr(pool, "arena", failing_indexer)
     with pytest.raises(RuntimeError, match="injected"):
         cache.load(keys_for(1, seed=7))
     monkeypatch.undo()

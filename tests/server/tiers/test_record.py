@@ -92,3 +92,21 @@ def test_page_fast_path_equals_the_general_encoding_and_loads_byte_exact(model, 
     scattered = codec.encode_from_pool(pool, torch.tensor([64 * 5 + 3, 64 * 5 + 1]))
     with pytest.raises(RecordError, match="one-page"):
         codec.load_page(other, scattered, 12)
+
+
+def test_page_fast_load_checks_the_record_as_check_does(model, pool, codec):
+    """The one-page load compares the header with the codec's and checksums the payload itself:
+    a flipped payload byte, another model's record or a cut record is refused, the pool unchanged."""
+    fill_page(pool, 5, seed=12)
+    good = codec.encode_page(pool, 5)
+    other = create_pool(model, 16 * PAGE, device="cpu")
+    before = other.arena("latent").clone()
+    bad = good.clone()
+    bad[codec.header_nbytes + 1000] ^= 1
+    with pytest.raises(RecordError, match="checksum"):
+        codec.load_page(other, bad, 3)
+    with pytest.raises(RecordError, match="fingerprint"):
+        RecordCodec(DSAModelConfig.from_preset("deepseek-v3.2", num_layers=4)).load_page(other, good, 3)
+    with pytest.raises(RecordError):
+        codec.load_page(other, good[:-8].clone(), 3)
+    assert torch.equal(other.arena("latent"), before)

@@ -1,0 +1,327 @@
+"""Local attach, the worker's side: compute on the daemon's pool memory (README "Local attach").
+
+``KVTierClient.attach(pool_id)`` (this module's :class:`AttachMixin`) connects to the daemon's
+attach channel (``<socket>.attach`` beside its unix socket; ``kvtier.attach_wire``), presents the
+client's token, receives the pool's layout and its arenas -- on the CPU memfd descriptors, which it
+maps; on a GPU CUDA IPC handles, which it opens -- and builds kvtier's own
+:class:`~kvtier.server.pool.DSATokenToKVPool` over them (the pool core is imported here, lazily,
+for attach only; the client imports nothing else of the server). The result, an
+:class:`AttachedPool`, looks like SGLang's ``DSATokenToKVPool`` to engine code: ``kv_buffer``,
+``index_k_with_scale_buffer``, ``skip_topk_layers``, ``page_size``, ``size``, ``start_layer``, the
+buffer infos in this process's address space, ``set_kv_buffer``, ``set_index_k_scale_buffer``,
+``get_index_k_scale``, ``get_cpu_copy``, ... all on the daemon's bytes.
+
+The connection stays open: it is the attach session. Calls through :attr:`AttachedPool.client`
+(and the pool-bound helpers such as :meth:`AttachedPool.allocate_slots`) carry the session, so the
+slots they allocate and the leases they take are the session's; they come back to the daemon when
+the session ends -- :meth:`AttachedPool.detach`, or the process exiting, crashing or being killed.
+
+Ordering: a worker's writes must be complete before it calls StorePrefix, Offload or a PullKV that
+reads them (CPU: when the Python call that wrote returns; CUDA: synchronize the writing stream or
+wait on an event); the daemon's writes (LoadPrefix, Restore, a PullKV into the pool) are complete
+when the call returns.
+
+After :meth:`AttachedPool.detach` the worker's tensors can never touch the daemon's memory again: on
+the CPU each mapping is replaced in place by private zero memory (stale tensors read zeros, their
+writes go nowhere shared), then the descriptors are closed; on CUDA the IPC mappings are closed.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+from kvtier.addresses import is_unix
+from kvtier.attach_wire import PROTOCOL_VERSION, SESSION_METADATA, WireError, recv_message, send_message
+from kvtier.client.base import BaseClient
+from kvtier.client.errors import FailedPreconditionError, KVTierError, UnavailableError, from_code_name
+
+HANDSHAKE_TIMEOUT_S = 30.0
+
+
+def _close_fds(fds: Sequence[int]) -> None:
+    import os
+
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def _release(memory: list[Any], staging: list[Any], sock: socket.socket, client: Any) -> None:
+    """Detach's work, also run by the finalizer of an AttachedPool dropped without detach(): first
+    make every mapping private (so no stale tensor reaches the daemon's memory), then close the
+    session's connection (the daemon gives its slots and leases back), then the session's client."""
+    for m in [*memory, *staging]:
+        if hasattr(m, "revoke"):
+            m.revoke()
+        else:
+            m.close()
+    memory.clear()
+    staging.clear()
+    try:
+        sock.close()
+    finally:
+        client.close()
+
+
+class AttachedPool:
+    """A pool of the daemon, mapped into this process (see the module docstring).
+
+    Attribute access not defined here goes to :attr:`pool`, kvtier's ``DSATokenToKVPool`` over the
+    attached memory: ``ap.kv_buffer[i]`` is a ``(size + page_size, 1, kv_cache_dim)`` tensor of the
+    store dtype on the daemon's bytes, ``ap.index_k_with_scale_buffer[i]`` ``(num_pages, page_size *
+    132)`` uint8 (``(0, cols)`` on skip layers), ``ap.get_state_buf_infos()`` addresses in this process.
+
+    Attributes:
+        pool: the ``DSATokenToKVPool`` over the attached memory (for code that needs the real class).
+        pool_id: the daemon's pool id. tenant: the tenant attached as.
+        client: a :class:`~kvtier.client.KVTierClient` whose calls are made in this session.
+        model: the pool's model fingerprint (name, layers, skip mask, dtypes, page size).
+        device: ``"cpu"`` or ``"cuda"``.
+    """
+
+    def __init__(self, *, pool: Any, client: Any, sock: socket.socket, memory: list[Any], reply: dict[str, Any]) -> None:
+        self.pool = pool
+        self.client = client
+        self.pool_id: str = reply["pool_id"]
+        self.tenant: str = reply["tenant"]
+        self.model: dict[str, Any] = reply["model"]
+        self.device: str = reply["device"]
+        self.staging_max_bytes: int = int(reply.get("staging_max_bytes", 0))
+        self._session_id: str = reply["session_id"]
+        self._sock = sock
+        self._memory = memory
+        self._staging: list[Any] = []
+        self._lock = threading.Lock()
+        self._detached = False
+        self._finalizer = weakref.finalize(self, _release, memory, self._staging, sock, client)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name in ("pool", "_detached"):
+            raise AttributeError(name)
+        if self.__dict__.get("_detached", True):
+            raise RuntimeError(f"the pool {self.__dict__.get('pool_id', '?')!r} was detached; attach again to use it")
+        return getattr(self.__dict__["pool"], name)
+
+    def __repr__(self) -> str:
+        state = "detached" if self._detached else "attached"
+        return f"AttachedPool({self.pool_id!r}, {self.device}, {state})"
+
+    @property
+    def attached(self) -> bool:
+        """False once :meth:`detach` ran."""
+        return not self._detached
+
+    @property
+    def session_id(self) -> str:
+        """The session's id (a secret of this worker: never log it)."""
+        return self._session_id
+
+    # ----- the session's calls, bound to this pool ------------------------------------------
+    def allocate_slots(self, num_tokens: int, **kw: Any) -> Any:
+        """Allocate whole pages in this session (they are its own until freed or detached); ``(n,)`` slots."""
+        return self.client.allocate_slots(self.pool_id, num_tokens, **kw)
+
+    def free_slots(self, slots: Any, **kw: Any) -> int:
+        """Free pages this session allocated."""
+        return self.client.free_slots(self.pool_id, slots, **kw)
+
+    def lookup_prefix(self, page_keys: Sequence[bytes], **kw: Any) -> Any:
+        """Per tier, the longest prefix of ``page_keys`` present (pins nothing)."""
+        return self.client.lookup_prefix(self.pool_id, page_keys, **kw)
+
+    def load_prefix(self, page_keys: Sequence[bytes], total_tokens: int | None = None, **kw: Any) -> Any:
+        """Load the present prefix into the pool (read it through the tensors once this returns) and
+        allocate fresh slots for the rest; the lease is this session's (released at detach at the latest)."""
+        return self.client.load_prefix(self.pool_id, page_keys, total_tokens, **kw)
+
+    def store_prefix(self, lease: Any, page_keys: Sequence[bytes], slots: Any, **kw: Any) -> int:
+        """Hand the lease's fresh pages, written through the tensors (writes complete first), to the cache."""
+        return self.client.store_prefix(lease, page_keys, slots, **kw)
+
+    def release_prefix(self, lease: Any, **kw: Any) -> None:
+        """End a lease (its pages may be evicted and reused afterwards: stop reading them first)."""
+        self.client.release_prefix(lease, **kw)
+
+    def offload(self, key: str, slots: Any, *, free_slots: bool = False, **kw: Any) -> Any:
+        """Copy ``slots`` (as written through the tensors) into the host tier under ``key``."""
+        return self.client.offload(self.pool_id, key, slots, free_slots=free_slots, **kw)
+
+    def restore(self, key: str, slots: Any = None, *, drop: bool = False, **kw: Any) -> Any:
+        """Load the copy under ``key`` into ``slots`` (or fresh slots of this session); read them once this returns."""
+        return self.client.restore(self.pool_id, key, slots, drop=drop, **kw)
+
+    def where_is(self, page_keys: Sequence[bytes], **kw: Any) -> list[list[str]]:
+        """The tiers holding each key's page."""
+        return self.client.where_is(self.pool_id, page_keys, **kw)
+
+    # ----- staging buffers --------------------------------------------------------------------
+    def staging_buffer(self, nbytes: int, *, timeout: float = HANDSHAKE_TIMEOUT_S) -> Any:
+        """A new ``(nbytes,)`` uint8 tensor in shared memory of this session alone, which the daemon
+        maps too (for page transfers; freed at detach). At most ``staging_max_bytes`` in all.
+
+        Raises:
+            ResourceExhaustedError: past the session's staging budget. InvalidArgumentError: a bad size.
+            RuntimeError: detached. UnavailableError: the connection to the daemon is gone.
+        """
+        from kvtier.memfd import SharedMemory
+
+        with self._lock:
+            if self._detached:
+                raise RuntimeError("the pool was detached")
+            self._sock.settimeout(timeout)
+            try:
+                send_message(self._sock, {"kind": "staging", "nbytes": int(nbytes)})
+                got = recv_message(self._sock, accept_fds=True)
+            except (OSError, WireError) as e:
+                raise UnavailableError(f"the attach connection to the daemon failed: {e}") from None
+            if got is None:
+                raise UnavailableError("the daemon closed the attach session")
+            reply, fds = got
+            if "error" in reply:
+                _close_fds(fds)
+                raise from_code_name(reply["error"].get("code", ""), reply["error"].get("message", ""))
+            if len(fds) != 1:
+                _close_fds(fds)
+                raise KVTierError("the daemon's staging reply carried no buffer")
+            shm = SharedMemory.open(fds[0], int(reply["staging"]["nbytes"]))
+            self._staging.append(shm)
+            return shm.tensor()
+
+    # ----- lifetime -----------------------------------------------------------------------------
+    def detach(self) -> None:
+        """End the session: make this process's mappings private (stale tensors read zeros and write
+        nowhere shared; on CUDA the IPC mappings are closed), then close the connection, so the daemon
+        frees the session's slots and releases its leases. Idempotent."""
+        with self._lock:
+            if self._detached:
+                return
+            self._detached = True
+        self._finalizer()
+
+    def __enter__(self) -> AttachedPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.detach()
+
+
+class AttachMixin(BaseClient):
+    """``attach(pool_id)``: map a pool of a daemon on this machine (module docstring)."""
+
+    def attach_socket(self, *, timeout: float | None = None) -> str:
+        """The daemon's attach channel socket (asked with GetStats).
+
+        Raises:
+            FailedPreconditionError: this client or the daemon is on TCP (attach needs the unix socket).
+        """
+        if not is_unix(self.address):
+            raise FailedPreconditionError(
+                f"attach needs the daemon's unix socket on this machine; this client talks to {self.address} over TCP "
+                f"(use the daemon's socket path, e.g. KVTierClient('/run/kvtier/kvtier.sock'))")
+        path = self.stats(timeout=timeout).attach_socket  # type: ignore[attr-defined]
+        if not path:
+            raise FailedPreconditionError("the daemon serves no attach channel (it listens on TCP); attach needs the "
+                                          "daemon's unix socket on this machine")
+        return path
+
+    def attach(self, pool_id: str, *, timeout: float = HANDSHAKE_TIMEOUT_S) -> AttachedPool:
+        """Map pool ``pool_id`` of the daemon into this process (see :class:`AttachedPool`).
+
+        Raises:
+            FailedPreconditionError: the daemon or this client is on TCP, the pool cannot be attached
+                (not in shared memory, another device), or the layout the daemon describes is not
+                the one this client builds (client and daemon of different versions).
+            NotFoundError: no such pool for this caller (also: another tenant's pool, or a uid that may
+                not attach). UnauthenticatedError: no known token. UnavailableError: the channel is unreachable.
+        """
+        path = self.attach_socket(timeout=timeout)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        fds: list[int] = []
+        try:
+            sock.settimeout(timeout)
+            try:
+                sock.connect(path)
+                send_message(sock, {"kind": "attach", "version": PROTOCOL_VERSION, "token": self._token,
+                                    "pool_id": pool_id})
+                got = recv_message(sock, accept_fds=True)
+            except (OSError, WireError) as e:
+                raise UnavailableError(f"cannot reach the daemon's attach channel {path}: {e}") from None
+            if got is None:
+                raise UnavailableError("the daemon closed the attach connection without an answer")
+            reply, fds = got
+            if "error" in reply:
+                raise from_code_name(reply["error"].get("code", ""), reply["error"].get("message", ""))
+            memory, arenas = _map_arenas(reply, fds)
+            fds = []  # owned by the mappings now
+            try:
+                pool = _build_pool(reply, arenas)
+                client = type(self)(self.address, timeout=self.timeout, max_message_bytes=self.max_message_bytes,
+                                    chunk_bytes=self.chunk_bytes, retries=self.retries, token=self._token,
+                                    metadata=[(SESSION_METADATA, reply["session_id"])], **self._tls)
+            except BaseException:
+                for m in memory:
+                    m.revoke() if hasattr(m, "revoke") else m.close()
+                raise
+            sock.settimeout(None)
+            return AttachedPool(pool=pool, client=client, sock=sock, memory=memory, reply=reply)
+        except BaseException:
+            _close_fds(fds)
+            sock.close()
+            raise
+
+
+def _map_arenas(reply: dict[str, Any], fds: list[int]) -> tuple[list[Any], dict[str, Any]]:
+    """Map each arena the reply lists: ``(mappings to revoke/close at detach, {component: tensor})``."""
+    from kvtier.memfd import SharedMemory
+
+    memory: list[Any] = []
+    arenas: dict[str, Any] = {}
+    used: set[int] = set()
+    try:
+        for a in reply["arenas"]:
+            if reply["device"] == "cpu":
+                i = int(a["fd_index"])
+                if not 0 <= i < len(fds) or i in used:
+                    raise FailedPreconditionError("the daemon's attach reply names a descriptor it did not send")
+                used.add(i)
+                shm = SharedMemory.open(fds[i], int(a["nbytes"]))
+                memory.append(shm)
+                arenas[a["component"]] = shm.tensor()
+            else:
+                from kvtier.cuda_ipc import CudaIpcError, open_arena
+
+                try:
+                    cuda = open_arena(a["cuda"])
+                except CudaIpcError as e:
+                    raise FailedPreconditionError(str(e)) from None
+                memory.append(cuda)
+                arenas[a["component"]] = cuda.tensor
+        _close_fds([fd for i, fd in enumerate(fds) if i not in used])
+    except BaseException:
+        _close_fds([fd for i, fd in enumerate(fds) if i not in used])
+        for m in memory:
+            m.revoke() if hasattr(m, "revoke") else m.close()
+        raise
+    return memory, arenas
+
+
+def _build_pool(reply: dict[str, Any], arenas: dict[str, Any]) -> Any:
+    """kvtier's pool over the mapped arenas, checked view by view against the daemon's."""
+    from kvtier.server.pool.layout import pool_from_geometry, pool_views
+
+    try:
+        pool = pool_from_geometry(reply["geometry"], device=next(iter(arenas.values())).device if arenas else "cpu",
+                                  arenas=arenas)
+    except (TypeError, ValueError) as e:
+        raise FailedPreconditionError(f"cannot build the attached pool (client and daemon versions differ?): {e}") from None
+    mine, theirs = pool_views(pool), reply["views"]
+    if mine != theirs:
+        raise FailedPreconditionError("the attached pool's views differ from the daemon's (client and daemon versions "
+                                      "differ?); refusing to use them")
+    return pool

@@ -1,0 +1,116 @@
+"""The attach channel's wire format, shared by the daemon and the client (no server imports here).
+
+Beside its gRPC unix socket ``<dir>/<name>`` the daemon listens on ``<dir>/<name>.attach``
+(:func:`attach_socket_path`; the same private directory, socket mode 0600), an ``AF_UNIX``
+``SOCK_SEQPACKET`` socket: every message arrives whole, and file descriptors travel with it
+(``SCM_RIGHTS``). gRPC can neither pass descriptors nor tell who the peer is; this socket can
+(``SO_PEERCRED``: the connecting process's pid, uid and gid, recorded by the kernel at connect).
+
+A message is one JSON object (UTF-8, at most :data:`MAX_MESSAGE_BYTES`), optionally with up to
+:data:`MAX_FDS` descriptors. The client speaks first; every request gets exactly one reply, in order:
+
+* ``{"kind": "attach", "version": 1, "token": <bearer token or null>, "pool_id": <id>}`` -- the
+  first message of a connection. Reply: the pool's layout and a session id, with the pool's arena
+  descriptors (see ``kvtier.server.daemon.attach``). The connection then *is* the attach session:
+  when it closes (the worker detaches, exits, crashes or is killed), the session ends.
+* ``{"kind": "staging", "nbytes": N}`` -- later, on an attached connection: a fresh staging buffer of
+  ``N`` bytes for page transfers (anonymous shared memory of this session alone), its descriptor
+  with the reply ``{"staging": {"index": i, "nbytes": N}}``.
+
+An error reply is ``{"error": {"code": "NOT_FOUND", "message": "..."}}`` with a gRPC status code
+name; after an error in the first message the daemon closes the connection.
+
+gRPC calls made in a session carry ``x-kvtier-session: <session id>`` metadata (:data:`SESSION_METADATA`).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+from pathlib import Path
+from typing import Any
+
+PROTOCOL_VERSION = 1
+ATTACH_SUFFIX = ".attach"
+SESSION_METADATA = "x-kvtier-session"
+MAX_MESSAGE_BYTES = 1 << 20
+MAX_FDS = 16
+KINDS = ("attach", "staging")
+_PEERCRED = struct.Struct("3i")
+
+
+class WireError(ValueError):
+    """A message that is not one JSON object within the limits (or came with too many descriptors)."""
+
+
+def attach_socket_path(grpc_socket_path: str | Path) -> str:
+    """The attach channel's socket beside a daemon's gRPC unix socket: ``<path>.attach``."""
+    return str(grpc_socket_path) + ATTACH_SUFFIX
+
+
+def send_message(sock: socket.socket, message: dict[str, Any], fds: list[int] | tuple[int, ...] = ()) -> None:
+    """Send one JSON message (and ``fds``) as one datagram.
+
+    Raises:
+        WireError: the message is larger than :data:`MAX_MESSAGE_BYTES` or carries too many descriptors.
+        OSError: the socket failed (the peer went away).
+    """
+    data = json.dumps(message, separators=(",", ":")).encode()
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise WireError(f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    if len(fds) > MAX_FDS:
+        raise WireError(f"{len(fds)} descriptors exceed {MAX_FDS}")
+    if fds:
+        socket.send_fds(sock, [data], list(fds))
+    else:
+        sock.send(data)
+
+
+def recv_message(sock: socket.socket, *, accept_fds: bool = False) -> tuple[dict[str, Any], list[int]] | None:
+    """Receive one message: ``(object, descriptors)``, or None when the peer closed the connection.
+
+    Descriptors are received close-on-exec and only with ``accept_fds`` (the daemon never takes any:
+    what a client sends along is closed at once). On a :class:`WireError` the descriptors that came
+    are closed before it is raised.
+
+    Raises:
+        WireError: not one JSON object, cut off (longer than :data:`MAX_MESSAGE_BYTES`), or too many descriptors.
+        OSError: the socket failed (ECONNRESET when the peer died is reported as None, like a close).
+    """
+    try:
+        data, fds, flags, _ = socket.recv_fds(sock, MAX_MESSAGE_BYTES + 1, MAX_FDS, socket.MSG_CMSG_CLOEXEC)
+    except ConnectionResetError:
+        return None
+    try:
+        if not accept_fds and fds:
+            raise WireError("descriptors are not accepted here")
+        if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC) or len(data) > MAX_MESSAGE_BYTES:
+            raise WireError(f"message longer than {MAX_MESSAGE_BYTES} bytes or with more than {MAX_FDS} descriptors")
+        if not data and not fds:
+            return None  # orderly close
+        try:
+            obj = json.loads(data)
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+            raise WireError(f"a message must be one JSON object: {e}") from None
+        if not isinstance(obj, dict):
+            raise WireError("a message must be one JSON object")
+        return obj, list(fds)
+    except WireError:
+        _close_all(fds)
+        raise
+
+
+def _close_all(fds: list[int]) -> None:
+    import os
+
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+    """``(pid, uid, gid)`` of the process that connected ``sock`` (``SO_PEERCRED``, as of its connect)."""
+    return _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))

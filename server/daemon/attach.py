@@ -1,0 +1,163 @@
+"""Local attach, the domain half: authorise a worker, describe a pool's memory to it, staging buffers.
+
+The attach channel (``kvtier.server.service.attach_channel``) reads a worker's first message and
+its credentials (``SO_PEERCRED``) and calls :meth:`AttachService.attach`; the reply and the arena
+descriptors go back on the same connection, which stays open as the session
+(:mod:`kvtier.server.daemon.sessions`). Nothing here touches a socket.
+
+Who may attach (checked in this order, so nothing leaks about pools a caller may not see):
+
+1. the token, authenticated exactly as gRPC calls are (:func:`~kvtier.server.daemon.tenants.authenticate`):
+   UNAUTHENTICATED without a known one on a daemon with tenants;
+2. the peer's uid: the daemon's own, or one of the tenant's ``attach_uids``; any other uid gets the
+   answer an absent pool gets (NOT_FOUND, same message);
+3. the pool, in the tenant's namespace: another tenant's pool is NOT_FOUND like an absent one.
+
+The reply names the pool's geometry (:func:`~kvtier.server.pool.layout.pool_geometry`), the offset,
+shape and dtype of every per-layer view (:func:`~kvtier.server.pool.layout.pool_views`), the model
+fingerprint, and the arenas: on the CPU one memfd descriptor each (passed with the reply), on CUDA
+one IPC handle each (:func:`kvtier.cuda_ipc.export_arena`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvtier.attach_wire import PROTOCOL_VERSION
+from kvtier.memfd import SharedMemory
+from kvtier.server.daemon.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from kvtier.server.daemon.pools import MAX_POOL_ID_CHARS, PoolEntry
+from kvtier.server.daemon.sessions import AttachSession, PeerCredentials
+from kvtier.server.daemon.tenants import Caller, authenticate
+from kvtier.server.pool.layout import pool_geometry, pool_views
+
+if TYPE_CHECKING:
+    from kvtier.server.daemon.core import Daemon
+
+log = logging.getLogger("kvtier.attach")
+
+MAX_STAGING_BUFFERS = 8  # per session
+
+
+@dataclass(frozen=True)
+class AttachGrant:
+    """An accepted attach: the session, the reply to send, and the descriptors that go with it
+    (the daemon's own: sending does not give them away)."""
+
+    session: AttachSession
+    reply: dict[str, Any]
+    fds: list[int]
+
+
+def _arena_components(entry: PoolEntry) -> list[str]:
+    return [c for c, n in entry.pool.arena_nbytes().items() if n]
+
+
+def describe_memory(entry: PoolEntry) -> tuple[list[dict[str, Any]], list[int]]:
+    """The pool's arenas as the reply lists them, and the descriptors to pass (CPU; none on CUDA).
+
+    Raises:
+        FailedPrecondition: a CPU pool not in shared memory, or CUDA memory that cannot be shared.
+    """
+    pool = entry.pool
+    arenas, fds = [], []
+    for comp in _arena_components(entry):
+        nbytes = pool.arena_nbytes()[comp]
+        if pool.device.type == "cpu":
+            shm = pool.shared_memory.get(comp)
+            if shm is None or shm.fd < 0:
+                raise FailedPrecondition(f"pool {entry.pool_id!r} does not live in shared memory; it cannot be attached")
+            arenas.append({"component": comp, "nbytes": nbytes, "fd_index": len(fds)})
+            fds.append(shm.fd)
+        else:
+            from kvtier.cuda_ipc import CudaIpcError, export_arena
+
+            try:
+                arenas.append({"component": comp, "nbytes": nbytes, "cuda": export_arena(pool.arena(comp))})
+            except CudaIpcError as e:
+                raise FailedPrecondition(f"pool {entry.pool_id!r}: {e}") from None
+    return arenas, fds
+
+
+class AttachService:
+    """Attach handshakes, staging buffers and session ends for one daemon.
+
+    Args:
+        daemon: the daemon (its tokens, tenant settings, pools, sessions).
+    """
+
+    def __init__(self, daemon: Daemon) -> None:
+        self.daemon = daemon
+        self.sessions = daemon.sessions
+
+    def uid_allowed(self, tenant: str, uid: int) -> bool:
+        """Whether a process of ``uid`` may attach ``tenant``'s pools: the daemon's own uid, or one
+        of the tenant's ``attach_uids``."""
+        settings = self.daemon.config.tenants.get(tenant)
+        return uid == os.getuid() or (settings is not None and uid in settings.attach_uids)
+
+    def attach(self, peer: PeerCredentials, request: dict[str, Any]) -> AttachGrant:
+        """Check an attach request (module docstring) and open a session.
+
+        Raises:
+            InvalidArgument: a malformed request. FailedPrecondition: another protocol version, or a
+                pool that cannot be attached. Unauthenticated: no known token. NotFound: no such pool
+                for this caller (or its uid may not attach). ResourceExhausted: too many sessions.
+        """
+        version, pool_id, token = request.get("version"), request.get("pool_id"), request.get("token")
+        if version != PROTOCOL_VERSION:
+            raise FailedPrecondition(f"attach protocol version {version!r} is not this daemon's {PROTOCOL_VERSION}; "
+                                     f"use a kvtier client of the daemon's version")
+        if not isinstance(pool_id, str) or not 0 < len(pool_id) <= MAX_POOL_ID_CHARS:
+            raise InvalidArgument(f"pool_id must be a string of 1..{MAX_POOL_ID_CHARS} characters")
+        if token is not None and not isinstance(token, str):
+            raise InvalidArgument("token must be a string or null")
+        caller = authenticate(self.daemon.tokens, token)
+        if not self.uid_allowed(caller.tenant, peer.uid):
+            log.info("attach refused: uid %d may not attach pools of tenant %r", peer.uid, caller.tenant)
+            raise NotFound(f"no pool {pool_id!r}")
+        with self.daemon.pools.locked(caller, pool_id, exclusive=False) as entry:
+            arenas, fds = describe_memory(entry)
+            session = self.sessions.new(caller.tenant, entry, peer)
+            if session is None:
+                raise ResourceExhausted(f"the daemon already has {self.sessions.max_sessions} attach sessions")
+            reply = {
+                "version": PROTOCOL_VERSION, "session_id": session.session_id, "pool_id": entry.pool_id,
+                "tenant": caller.tenant, "device": entry.pool.device.type, "role": entry.role,
+                "model": entry.model.fingerprint(), "fingerprint_digest": entry.model.fingerprint_digest(),
+                "geometry": pool_geometry(entry.pool), "views": pool_views(entry.pool), "arenas": arenas,
+                "staging_max_bytes": self.daemon.config.attach_staging_bytes,
+            }
+        self.daemon.counters.add(caller, "attach_sessions")
+        log.info("attach session %d: pid %d (uid %d) attached pool %r of tenant %r", session.number, peer.pid,
+                 peer.uid, entry.pool_id, caller.tenant)
+        return AttachGrant(session, reply, fds)
+
+    def staging(self, session: AttachSession, request: dict[str, Any]) -> tuple[dict[str, Any], SharedMemory]:
+        """A new staging buffer of ``request["nbytes"]`` bytes for ``session``: anonymous shared memory
+        of this session alone (never the host tier's memory, which holds every tenant's records),
+        freed when the session ends. Returns the reply and the buffer (its descriptor goes with the reply).
+
+        Raises:
+            InvalidArgument: a bad size. ResourceExhausted: past ``attach_staging_bytes`` or
+                :data:`MAX_STAGING_BUFFERS` for the session. NotFound: the session has ended.
+        """
+        nbytes = request.get("nbytes")
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 1:
+            raise InvalidArgument(f"nbytes must be a positive integer, got {nbytes!r}")
+        limit = self.daemon.config.attach_staging_bytes
+        if session.ended:
+            raise NotFound("the attach session has ended")
+        if len(session.staging) >= MAX_STAGING_BUFFERS or session.staging_bytes + nbytes > limit:
+            raise ResourceExhausted(f"staging buffers of a session hold at most {limit} bytes in {MAX_STAGING_BUFFERS} "
+                                    f"buffers ({session.staging_bytes} bytes in {len(session.staging)} now)")
+        try:
+            shm = SharedMemory.create(nbytes, f"kvtier-staging-{session.number}")
+        except OSError as e:
+            raise ResourceExhausted(f"could not make a {nbytes}-byte staging buffer: {e.strerror}") from None
+        session.staging.append(shm)
+        self.daemon.counters.add(Caller(session.tenant), "attach_staging_buffers")
+        return {"staging": {"index": len(session.staging) - 1, "nbytes": nbytes}}, shm

@@ -1,0 +1,139 @@
+"""Attach sessions: who holds what while a worker is attached to a pool (README "Local attach").
+
+An :class:`AttachSession` exists from a worker's attach handshake until its connection to the attach
+channel closes (``detach()``, exit, crash, SIGKILL: the kernel closes the socket in every case). Its
+gRPC calls carry its id (``x-kvtier-session``); the caller then makes them in the session, and:
+
+* slots allocated in it (AllocateSlots, Restore into fresh slots) are *owned* by it: the pool entry
+  records the session's number on their pages (``PoolEntry.page_owner``). Only the session may free,
+  overwrite or move onto them; anyone else is refused with FAILED_PRECONDITION (FreeSlots,
+  Offload with free_slots, WriteKV, MoveKV targets, Restore into them, PullKV destinations);
+* leases taken in it (LoadPrefix) are its own and never expire by the lease TTL (the session's end
+  is the signal that the holder is gone); their pages stay pinned, so the prefix cache never evicts them.
+
+When the session ends, :meth:`kvtier.server.daemon.core.Daemon.end_session` frees its slots and
+releases its leases at once (bound: as soon as the pool's lock is free, i.e. once calls in flight on
+that pool finish), counted and logged.
+
+Session ids are 128 random bits (32 hex characters): they name a session only to its tenant, and
+another tenant's id is an unknown one. Numbers (1, 2, ...) are internal, for the page-owner table.
+
+Locking: the registry's lock is a level-1 dict lock (README "Concurrency"); a session's ``leases``
+and ``ended`` are read and changed only under its pool's exclusive lock (level 2), so a call in the
+session and the session's end never interleave on that pool.
+"""
+
+from __future__ import annotations
+
+import itertools
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvtier.server.daemon.pools import PoolEntry
+
+
+@dataclass(frozen=True)
+class PeerCredentials:
+    """The attached process as the kernel saw it at connect (``SO_PEERCRED``)."""
+
+    pid: int
+    uid: int
+    gid: int
+
+
+@dataclass(eq=False)
+class AttachSession:
+    """One worker attached to one pool.
+
+    Attributes:
+        session_id: 32 hex characters (128 random bits); never logged.
+        number: small internal number, recorded on the pages the session owns.
+        tenant: the tenant it attached as. entry: the pool it attached (the entry object: a pool
+            deleted and made again under the same id is another pool).
+        peer: the attached process. started: ``time.monotonic()`` at attach.
+        leases: ids of the prefix leases it holds (under the pool's exclusive lock).
+        staging: its staging buffers (``kvtier.memfd.SharedMemory``), freed with it.
+        ended: set when the session ends; a call in it then fails (checked under the pool's lock).
+    """
+
+    session_id: str = field(repr=False)
+    number: int
+    tenant: str
+    entry: PoolEntry = field(repr=False)
+    peer: PeerCredentials
+    started: float = field(default_factory=time.monotonic)
+    leases: set[str] = field(default_factory=set, repr=False)
+    staging: list[Any] = field(default_factory=list, repr=False)
+    ended: bool = False
+    close_hook: Any = field(default=None, repr=False)
+    """Set by the attach channel: closes the session's connection (when the daemon ends it)."""
+
+    @property
+    def pool_id(self) -> str:
+        return self.entry.pool_id
+
+    @property
+    def staging_bytes(self) -> int:
+        """Bytes of its staging buffers."""
+        return sum(s.nbytes for s in self.staging)
+
+
+class SessionRegistry:
+    """The daemon's live attach sessions (thread-safe; a level-1 lock, held for dict operations only).
+
+    Args:
+        max_sessions: live sessions at most (a new attach past it is refused).
+    """
+
+    def __init__(self, max_sessions: int = 1024) -> None:
+        self.max_sessions = max_sessions
+        self._lock = threading.Lock()
+        self._sessions: dict[str, AttachSession] = {}
+        self._numbers = itertools.count(1)
+        self.started = 0  # plain ints for monitoring
+        self.ended = 0
+
+    def new(self, tenant: str, entry: PoolEntry, peer: PeerCredentials) -> AttachSession | None:
+        """Register a new session of ``tenant`` on ``entry``; None when :attr:`max_sessions` are live."""
+        with self._lock:
+            if len(self._sessions) >= self.max_sessions:
+                return None
+            sid = secrets.token_hex(16)
+            while sid in self._sessions:
+                sid = secrets.token_hex(16)
+            s = AttachSession(sid, next(self._numbers), tenant, entry, peer)
+            self._sessions[sid] = s
+            self.started += 1
+            return s
+
+    def get(self, tenant: str, session_id: str) -> AttachSession | None:
+        """``tenant``'s live session ``session_id`` (None: unknown, ended, or another tenant's)."""
+        with self._lock:
+            s = self._sessions.get(session_id)
+        return s if s is not None and s.tenant == tenant else None
+
+    def remove(self, session: AttachSession) -> bool:
+        """Take ``session`` out of the registry; False if it already was (it ends once)."""
+        with self._lock:
+            if self._sessions.get(session.session_id) is not session:
+                return False
+            del self._sessions[session.session_id]
+            self.ended += 1
+            return True
+
+    def of_entry(self, entry: PoolEntry) -> list[AttachSession]:
+        """Live sessions attached to ``entry``."""
+        with self._lock:
+            return [s for s in self._sessions.values() if s.entry is entry]
+
+    def all(self) -> list[AttachSession]:
+        """Every live session."""
+        with self._lock:
+            return list(self._sessions.values())
+
+    def __len__(self) -> int:
+        return len(self._sessions)
