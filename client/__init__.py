@@ -3,7 +3,8 @@
 Modules: ``base`` (channel, deadlines, retries), ``errors`` (one exception per status code),
 ``pool`` (PoolService methods), ``attach`` (local attach: ``KVTierClient.attach`` ->
 :class:`AttachedPool`; imports the pool core ``kvtier.server.pool`` lazily, nothing else of the
-server), ``client`` (KVTierClient = all mixins), ``spawn`` (start a daemon as a subprocess, for
+server), ``storage`` (StorageService: units), ``staging`` (storage sessions: shared-memory staging
+buffers for the unit store's staged calls), ``client`` (KVTierClient = all mixins), ``spawn`` (start a daemon as a subprocess, for
 tests and embedded use).
 """
 

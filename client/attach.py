@@ -52,6 +52,40 @@ def _close_fds(fds: Sequence[int]) -> None:
             pass
 
 
+def request_staging(sock: socket.socket, nbytes: int, timeout: float) -> tuple[int, Any]:
+    """Ask the daemon, on an attach session's connection ``sock``, for a new staging buffer of
+    ``nbytes``: ``(its index in the session, kvtier.memfd.SharedMemory mapped here)``. The caller
+    serialises requests on ``sock`` (one reply per request, in order).
+
+    Raises:
+        ResourceExhaustedError: past the session's staging budget. InvalidArgumentError: a bad size.
+        UnavailableError: the connection to the daemon is gone. KVTierError: a malformed reply.
+    """
+    from kvtier.memfd import SharedMemory
+
+    sock.settimeout(timeout)
+    try:
+        send_message(sock, {"kind": "staging", "nbytes": int(nbytes)})
+        got = recv_message(sock, accept_fds=True)
+    except (OSError, WireError) as e:
+        raise UnavailableError(f"the attach connection to the daemon failed: {e}") from None
+    if got is None:
+        raise UnavailableError("the daemon closed the attach session")
+    reply, fds = got
+    if "error" in reply:
+        _close_fds(fds)
+        raise from_code_name(reply["error"].get("code", ""), reply["error"].get("message", ""))
+    if len(fds) != 1:
+        _close_fds(fds)
+        raise KVTierError("the daemon's staging reply carried no buffer")
+    try:
+        index, size = int(reply["staging"]["index"]), int(reply["staging"]["nbytes"])
+    except (KeyError, TypeError, ValueError):
+        _close_fds(fds)
+        raise KVTierError("the daemon's staging reply is malformed") from None
+    return index, SharedMemory.open(fds[0], size)
+
+
 def _release(memory: list[Any], staging: list[Any], sock: socket.socket, client: Any) -> None:
     """Detach's work, also run by the finalizer of an AttachedPool dropped without detach(): first
     make every mapping private (so no stale tensor reaches the daemon's memory), then close the
@@ -169,27 +203,10 @@ class AttachedPool:
             ResourceExhaustedError: past the session's staging budget. InvalidArgumentError: a bad size.
             RuntimeError: detached. UnavailableError: the connection to the daemon is gone.
         """
-        from kvtier.memfd import SharedMemory
-
         with self._lock:
             if self._detached:
                 raise RuntimeError("the pool was detached")
-            self._sock.settimeout(timeout)
-            try:
-                send_message(self._sock, {"kind": "staging", "nbytes": int(nbytes)})
-                got = recv_message(self._sock, accept_fds=True)
-            except (OSError, WireError) as e:
-                raise UnavailableError(f"the attach connection to the daemon failed: {e}") from None
-            if got is None:
-                raise UnavailableError("the daemon closed the attach session")
-            reply, fds = got
-            if "error" in reply:
-                _close_fds(fds)
-                raise from_code_name(reply["error"].get("code", ""), reply["error"].get("message", ""))
-            if len(fds) != 1:
-                _close_fds(fds)
-                raise KVTierError("the daemon's staging reply carried no buffer")
-            shm = SharedMemory.open(fds[0], int(reply["staging"]["nbytes"]))
+            _, shm = request_staging(self._sock, nbytes, timeout)
             self._staging.append(shm)
             return shm.tensor()
 

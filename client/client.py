@@ -11,12 +11,13 @@ from __future__ import annotations
 from kvtier.client.attach import AttachMixin
 from kvtier.client.base import BaseClient
 from kvtier.client.pool import PoolMixin
+from kvtier.client.staging import StagingMixin
 from kvtier.client.storage import StorageMixin
 from kvtier.client.tiers import TierMixin
 from kvtier.client.transfer import TransferMixin
 
 
-class KVTierClient(PoolMixin, TierMixin, TransferMixin, StorageMixin, AttachMixin, BaseClient):
+class KVTierClient(PoolMixin, TierMixin, TransferMixin, StorageMixin, StagingMixin, AttachMixin, BaseClient):
     """Client of a kvtier daemon; see :class:`~kvtier.client.base.BaseClient` for the arguments.
 
     Example::

@@ -11,6 +11,17 @@ main user; any engine with page keys can use it::
     c.put_units(space, [b"hash0"], "both", data)    # data: (space.part_nbytes("both"),) uint8
     c.exist_units(space, [b"hash0", b"hash1"])      # 1: the longest prefix of whole units
     found = c.get_units(space, [b"hash0"], "both", out)
+
+On the daemon's machine the bytes can go through shared memory instead of gRPC messages: open a
+storage session (``kvtier.client.staging``), write the parts into one of its staging buffers and
+call ``put_units_staged`` / ``get_units_staged`` through the session's client (only keys and the
+buffer's index and offset travel over gRPC)::
+
+    with c.storage_session() as s:
+        buf = s.buffer(space.part_nbytes("both"))
+        buf.tensor.copy_(data)
+        s.client.put_units_staged(space, [b"hash0"], "both", buf.index)
+        s.client.get_units_staged(space, [b"hash0"], "both", buf.index)   # [True]; bytes in buf.tensor
 """
 
 from __future__ import annotations
@@ -172,6 +183,36 @@ class StorageMixin(BaseClient):
             return [g == n_part for g in got]
 
         return self.server_stream(self._storage.GetUnits, req, consume, idempotent=True, timeout=timeout)
+
+    def put_units_staged(self, space: UnitSpaceSpec, keys: Sequence[bytes], part: str, buffer: int, offset: int = 0, *,
+                         timeout: float | None = None) -> PutUnitsResult:
+        """Store ``part`` of each key's unit from staging buffer ``buffer`` of this client's storage
+        session (unit ``i`` at byte ``offset + i * part_nbytes``; written completely before the call).
+        Call it through :attr:`StagingSession.client <kvtier.client.staging.StagingSession.client>`.
+
+        Raises:
+            FailedPreconditionError: the client is not in a storage or attach session.
+            InvalidArgumentError: space, keys, or a region that does not lie in the buffer (nothing stored).
+            NotFoundError: the session has ended.
+        """
+        req = storage_pb2.PutUnitsStagedRequest(space=space.message(), keys=list(keys), part=_part(part),
+                                                staging=storage_pb2.StagingRegion(buffer=buffer, offset=offset))
+        r = self.unary(self._storage.PutUnitsStaged, req, idempotent=False, timeout=timeout)
+        return PutUnitsResult(list(r.accepted), r.completed, r.pending)
+
+    def get_units_staged(self, space: UnitSpaceSpec, keys: Sequence[bytes], part: str, buffer: int, offset: int = 0, *,
+                         timeout: float | None = None) -> list[bool]:
+        """Read ``part`` of each key's unit into staging buffer ``buffer`` of this client's session
+        (unit ``i`` at byte ``offset + i * part_nbytes``, in place when this returns); per key
+        whether its unit was whole and present (a miss leaves its bytes as they were).
+
+        Raises:
+            FailedPreconditionError: not in a session. InvalidArgumentError: space, keys or region.
+            NotFoundError: the session has ended.
+        """
+        req = storage_pb2.GetUnitsStagedRequest(space=space.message(), keys=list(keys), part=_part(part),
+                                                staging=storage_pb2.StagingRegion(buffer=buffer, offset=offset))
+        return list(self.unary(self._storage.GetUnitsStaged, req, idempotent=True, timeout=timeout).found)
 
     def clear_units(self, space: UnitSpaceSpec, *, timeout: float | None = None) -> int:
         """Remove the caller's units of ``space`` (and waiting parts); returns how many."""

@@ -13,6 +13,11 @@ A message is one JSON object (UTF-8, at most :data:`MAX_MESSAGE_BYTES`), optiona
   first message of a connection. Reply: the pool's layout and a session id, with the pool's arena
   descriptors (see ``kvtier.server.daemon.attach``). The connection then *is* the attach session:
   when it closes (the worker detaches, exits, crashes or is killed), the session ends.
+* ``{"kind": "storage", "version": 1, "token": <bearer token or null>}`` -- instead, the first message
+  of a *storage session*: a session without a pool, for an engine's storage backend on this machine
+  (``kvtier.integrations.sglang``). Reply: ``{"version", "session_id", "tenant", "staging_max_bytes",
+  "staging_max_buffers"}``; its staging buffers carry the unit store's page bytes
+  (``StorageService.PutUnitsStaged`` / ``GetUnitsStaged`` name a buffer and an offset).
 * ``{"kind": "staging", "nbytes": N}`` -- later, on an attached connection: a fresh staging buffer of
   ``N`` bytes for page transfers (anonymous shared memory of this session alone), its descriptor
   with the reply ``{"staging": {"index": i, "nbytes": N}}``.
@@ -36,7 +41,7 @@ ATTACH_SUFFIX = ".attach"
 SESSION_METADATA = "x-kvtier-session"
 MAX_MESSAGE_BYTES = 1 << 20
 MAX_FDS = 16
-KINDS = ("attach", "staging")
+KINDS = ("attach", "storage", "staging")
 _PEERCRED = struct.Struct("3i")
 
 

@@ -13,6 +13,10 @@ Who may attach (checked in this order, so nothing leaks about pools a caller may
    answer an absent pool gets (NOT_FOUND, same message);
 3. the pool, in the tenant's namespace: another tenant's pool is NOT_FOUND like an absent one.
 
+A *storage session* (``{"kind": "storage"}``) is the same handshake without a pool (steps 1 and 2):
+an engine's storage backend on this machine gets a session whose staging buffers carry the unit
+store's page bytes (:meth:`AttachService.staging_region`; README "Use with SGLang").
+
 The reply names the pool's geometry (:func:`~kvtier.server.pool.layout.pool_geometry`), the offset,
 shape and dtype of every per-layer view (:func:`~kvtier.server.pool.layout.pool_views`), the model
 fingerprint, and the arenas: on the CPU one memfd descriptor each (passed with the reply), on CUDA
@@ -25,6 +29,8 @@ import logging
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+import torch
 
 from kvtier.attach_wire import PROTOCOL_VERSION
 from kvtier.memfd import SharedMemory
@@ -135,6 +141,62 @@ class AttachService:
         log.info("attach session %d: pid %d (uid %d) attached pool %r of tenant %r", session.number, peer.pid,
                  peer.uid, entry.pool_id, caller.tenant)
         return AttachGrant(session, reply, fds)
+
+    def open_storage(self, peer: PeerCredentials, request: dict[str, Any]) -> AttachGrant:
+        """Check a storage-session request (``{"kind": "storage", "version": 1, "token": ...}``) and open
+        a session without a pool: it holds staging buffers only (for the unit store's staged calls).
+
+        Raises:
+            InvalidArgument: a malformed request. FailedPrecondition: another protocol version.
+            Unauthenticated: no known token. NotFound: the peer's uid may not attach as that tenant.
+            ResourceExhausted: too many sessions.
+        """
+        version, token = request.get("version"), request.get("token")
+        if version != PROTOCOL_VERSION:
+            raise FailedPrecondition(f"attach protocol version {version!r} is not this daemon's {PROTOCOL_VERSION}; "
+                                     f"use a kvtier client of the daemon's version")
+        if token is not None and not isinstance(token, str):
+            raise InvalidArgument("token must be a string or null")
+        caller = authenticate(self.daemon.tokens, token)
+        if not self.uid_allowed(caller.tenant, peer.uid):
+            log.info("storage session refused: uid %d may not attach as tenant %r", peer.uid, caller.tenant)
+            raise NotFound("no storage session for this process: its uid may not attach (give it the tenant's "
+                           "attach_uids, or use the gRPC transport)")
+        session = self.sessions.new(caller.tenant, None, peer)
+        if session is None:
+            raise ResourceExhausted(f"the daemon already has {self.sessions.max_sessions} attach sessions")
+        self.daemon.counters.add(caller, "storage_sessions")
+        log.info("attach session %d: pid %d (uid %d) opened a storage session of tenant %r", session.number, peer.pid,
+                 peer.uid, caller.tenant)
+        reply = {"version": PROTOCOL_VERSION, "session_id": session.session_id, "tenant": caller.tenant,
+                 "staging_max_bytes": self.daemon.config.attach_staging_bytes,
+                 "staging_max_buffers": MAX_STAGING_BUFFERS}
+        return AttachGrant(session, reply, [])
+
+    @staticmethod
+    def staging_region(caller: Caller, buffer: int, offset: int, nbytes: int) -> torch.Tensor:
+        """Bytes ``[offset, offset + nbytes)`` of staging buffer ``buffer`` of the caller's attach
+        session, as a ``(nbytes,)`` uint8 tensor over the shared memory (no copy). The mapping stays
+        valid while the tensor lives, even if the session ends meanwhile.
+
+        Raises:
+            FailedPrecondition: the call is not made in an attach session (no ``x-kvtier-session``).
+            NotFound: the session has ended. InvalidArgument: no such buffer, or the region does not lie in it.
+        """
+        session = caller.session
+        if session is None:
+            raise FailedPrecondition("a staged call needs an attach session with a staging buffer (x-kvtier-session "
+                                     "metadata; see README \"Use with SGLang\"); without one use PutUnits/GetUnits")
+        if session.ended:
+            raise NotFound("the attach session has ended; open another")
+        bufs = list(session.staging)  # the session's end may clear the list; the mappings outlive it
+        if not 0 <= buffer < len(bufs):
+            raise InvalidArgument(f"the session has {len(bufs)} staging buffers; there is no buffer {buffer}")
+        shm = bufs[buffer]
+        if offset < 0 or nbytes < 0 or offset + nbytes > shm.nbytes:
+            raise InvalidArgument(f"bytes {offset}..{offset + nbytes} do not lie in staging buffer {buffer} "
+                                  f"({shm.nbytes} bytes)")
+        return shm.tensor()[offset:offset + nbytes]
 
     def staging(self, session: AttachSession, request: dict[str, Any]) -> tuple[dict[str, Any], SharedMemory]:
         """A new staging buffer of ``request["nbytes"]`` bytes for ``session``: anonymous shared memory

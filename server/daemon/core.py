@@ -173,14 +173,17 @@ class Daemon:
         if not self.sessions.remove(session):
             return False
         entry, freed, released = session.entry, 0, 0
-        with entry.lock.exclusive():
-            session.ended = True  # a call in the session that takes the lock after this fails NOT_FOUND
-            if not entry.deleted:
-                pages = entry.session_pages(session.number)
-                if pages:
-                    slots = slots_of_pages(torch.tensor(pages, dtype=torch.int64), entry.page_size)
-                    freed = entry.free(slots, session.number)
-                released = self.tiers.release_session_leases(entry, session)
+        if entry is None:  # a storage session: staging buffers only
+            session.ended = True
+        else:
+            with entry.lock.exclusive():
+                session.ended = True  # a call in the session that takes the lock after this fails NOT_FOUND
+                if not entry.deleted:
+                    pages = entry.session_pages(session.number)
+                    if pages:
+                        slots = slots_of_pages(torch.tensor(pages, dtype=torch.int64), entry.page_size)
+                        freed = entry.free(slots, session.number)
+                    released = self.tiers.release_session_leases(entry, session)
         for shm in session.staging:
             shm.close_fd()
         session.staging.clear()
@@ -188,8 +191,8 @@ class Daemon:
         self.counters.add(caller, "attach_sessions_ended")
         self.counters.add(caller, "attach_pages_freed", freed)
         self.counters.add(caller, "attach_leases_released", released)
-        log.info("attach session %d of pool %r ended (%s): %d pages freed, %d leases released", session.number,
-                 entry.pool_id, reason, freed, released)
+        log.info("attach session %d of %s ended (%s): %d pages freed, %d leases released", session.number,
+                 f"pool {entry.pool_id!r}" if entry is not None else "the unit store", reason, freed, released)
         hook = getattr(session, "close_hook", None)
         if hook is not None:
             hook()  # the channel closes the connection (when the daemon ended the session)

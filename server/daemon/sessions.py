@@ -1,5 +1,10 @@
 """Attach sessions: who holds what while a worker is attached to a pool (README "Local attach").
 
+A *storage session* is an attach session without a pool (``entry`` None): an engine's storage
+backend on this machine (``kvtier.integrations.sglang``) opens one to get staging buffers, through
+which the unit store's staged calls move page bytes (README "Use with SGLang"). It owns no slots
+and no leases; its end frees its staging buffers.
+
 An :class:`AttachSession` exists from a worker's attach handshake until its connection to the attach
 channel closes (``detach()``, exit, crash, SIGKILL: the kernel closes the socket in every case). Its
 gRPC calls carry its id (``x-kvtier-session``); the caller then makes them in the session, and:
@@ -53,7 +58,7 @@ class AttachSession:
         session_id: 32 hex characters (128 random bits); never logged.
         number: small internal number, recorded on the pages the session owns.
         tenant: the tenant it attached as. entry: the pool it attached (the entry object: a pool
-            deleted and made again under the same id is another pool).
+            deleted and made again under the same id is another pool); None for a storage session.
         peer: the attached process. started: ``time.monotonic()`` at attach.
         leases: ids of the prefix leases it holds (under the pool's exclusive lock).
         staging: its staging buffers (``kvtier.memfd.SharedMemory``), freed with it.
@@ -63,7 +68,7 @@ class AttachSession:
     session_id: str = field(repr=False)
     number: int
     tenant: str
-    entry: PoolEntry = field(repr=False)
+    entry: PoolEntry | None = field(repr=False)
     peer: PeerCredentials
     started: float = field(default_factory=time.monotonic)
     leases: set[str] = field(default_factory=set, repr=False)
@@ -74,7 +79,8 @@ class AttachSession:
 
     @property
     def pool_id(self) -> str:
-        return self.entry.pool_id
+        """The attached pool's id ("" for a storage session)."""
+        return self.entry.pool_id if self.entry is not None else ""
 
     @property
     def staging_bytes(self) -> int:
@@ -97,8 +103,9 @@ class SessionRegistry:
         self.started = 0  # plain ints for monitoring
         self.ended = 0
 
-    def new(self, tenant: str, entry: PoolEntry, peer: PeerCredentials) -> AttachSession | None:
-        """Register a new session of ``tenant`` on ``entry``; None when :attr:`max_sessions` are live."""
+    def new(self, tenant: str, entry: PoolEntry | None, peer: PeerCredentials) -> AttachSession | None:
+        """Register a new session of ``tenant`` on ``entry`` (None: a storage session); None when
+        :attr:`max_sessions` are live."""
         with self._lock:
             if len(self._sessions) >= self.max_sessions:
                 return None

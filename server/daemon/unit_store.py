@@ -16,6 +16,10 @@ tiers (the same tiers, budgets, quotas and health rules as the prefix caches and
   store then serve each other's units (SGLang on another machine reads them).
 * A part for a unit that is already whole and present is accepted and dropped (the engine re-sends
   pages it wrote before), as SGLang's file backend skips existing pages.
+* Bytes are counted by the way they travelled (``via``): ``stream`` (gRPC messages, PutUnits /
+  GetUnits), ``staged`` (an attach session's shared-memory staging buffer, PutUnitsStaged /
+  GetUnitsStaged: only keys and offsets travel over gRPC), ``call`` (in process):
+  ``put_bytes_<via>``, ``get_bytes_<via>`` beside the totals ``put_bytes``, ``get_bytes``.
 
 Locking: the pending table's lock (level 4, a dict); the tier index locks are taken by the tier calls
 (level 5) with no store lock held. Nothing here imports grpc.
@@ -44,6 +48,7 @@ UNIT_PREFIX = b"u:"
 MAX_KEYS = 4096
 MAX_KEY_BYTES = 256
 _SPACE_CACHE = 256
+VIAS = ("call", "stream", "staged")
 
 
 @dataclass(frozen=True)
@@ -64,8 +69,9 @@ class UnitPut:
     straight into record-sized tensors (no second copy), index parts into their own small tensors.
     """
 
-    def __init__(self, store: UnitStore, caller: Caller, space: UnitSpace, keys: list[bytes], part: str) -> None:
-        self.store, self.caller, self.space, self.keys, self.part = store, caller, space, keys, part
+    def __init__(self, store: UnitStore, caller: Caller, space: UnitSpace, keys: list[bytes], part: str,
+                 via: str = "call") -> None:
+        self.store, self.caller, self.space, self.keys, self.part, self.via = store, caller, space, keys, part, via
         n_part = space.part_nbytes(part)
         self.total = n_part * len(keys)
         if self.total > store.settings.max_call_bytes:
@@ -198,18 +204,21 @@ class UnitStore:
         return n
 
     # ----- put ----------------------------------------------------------------------------------
-    def begin_put(self, caller: Caller, space: UnitSpace, keys: Sequence[bytes], part: str) -> UnitPut:
+    def begin_put(self, caller: Caller, space: UnitSpace, keys: Sequence[bytes], part: str,
+                  via: str = "call") -> UnitPut:
         """Start a put of ``part`` for ``keys``; feed it with :meth:`UnitPut.add`, end with
-        :meth:`UnitPut.commit`. Keys must not repeat. Raises InvalidArgument (keys, part, size)."""
+        :meth:`UnitPut.commit`. Keys must not repeat; ``via`` names how the bytes travel (module
+        docstring; counted). Raises InvalidArgument (keys, part, size)."""
+        assert via in VIAS, via
         keys = self.check_keys(keys)
         if len(set(keys)) != len(keys):
             raise InvalidArgument("unit keys of one put must not repeat")
-        return UnitPut(self, caller, space, keys, space.check_part(part))
+        return UnitPut(self, caller, space, keys, space.check_part(part), via)
 
     def put(self, caller: Caller, space: UnitSpace, keys: Sequence[bytes], part: str,
-            data: bytes | memoryview | torch.Tensor) -> PutResult:
+            data: bytes | memoryview | torch.Tensor, via: str = "call") -> PutResult:
         """:meth:`begin_put`, one :meth:`UnitPut.add` of all ``data``, :meth:`UnitPut.commit`."""
-        p = self.begin_put(caller, space, keys, part)
+        p = self.begin_put(caller, space, keys, part, via)
         p.add(data)
         return p.commit()
 
@@ -249,17 +258,21 @@ class UnitStore:
                                record_size=codec.page_nbytes())
         n_pending = sum(1 for k in p.keys if prefix + k in self.pending)
         self._count(p.caller, units_stored=completed, parts_already_stored=stored_before,
-                    units_dropped_no_room=sum(1 for a in accepted if not a), put_bytes=p.total)
+                    units_dropped_no_room=sum(1 for a in accepted if not a), put_bytes=p.total,
+                    **{f"put_bytes_{p.via}": p.total})
         return PutResult(accepted, completed, n_pending)
 
     # ----- get ----------------------------------------------------------------------------------
-    def read(self, caller: Caller, space: UnitSpace, keys: Sequence[bytes], part: str) -> Iterator[tuple[int, torch.Tensor]]:
+    def read(self, caller: Caller, space: UnitSpace, keys: Sequence[bytes], part: str,
+             via: str = "call") -> Iterator[tuple[int, torch.Tensor]]:
         """Yield ``(position, bytes of part)`` for each key whose unit is whole and present, in key
         order. Each view lies in one record (the host tier's own tensor, pinned, or a verified copy
         from disk or a shared store) and is valid until the next item is asked for: copy it out
         before. A unit read from a tier below the host tier is put back into the host tier (counted
         ``disk->host``, ``mooncake->host``). A record that fails its checks is dropped, counted and
-        read as a miss. Raises InvalidArgument (keys, part)."""
+        read as a miss. ``via`` names how the caller moves the bytes on (counted). Raises
+        InvalidArgument (keys, part)."""
+        assert via in VIAS, via
         keys = self.check_keys(keys)
         space.check_part(part)
         prefix = self._space_prefix(caller, space)
@@ -291,7 +304,28 @@ class UnitStore:
                     if top is not None and tier is not top:  # a hit below the host tier comes up to it
                         self.stack.put(tkey, rec, source=tier.name)
                     break
-        self._count(caller, hits=hits, misses=len(keys) - hits, get_bytes=hits * (end - start))
+        self._count(caller, hits=hits, misses=len(keys) - hits, get_bytes=hits * (end - start),
+                    **{f"get_bytes_{via}": hits * (end - start)})
+
+    def read_into(self, caller: Caller, space: UnitSpace, keys: Sequence[bytes], part: str, out: torch.Tensor,
+                  via: str = "call") -> list[bool]:
+        """Copy ``part`` of each key's whole, present unit into ``out`` (unit ``i`` at byte
+        ``i * part bytes``; ``out`` a ``(len(keys) * part bytes,)`` uint8 tensor, e.g. a staging
+        region); returns per key whether it was found (a miss leaves its bytes as they were).
+
+        Raises:
+            InvalidArgument: keys, part, or ``out`` of another size (checked before anything is read).
+        """
+        keys = self.check_keys(keys)
+        n = space.part_nbytes(space.check_part(part))
+        if out.dtype != torch.uint8 or out.dim() != 1 or out.numel() != n * len(keys):
+            raise InvalidArgument(f"{len(keys)} units of {n} bytes need a {n * len(keys)}-byte region, got "
+                                  f"{tuple(out.shape)} {out.dtype}")
+        found = [False] * len(keys)
+        for i, view in self.read(caller, space, keys, part, via):
+            out[i * n:(i + 1) * n].copy_(view)
+            found[i] = True
+        return found
 
     # ----- housekeeping -------------------------------------------------------------------------
     def clear(self, caller: Caller, space: UnitSpace) -> int:

@@ -201,12 +201,16 @@ class AttachChannel:
                 self._wake()
 
     def _handshake(self, conn: _Conn, request: dict[str, Any]) -> None:
-        if request.get("kind", "attach") != "attach":
-            self._answer(conn, error_reply(InvalidArgument("the first message of a connection must be an attach request")),
-                         close=True)
+        kind = request.get("kind", "attach")
+        if kind not in ("attach", "storage"):
+            self._answer(conn, error_reply(InvalidArgument("the first message of a connection must be an attach or a "
+                                                           "storage request")), close=True)
             return
         try:
-            grant = self.daemon.attach.attach(conn.peer, request)
+            if kind == "attach":
+                grant = self.daemon.attach.attach(conn.peer, request)
+            else:
+                grant = self.daemon.attach.open_storage(conn.peer, request)
         except Exception as e:  # noqa: BLE001 - mapped to a code like a gRPC call's error
             self._answer(conn, error_reply(e), close=True)
             return

@@ -3,6 +3,8 @@
 Every call runs as the caller the auth interceptor resolved; errors are the store's typed errors,
 mapped to status codes in one place (``errors``). The two KV streams hold a stream slot and report
 each message moved (:class:`~kvtier.server.service.streams.StreamGuard`), like WriteKV and ReadKV.
+The two staged calls move no page bytes: they name a region of a staging buffer of the caller's
+attach session (:meth:`~kvtier.server.daemon.attach.AttachService.staging_region`).
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ class StorageServicer(storage_pb2_grpc.StorageServiceServicer):
             first = next(request_iterator, None)
             if first is None or not first.HasField("space"):
                 raise InvalidArgument("PutUnits must start with a message carrying the unit space, keys and part")
-            put = self.units.begin_put(caller, self._space(first.space), first.keys, _part(first.part))
+            put = self.units.begin_put(caller, self._space(first.space), first.keys, _part(first.part), "stream")
             for msg in messages.chained(first, request_iterator, touch):
                 if msg is not first and (msg.HasField("space") or msg.keys):
                     raise InvalidArgument("PutUnits takes the space and keys once, in its first message")
@@ -69,7 +71,7 @@ class StorageServicer(storage_pb2_grpc.StorageServiceServicer):
         caller, cfg = caller_of(context), self.state.config
         chunk = chunk_size(request.chunk_bytes, cfg.chunk_bytes, cfg.max_chunk_bytes)
         with self.streams.stream(context, "GetUnits") as touch:
-            for i, view in self.units.read(caller, self._space(request.space), request.keys, _part(request.part)):
+            for i, view in self.units.read(caller, self._space(request.space), request.keys, _part(request.part), "stream"):
                 mv = memoryview(view.numpy())
                 for off in range(0, len(mv), chunk):
                     touch()
@@ -80,3 +82,16 @@ class StorageServicer(storage_pb2_grpc.StorageServiceServicer):
 
     def GetUnitStats(self, request: storage_pb2.UnitStatsRequest, context: grpc.ServicerContext) -> storage_pb2.UnitStatsResponse:
         return storage_pb2.UnitStatsResponse(counters=self.units.stats(caller_of(context)))
+
+    def PutUnitsStaged(self, request: storage_pb2.PutUnitsStagedRequest, context: grpc.ServicerContext) -> storage_pb2.PutUnitsResponse:
+        caller = caller_of(context)
+        put = self.units.begin_put(caller, self._space(request.space), request.keys, _part(request.part), "staged")
+        put.add(self.state.attach.staging_region(caller, request.staging.buffer, request.staging.offset, put.total))
+        r = put.commit()
+        return storage_pb2.PutUnitsResponse(accepted=r.accepted, completed=r.completed, pending=r.pending)
+
+    def GetUnitsStaged(self, request: storage_pb2.GetUnitsStagedRequest, context: grpc.ServicerContext) -> storage_pb2.GetUnitsStagedResponse:
+        caller, space, part = caller_of(context), self._space(request.space), _part(request.part)
+        nbytes = space.part_nbytes(space.check_part(part)) * len(request.keys)
+        out = self.state.attach.staging_region(caller, request.staging.buffer, request.staging.offset, nbytes)
+        return storage_pb2.GetUnitsStagedResponse(found=self.units.read_into(caller, space, request.keys, part, out, "staged"))

@@ -2,9 +2,9 @@
 
 Issue 8, defect 1: a stats poll racing an offload deadlocked the daemon. The cause was two locks
 taken in opposite orders; the fix is one lock order for the whole daemon (README "Concurrency").
-This test keeps it honest: each of the 30 kinds -- every PoolService, TierService, TransferService
-and StorageService RPC, plus health and what ``kvtier status`` calls -- runs beside every kind
-(itself included: 465 pairs), each side a small scenario that checks its own bytes, every call with
+This test keeps it honest: each of the 32 kinds -- every PoolService, TierService, TransferService
+and StorageService RPC (the staged ones through a storage session's shared memory), plus health and
+what ``kvtier status`` calls -- runs beside every kind (itself included: 528 pairs), each side a small scenario that checks its own bytes, every call with
 a 30 s deadline (a hang fails instead of stalling). At the end the reference KV, the reference copy,
 the reference prefix pages and the reference units are still byte-exact, and nothing is left
 allocated, pinned or waiting.
@@ -247,6 +247,27 @@ class Scene:
         c.put_units(space, [b"c"], "both", unit_bytes(6, 1))
         assert c.clear_units(space) == 1 and c.exist_units(space, [b"c"]) == 0
 
+    def PutUnitsStaged(self, c: KVTierClient) -> None:
+        space, data, n = self._own_space(), unit_bytes(7, 2), UNITS.part_nbytes("both")
+        with c.storage_session() as s:           # a storage session on the attach channel: shared memory
+            buf = s.buffer(2 * n)
+            buf.tensor[:UNITS.index_nbytes].copy_(data[UNITS.kv_nbytes:n])
+            buf.tensor[UNITS.index_nbytes:2 * UNITS.index_nbytes].copy_(data[n + UNITS.kv_nbytes:])
+            assert s.client.put_units_staged(space, [b"a", b"b"], "index", buf.index).pending == 2
+            buf.tensor[:UNITS.kv_nbytes].copy_(data[:UNITS.kv_nbytes])
+            buf.tensor[UNITS.kv_nbytes:2 * UNITS.kv_nbytes].copy_(data[n:n + UNITS.kv_nbytes])
+            assert s.client.put_units_staged(space, [b"a", b"b"], "kv", buf.index).completed == 2
+            buf.tensor.zero_()
+            assert s.client.get_units_staged(space, [b"a", b"b"], "both", buf.index) == [True, True]
+            assert torch.equal(buf.tensor, data)
+        assert c.clear_units(space) == 2
+
+    def GetUnitsStaged(self, c: KVTierClient) -> None:
+        with c.storage_session() as s:
+            buf = s.buffer(self.units.numel())
+            assert s.client.get_units_staged(UNITS, [b"ref-0", b"ref-1"], "both", buf.index) == [True, True]
+            assert torch.equal(buf.tensor, self.units)
+
     def GetUnitStats(self, c: KVTierClient) -> None:
         assert c.unit_stats()["units_stored"] >= 2
 
@@ -262,7 +283,8 @@ class Scene:
 KINDS = ["CreatePool", "DescribePool", "ListPools", "DeletePool", "AllocateSlots", "FreeSlots", "WriteKV", "ReadKV",
          "MoveKV", "Offload", "Restore", "Drop", "GetBufferInfos", "GetStats", "LookupPrefix", "LoadPrefix",
          "StorePrefix", "ReleasePrefix", "WhereIs", "GetTierStats", "GetTransferLayout", "PullKV", "ReadPages",
-         "ExistUnits", "PutUnits", "GetUnits", "ClearUnits", "GetUnitStats", "health", "status"]
+         "ExistUnits", "PutUnits", "GetUnits", "ClearUnits", "GetUnitStats", "PutUnitsStaged", "GetUnitsStaged",
+         "health", "status"]
 
 
 def test_the_kinds_cover_every_rpc():

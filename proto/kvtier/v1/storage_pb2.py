@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvtier.v1 import pool_pb2 as kvtier_dot_v1_dot_pool__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvtier/v1/storage.proto\x12\tkvtier.v1\x1a\x14kvtier/v1/pool.proto\"U\n\tUnitSpace\x12%\n\x06layout\x18\x01 \x01(\x0b\x32\x15.kvtier.v1.PoolLayout\x12\x12\n\nwith_index\x18\x02 \x01(\x08\x12\r\n\x05scope\x18\x03 \x01(\t\"F\n\x11\x45xistUnitsRequest\x12#\n\x05space\x18\x01 \x01(\x0b\x32\x14.kvtier.v1.UnitSpace\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\"*\n\x12\x45xistUnitsResponse\x12\x14\n\x0cprefix_units\x18\x01 \x01(\r\"u\n\x0fPutUnitsRequest\x12#\n\x05space\x18\x01 \x01(\x0b\x32\x14.kvtier.v1.UnitSpace\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12!\n\x04part\x18\x03 \x01(\x0e\x32\x13.kvtier.v1.UnitPart\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"H\n\x10PutUnitsResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x03(\x08\x12\x11\n\tcompleted\x18\x02 \x01(\r\x12\x0f\n\x07pending\x18\x03 \x01(\r\"|\n\x0fGetUnitsRequest\x12#\n\x05space\x18\x01 \x01(\x0b\x32\x14.kvtier.v1.UnitSpace\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12!\n\x04part\x18\x03 \x01(\x0e\x32\x13.kvtier.v1.UnitPart\x12\x13\n\x0b\x63hunk_bytes\x18\x04 \x01(\x04\">\n\x10GetUnitsResponse\x12\x0c\n\x04unit\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"8\n\x11\x43learUnitsRequest\x12#\n\x05space\x18\x01 \x01(\x0b\x32\x14.kvtier.v1.UnitSpace\"%\n\x12\x43learUnitsResponse\x12\x0f\n\x07removed\x18\x01 \x01(\x04\"\x12\n\x10UnitStatsRequest\"\x82\x01\n\x11UnitStatsResponse\x12<\n\x08\x63ounters\x18\x01 \x03(\x0b\x32*.kvtier.v1.UnitStatsResponse.CountersEntry\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01*`\n\x08UnitPart\x12\x19\n\x15UNIT_PART_UNSPECIFIED\x10\x00\x12\x10\n\x0cUNIT_PART_KV\x10\x01\x12\x13\n\x0fUNIT_PART_INDEX\x10\x02\x12\x12\n\x0eUNIT_PART_BOTH\x10\x03\x32\xff\x02\n\x0eStorageService\x12I\n\nExistUnits\x12\x1c.kvtier.v1.ExistUnitsRequest\x1a\x1d.kvtier.v1.ExistUnitsResponse\x12\x45\n\x08PutUnits\x12\x1a.kvtier.v1.PutUnitsRequest\x1a\x1b.kvtier.v1.PutUnitsResponse(\x01\x12\x45\n\x08GetUnits\x12\x1a.kvtier.v1.GetUnitsRequest\x1a\x1b.kvtier.v1.GetUnitsResponse0\x01\x12I\n\nClearUnits\x12\x1c.kvtier.v1.ClearUnitsRequest\x1a\x1d.kvtier.v1.ClearUnitsResponse\x12I\n\x0cGetUnitStats\x12\x1b.kvtier.v1.UnitStatsRequest\x1a\x1c.kvtier.v1.UnitStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvtier/v1/storage.proto\x12\tkvtier.v1\x1a\x14kvtier/v1/pool.proto\"U\n\tUnitSpace\x12%\n\x06layout\x18\x01 \x01(\x0b\x32\x15.kvtier.v1.PoolLayout\x12\x12\n\nwith_index\x18\x02 \x01(\x08\x12\r\n\x05scope\x18\x03 \x01(\t\"F\n\x11\x45xistUnitsRequest\x12#\n\x05space\x18\x01 \x01(\x0b\x32\x14.kvtier.v1.UnitSpace\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\"*\n\x12\x45xistUnitsResponse\x12\x14\n\x0cprefix_units\x18\x01 \x01(\r\"u\n\x0fPutUnitsRequest\x12#\n\x05space\x18\x01 \x01(\x0b\x32\x14.kvtier.v1.UnitSpace\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12!\n\x04part\x18\x03 \x01(\x0e\x32\x13.kvtier.v1.UnitPart\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"H\n\x10PutUnitsResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x03(\x08\x12\x11\n\tcompleted\x18\x02 \x01(\r\x12\x0f\n\x07pending\x18\x03 \x01(\r\"|\n\x0fGetUnitsRequest\x12#\n\x05space\x18\x01 \x01(\x0b\x32\x14.kvtier.v1.UnitSpace\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12!\n\x04part\x18\x03 \x01(\x0e\x32\x13.kvtier.v1.UnitPart\x12\x13\n\x0b\x63hunk_bytes\x18\x04 \x01(\x04\">\n\x10GetUnitsResponse\x12\x0c\n\x04unit\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"/\n\rStagingRegion\x12\x0e\n\x06\x62uffer\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\"\x98\x01\n\x15PutUnitsStagedRequest\x12#\n\x05space\x18\x01 \x01(\x0b\x32\x14.kvtier.v1.UnitSpace\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12!\n\x04part\x18\x03 \x01(\x0e\x32\x13.kvtier.v1.UnitPart\x12)\n\x07staging\x18\x04 \x01(\x0b\x32\x18.kvtier.v1.StagingRegion\"\x98\x01\n\x15GetUnitsStagedRequest\x12#\n\x05space\x18\x01 \x01(\x0b\x32\x14.kvtier.v1.UnitSpace\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12!\n\x04part\x18\x03 \x01(\x0e\x32\x13.kvtier.v1.UnitPart\x12)\n\x07staging\x18\x04 \x01(\x0b\x32\x18.kvtier.v1.StagingRegion\"\'\n\x16GetUnitsStagedResponse\x12\r\n\x05\x66ound\x18\x01 \x03(\x08\"8\n\x11\x43learUnitsRequest\x12#\n\x05space\x18\x01 \x01(\x0b\x32\x14.kvtier.v1.UnitSpace\"%\n\x12\x43learUnitsResponse\x12\x0f\n\x07removed\x18\x01 \x01(\x04\"\x12\n\x10UnitStatsRequest\"\x82\x01\n\x11UnitStatsResponse\x12<\n\x08\x63ounters\x18\x01 \x03(\x0b\x32*.kvtier.v1.UnitStatsResponse.CountersEntry\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01*`\n\x08UnitPart\x12\x19\n\x15UNIT_PART_UNSPECIFIED\x10\x00\x12\x10\n\x0cUNIT_PART_KV\x10\x01\x12\x13\n\x0fUNIT_PART_INDEX\x10\x02\x12\x12\n\x0eUNIT_PART_BOTH\x10\x03\x32\xa7\x04\n\x0eStorageService\x12I\n\nExistUnits\x12\x1c.kvtier.v1.ExistUnitsRequest\x1a\x1d.kvtier.v1.ExistUnitsResponse\x12\x45\n\x08PutUnits\x12\x1a.kvtier.v1.PutUnitsRequest\x1a\x1b.kvtier.v1.PutUnitsResponse(\x01\x12\x45\n\x08GetUnits\x12\x1a.kvtier.v1.GetUnitsRequest\x1a\x1b.kvtier.v1.GetUnitsResponse0\x01\x12I\n\nClearUnits\x12\x1c.kvtier.v1.ClearUnitsRequest\x1a\x1d.kvtier.v1.ClearUnitsResponse\x12I\n\x0cGetUnitStats\x12\x1b.kvtier.v1.UnitStatsRequest\x1a\x1c.kvtier.v1.UnitStatsResponse\x12O\n\x0ePutUnitsStaged\x12 .kvtier.v1.PutUnitsStagedRequest\x1a\x1b.kvtier.v1.PutUnitsResponse\x12U\n\x0eGetUnitsStaged\x12 .kvtier.v1.GetUnitsStagedRequest\x1a!.kvtier.v1.GetUnitsStagedResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,8 +34,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_UNITSTATSRESPONSE_COUNTERSENTRY']._loaded_options = None
   _globals['_UNITSTATSRESPONSE_COUNTERSENTRY']._serialized_options = b'8\001'
-  _globals['_UNITPART']._serialized_start=896
-  _globals['_UNITPART']._serialized_end=992
+  _globals['_UNITPART']._serialized_start=1296
+  _globals['_UNITPART']._serialized_end=1392
   _globals['_UNITSPACE']._serialized_start=60
   _globals['_UNITSPACE']._serialized_end=145
   _globals['_EXISTUNITSREQUEST']._serialized_start=147
@@ -50,16 +50,24 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETUNITSREQUEST']._serialized_end=580
   _globals['_GETUNITSRESPONSE']._serialized_start=582
   _globals['_GETUNITSRESPONSE']._serialized_end=644
-  _globals['_CLEARUNITSREQUEST']._serialized_start=646
-  _globals['_CLEARUNITSREQUEST']._serialized_end=702
-  _globals['_CLEARUNITSRESPONSE']._serialized_start=704
-  _globals['_CLEARUNITSRESPONSE']._serialized_end=741
-  _globals['_UNITSTATSREQUEST']._serialized_start=743
-  _globals['_UNITSTATSREQUEST']._serialized_end=761
-  _globals['_UNITSTATSRESPONSE']._serialized_start=764
-  _globals['_UNITSTATSRESPONSE']._serialized_end=894
-  _globals['_UNITSTATSRESPONSE_COUNTERSENTRY']._serialized_start=847
-  _globals['_UNITSTATSRESPONSE_COUNTERSENTRY']._serialized_end=894
-  _globals['_STORAGESERVICE']._serialized_start=995
-  _globals['_STORAGESERVICE']._serialized_end=1378
+  _globals['_STAGINGREGION']._serialized_start=646
+  _globals['_STAGINGREGION']._serialized_end=693
+  _globals['_PUTUNITSSTAGEDREQUEST']._serialized_start=696
+  _globals['_PUTUNITSSTAGEDREQUEST']._serialized_end=848
+  _globals['_GETUNITSSTAGEDREQUEST']._serialized_start=851
+  _globals['_GETUNITSSTAGEDREQUEST']._serialized_end=1003
+  _globals['_GETUNITSSTAGEDRESPONSE']._serialized_start=1005
+  _globals['_GETUNITSSTAGEDRESPONSE']._serialized_end=1044
+  _globals['_CLEARUNITSREQUEST']._serialized_start=1046
+  _globals['_CLEARUNITSREQUEST']._serialized_end=1102
+  _globals['_CLEARUNITSRESPONSE']._serialized_start=1104
+  _globals['_CLEARUNITSRESPONSE']._serialized_end=1141
+  _globals['_UNITSTATSREQUEST']._serialized_start=1143
+  _globals['_UNITSTATSREQUEST']._serialized_end=1161
+  _globals['_UNITSTATSRESPONSE']._serialized_start=1164
+  _globals['_UNITSTATSRESPONSE']._serialized_end=1294
+  _globals['_UNITSTATSRESPONSE_COUNTERSENTRY']._serialized_start=1247
+  _globals['_UNITSTATSRESPONSE_COUNTERSENTRY']._serialized_end=1294
+  _globals['_STORAGESERVICE']._serialized_start=1395
+  _globals['_STORAGESERVICE']._serialized_end=1946
 # @@protoc_insertion_point(module_scope)

@@ -269,6 +269,129 @@ class GetUnitsResponse(_message.Message):
 Global___GetUnitsResponse: _TypeAlias = GetUnitsResponse  # noqa: Y015
 
 @_typing.final
+class StagingRegion(_message.Message):
+    """Where a staged call's bytes lie: a staging buffer of the caller's attach session (same machine,
+    README "Use with SGLang" / "Local attach"). The buffer is a memfd the daemon made for that session
+    alone and passed over the attach channel; both processes map it. A staged call carries keys and
+    this region only -- the page bytes never travel in gRPC messages. Unit i's part lies at
+    offset + i * (the part's bytes).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BUFFER_FIELD_NUMBER: _builtins.int
+    OFFSET_FIELD_NUMBER: _builtins.int
+    buffer: _builtins.int
+    """the buffer's index in the session (the attach channel's staging reply)"""
+    offset: _builtins.int
+    """byte offset of unit 0's part in the buffer"""
+    def __init__(
+        self,
+        *,
+        buffer: _builtins.int = ...,
+        offset: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["buffer", b"buffer", "offset", b"offset"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StagingRegion: _TypeAlias = StagingRegion  # noqa: Y015
+
+@_typing.final
+class PutUnitsStagedRequest(_message.Message):
+    """PutUnits through shared memory: the caller wrote the parts into the staging region before the
+    call (its writes complete first). Made in an attach session (x-kvtier-session metadata).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SPACE_FIELD_NUMBER: _builtins.int
+    KEYS_FIELD_NUMBER: _builtins.int
+    PART_FIELD_NUMBER: _builtins.int
+    STAGING_FIELD_NUMBER: _builtins.int
+    part: Global___UnitPart.ValueType
+    @_builtins.property
+    def space(self) -> Global___UnitSpace: ...
+    @_builtins.property
+    def keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]: ...
+    @_builtins.property
+    def staging(self) -> Global___StagingRegion: ...
+    def __init__(
+        self,
+        *,
+        space: Global___UnitSpace | None = ...,
+        keys: _abc.Iterable[_builtins.bytes] | None = ...,
+        part: Global___UnitPart.ValueType = ...,
+        staging: Global___StagingRegion | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["space", b"space", "staging", b"staging"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["keys", b"keys", "part", b"part", "space", b"space", "staging", b"staging"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PutUnitsStagedRequest: _TypeAlias = PutUnitsStagedRequest  # noqa: Y015
+
+@_typing.final
+class GetUnitsStagedRequest(_message.Message):
+    """GetUnits through shared memory: each found unit's part is in the staging region when the call
+    returns; a miss leaves its bytes as they were.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SPACE_FIELD_NUMBER: _builtins.int
+    KEYS_FIELD_NUMBER: _builtins.int
+    PART_FIELD_NUMBER: _builtins.int
+    STAGING_FIELD_NUMBER: _builtins.int
+    part: Global___UnitPart.ValueType
+    @_builtins.property
+    def space(self) -> Global___UnitSpace: ...
+    @_builtins.property
+    def keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]: ...
+    @_builtins.property
+    def staging(self) -> Global___StagingRegion: ...
+    def __init__(
+        self,
+        *,
+        space: Global___UnitSpace | None = ...,
+        keys: _abc.Iterable[_builtins.bytes] | None = ...,
+        part: Global___UnitPart.ValueType = ...,
+        staging: Global___StagingRegion | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["space", b"space", "staging", b"staging"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["keys", b"keys", "part", b"part", "space", b"space", "staging", b"staging"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetUnitsStagedRequest: _TypeAlias = GetUnitsStagedRequest  # noqa: Y015
+
+@_typing.final
+class GetUnitsStagedResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FOUND_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def found(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bool]:
+        """per key: its unit was whole and present, and its part is in place"""
+
+    def __init__(
+        self,
+        *,
+        found: _abc.Iterable[_builtins.bool] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["found", b"found"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetUnitsStagedResponse: _TypeAlias = GetUnitsStagedResponse  # noqa: Y015
+
+@_typing.final
 class ClearUnitsRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

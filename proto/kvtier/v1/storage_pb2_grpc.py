@@ -59,6 +59,16 @@ class StorageServiceStub:
                 request_serializer=kvtier_dot_v1_dot_storage__pb2.UnitStatsRequest.SerializeToString,
                 response_deserializer=kvtier_dot_v1_dot_storage__pb2.UnitStatsResponse.FromString,
                 _registered_method=True)
+        self.PutUnitsStaged = channel.unary_unary(
+                '/kvtier.v1.StorageService/PutUnitsStaged',
+                request_serializer=kvtier_dot_v1_dot_storage__pb2.PutUnitsStagedRequest.SerializeToString,
+                response_deserializer=kvtier_dot_v1_dot_storage__pb2.PutUnitsResponse.FromString,
+                _registered_method=True)
+        self.GetUnitsStaged = channel.unary_unary(
+                '/kvtier.v1.StorageService/GetUnitsStaged',
+                request_serializer=kvtier_dot_v1_dot_storage__pb2.GetUnitsStagedRequest.SerializeToString,
+                response_deserializer=kvtier_dot_v1_dot_storage__pb2.GetUnitsStagedResponse.FromString,
+                _registered_method=True)
 
 
 class StorageServiceServicer:
@@ -94,6 +104,19 @@ class StorageServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PutUnitsStaged(self, request, context):
+        """Same machine: the parts lie in a staging buffer of the caller's attach session (see StagingRegion).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetUnitsStaged(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StorageServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -121,6 +144,16 @@ def add_StorageServiceServicer_to_server(servicer, server):
                     servicer.GetUnitStats,
                     request_deserializer=kvtier_dot_v1_dot_storage__pb2.UnitStatsRequest.FromString,
                     response_serializer=kvtier_dot_v1_dot_storage__pb2.UnitStatsResponse.SerializeToString,
+            ),
+            'PutUnitsStaged': grpc.unary_unary_rpc_method_handler(
+                    servicer.PutUnitsStaged,
+                    request_deserializer=kvtier_dot_v1_dot_storage__pb2.PutUnitsStagedRequest.FromString,
+                    response_serializer=kvtier_dot_v1_dot_storage__pb2.PutUnitsResponse.SerializeToString,
+            ),
+            'GetUnitsStaged': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetUnitsStaged,
+                    request_deserializer=kvtier_dot_v1_dot_storage__pb2.GetUnitsStagedRequest.FromString,
+                    response_serializer=kvtier_dot_v1_dot_storage__pb2.GetUnitsStagedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -258,6 +291,60 @@ class StorageService:
             '/kvtier.v1.StorageService/GetUnitStats',
             kvtier_dot_v1_dot_storage__pb2.UnitStatsRequest.SerializeToString,
             kvtier_dot_v1_dot_storage__pb2.UnitStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutUnitsStaged(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtier.v1.StorageService/PutUnitsStaged',
+            kvtier_dot_v1_dot_storage__pb2.PutUnitsStagedRequest.SerializeToString,
+            kvtier_dot_v1_dot_storage__pb2.PutUnitsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetUnitsStaged(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtier.v1.StorageService/GetUnitsStaged',
+            kvtier_dot_v1_dot_storage__pb2.GetUnitsStagedRequest.SerializeToString,
+            kvtier_dot_v1_dot_storage__pb2.GetUnitsStagedResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -52,6 +52,9 @@ class StorageServiceStub:
     GetUnits: _grpc.UnaryStreamMultiCallable[_storage_pb2.GetUnitsRequest, _storage_pb2.GetUnitsResponse]
     ClearUnits: _grpc.UnaryUnaryMultiCallable[_storage_pb2.ClearUnitsRequest, _storage_pb2.ClearUnitsResponse]
     GetUnitStats: _grpc.UnaryUnaryMultiCallable[_storage_pb2.UnitStatsRequest, _storage_pb2.UnitStatsResponse]
+    PutUnitsStaged: _grpc.UnaryUnaryMultiCallable[_storage_pb2.PutUnitsStagedRequest, _storage_pb2.PutUnitsResponse]
+    """Same machine: the parts lie in a staging buffer of the caller's attach session (see StagingRegion)."""
+    GetUnitsStaged: _grpc.UnaryUnaryMultiCallable[_storage_pb2.GetUnitsStagedRequest, _storage_pb2.GetUnitsStagedResponse]
 
 @_typing.type_check_only
 class StorageServiceAsyncStub(StorageServiceStub):
@@ -61,6 +64,9 @@ class StorageServiceAsyncStub(StorageServiceStub):
     GetUnits: _aio.UnaryStreamMultiCallable[_storage_pb2.GetUnitsRequest, _storage_pb2.GetUnitsResponse]  # type: ignore[assignment]
     ClearUnits: _aio.UnaryUnaryMultiCallable[_storage_pb2.ClearUnitsRequest, _storage_pb2.ClearUnitsResponse]  # type: ignore[assignment]
     GetUnitStats: _aio.UnaryUnaryMultiCallable[_storage_pb2.UnitStatsRequest, _storage_pb2.UnitStatsResponse]  # type: ignore[assignment]
+    PutUnitsStaged: _aio.UnaryUnaryMultiCallable[_storage_pb2.PutUnitsStagedRequest, _storage_pb2.PutUnitsResponse]  # type: ignore[assignment]
+    """Same machine: the parts lie in a staging buffer of the caller's attach session (see StagingRegion)."""
+    GetUnitsStaged: _aio.UnaryUnaryMultiCallable[_storage_pb2.GetUnitsStagedRequest, _storage_pb2.GetUnitsStagedResponse]  # type: ignore[assignment]
 
 class StorageServiceServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -97,5 +103,20 @@ class StorageServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _storage_pb2.UnitStatsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_storage_pb2.UnitStatsResponse, _abc.Awaitable[_storage_pb2.UnitStatsResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def PutUnitsStaged(
+        self,
+        request: _storage_pb2.PutUnitsStagedRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_storage_pb2.PutUnitsResponse, _abc.Awaitable[_storage_pb2.PutUnitsResponse]]:
+        """Same machine: the parts lie in a staging buffer of the caller's attach session (see StagingRegion)."""
+
+    @_abc_1.abstractmethod
+    def GetUnitsStaged(
+        self,
+        request: _storage_pb2.GetUnitsStagedRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_storage_pb2.GetUnitsStagedResponse, _abc.Awaitable[_storage_pb2.GetUnitsStagedResponse]]: ...
 
 def add_StorageServiceServicer_to_server(servicer: StorageServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
