@@ -21,6 +21,9 @@ How SGLang's cache controller uses it (``managers/cache_controller.py``,
   the first part, invisible, until the second completes the unit (or a timeout drops it).
 * MLA keeps one writer: on ranks where ``storage_config.is_storage_writer`` is False every set
   returns False and stores nothing; every rank reads the same units (their keys carry no tp rank).
+* Data path (``transport``, :mod:`~kvtier.integrations.sglang.transport`): with the daemon on this
+  machine (a unix-socket address) page bytes go through shared-memory staging buffers of a storage
+  session (only keys and offsets over gRPC); to a remote daemon (TCP) as gRPC streams.
 * Failures never reach SGLang as exceptions: a daemon that is down, slow or refusing gives misses,
   ``False`` and a log line (at most one a minute per kind). Bad keys and sizes give ``False``.
 """
@@ -60,7 +63,7 @@ class KVTierStorage(HiCacheStorage):
 
     Raises:
         ValueError: unusable settings (unknown extra-config keys, a bad value, ``transport`` shm
-            without the attach channel) -- at construction, so SGLang's startup names them.
+            with a TCP address) -- at construction, so SGLang's startup names them.
     """
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Any = None) -> None:
@@ -147,7 +150,7 @@ class KVTierStorage(HiCacheStorage):
         return out
 
     def _batches(self, n: int, unit_bytes: int) -> list[range]:
-        per = max(1, self.settings.staging_bytes // max(unit_bytes, 1))
+        per = max(1, self.transport.call_bytes() // max(unit_bytes, 1))
         return [range(i, min(n, i + per)) for i in range(0, n, per)]
 
     # ----- presence -------------------------------------------------------------------------------

@@ -28,10 +28,15 @@ class BackendSettings:
             kvtier's default unix socket (where ``kvtier serve`` listens by default).
         token: bearer token of a daemon with tenants (``--auth-tokens``); empty: ``$KVTIER_TOKEN``.
         timeout_s: deadline of each daemon call, seconds (a call past it is a miss or a False).
-        transport: ``grpc`` (the parts travel as gRPC streams, any daemon), ``shm`` (same machine,
-            through a shared-memory staging buffer), ``auto`` (shm where possible, else grpc).
+        transport: ``auto`` (the default: shared memory when ``address`` is a unix socket -- the daemon
+            is on this machine --, gRPC streams on TCP), ``shm`` (shared memory only: a unix socket;
+            a call that cannot get a staging buffer fails), ``grpc`` (gRPC streams, any daemon).
+            With shared memory the page bytes go through a staging buffer of a storage session on
+            the daemon's attach channel; only keys and offsets travel over gRPC.
         chunk_bytes: data bytes per gRPC message; max_message_bytes: the daemon's message limit.
-        staging_bytes: the most bytes one daemon call moves; bigger batches are split.
+        staging_bytes: the most bytes one daemon call moves; bigger batches are split. With shared
+            memory also at most a quarter of the daemon's ``attach_staging_bytes`` (one staging buffer
+            for each of up to 4 threads).
         model_name: the name units are stored under; empty: SGLang's ``model_name``.
         tls_root_cert, tls_client_cert, tls_client_key: PEM files for a daemon that serves TLS.
     """

@@ -6,28 +6,48 @@ buffer's bytes to or from the daemon:
 
 * :class:`GrpcTransport`: the parts travel as gRPC streams (``StorageService.PutUnits`` /
   ``GetUnits``), chunked under the message limit: any daemon, local or remote.
-* shared memory (same machine): a per-session staging memfd that the daemon creates and passes over
-  its attach channel (SCM_RIGHTS); calls then name offsets in it instead of carrying bytes. It needs
-  the daemon's attach channel (issue 9); until that is in kvtier, ``transport = "shm"`` is refused and
-  ``auto`` uses gRPC.
+* :class:`ShmTransport` (same machine): the backend opens a storage session on the daemon's attach
+  channel (``kvtier.client.staging``); each thread that moves pages gets one of the session's staging
+  buffers, anonymous shared memory the daemon made for this session alone and passed by SCM_RIGHTS.
+  The backend gathers host pages straight into it, and ``PutUnitsStaged`` / ``GetUnitsStaged`` carry
+  only keys, a buffer index and an offset: no page byte travels in a gRPC message.
+
+``transport`` in the extra config picks: ``grpc``; ``shm`` (a unix-socket address only; a call that
+cannot use shared memory fails: False, a miss and a log line); ``auto`` (the default: shm on a unix
+socket, gRPC on TCP; a call that cannot get a staging buffer -- no session yet, more threads than
+buffers, a unit larger than a buffer -- goes over gRPC).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
-from typing import Protocol
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
-from kvtier.client import KVTierClient
+from kvtier.addresses import is_unix, resolve_address
+from kvtier.client import KVTierClient, KVTierError, NotFoundError, UnavailableError
+from kvtier.client.staging import StagingBuffer, StagingSession
 from kvtier.client.storage import UnitSpaceSpec
 from kvtier.integrations.sglang.settings import BackendSettings
+
+log = logging.getLogger("kvtier.sglang")
+MAX_BUFFERS = 4          # staging buffers a backend holds at most (one per thread that moves pages)
+REOPEN_AFTER_S = 5.0     # after a failed storage-session handshake, the next try waits this long
+PAGE = 4096
 
 
 class UnitTransport(Protocol):
     """Moves units' parts between this process's staging buffer and the daemon."""
 
     name: str
+
+    def call_bytes(self) -> int:
+        """The most bytes one put or get should move (the backend splits bigger batches)."""
 
     def staging(self, nbytes: int) -> torch.Tensor:
         """This thread's staging buffer, at least ``nbytes`` uint8 (reused between calls)."""
@@ -63,6 +83,10 @@ class GrpcTransport:
             tls_root_cert=settings.tls_root_cert or None, tls_client_cert=settings.tls_client_cert or None,
             tls_client_key=settings.tls_client_key or None)
         self._local = threading.local()
+        self._call_bytes = settings.staging_bytes
+
+    def call_bytes(self) -> int:
+        return self._call_bytes
 
     def staging(self, nbytes: int) -> torch.Tensor:
         buf = getattr(self._local, "buf", None)
@@ -90,13 +114,201 @@ class GrpcTransport:
         self.client.close()
 
 
+@dataclass
+class _Held:
+    """A staging buffer of ``session`` lent to one thread (returned when the thread ends)."""
+
+    buffer: StagingBuffer
+    session: StagingSession
+    generation: int
+
+
+def _give_back(ref: Any, buffer: StagingBuffer, generation: int) -> None:
+    transport = ref()
+    if transport is not None:
+        transport._give_back(buffer, generation)
+
+
+class ShmTransport:
+    """Unit parts through a storage session's shared-memory staging buffers (a daemon on this machine).
+
+    Presence, clear and stats are small calls and go over gRPC as always; puts and gets put the page
+    bytes in this thread's staging buffer and send keys and offsets only.
+
+    Args:
+        settings: the backend's settings (a unix-socket ``address``).
+        fallback: ``auto``: a call that cannot use a staging buffer goes over gRPC instead of failing.
+
+    Threads: each thread that moves pages holds one buffer (at most :data:`MAX_BUFFERS` and the
+    daemon's per-session budget); buffers of ended threads are lent again. A session that died (the
+    daemon restarted) is replaced at the next call; calls still reading its buffers keep their mappings.
+    """
+
+    name = "shm"
+
+    def __init__(self, settings: BackendSettings, *, fallback: bool) -> None:
+        self.settings = settings
+        self.fallback = fallback
+        self.grpc = GrpcTransport(settings)
+        self.client = self.grpc.client
+        self._lock = threading.Lock()        # the session, the free buffers (dict/list operations and the handshake)
+        self._session: StagingSession | None = None
+        self._generation = 0
+        self._free: list[StagingBuffer] = []
+        self._lent = 0
+        self._max_buffers = MAX_BUFFERS
+        self._buffer_bytes = settings.staging_bytes
+        self._reopen_at = 0.0
+        self._local = threading.local()
+        self.staged_calls = 0                # plain ints: calls through shared memory, calls sent over gRPC instead
+        self.grpc_calls = 0
+
+    # ----- the session and its buffers --------------------------------------------------------
+    def _open(self) -> StagingSession:
+        """The live session, opened if needed (caller holds ``_lock``). Raises KVTierError."""
+        if self._session is not None and not self._session.closed:
+            return self._session
+        if time.monotonic() < self._reopen_at:
+            raise KVTierError("the last storage-session handshake failed; retrying shortly")
+        try:
+            s = self.client.storage_session(timeout=self.settings.timeout_s)
+        except KVTierError:
+            self._reopen_at = time.monotonic() + REOPEN_AFTER_S
+            raise
+        self._max_buffers = max(1, min(MAX_BUFFERS, s.staging_max_buffers or MAX_BUFFERS))
+        per = (s.staging_max_bytes // self._max_buffers) // PAGE * PAGE
+        self._buffer_bytes = max(PAGE, min(self.settings.staging_bytes, per))
+        self._session, self._free, self._lent = s, [], 0
+        self._generation += 1
+        log.info("kvtier backend: storage session open (tenant %r): up to %d staging buffers of %d bytes",
+                 s.tenant, self._max_buffers, self._buffer_bytes)
+        return s
+
+    def _give_back(self, buffer: StagingBuffer, generation: int) -> None:
+        with self._lock:
+            if generation == self._generation:
+                self._free.append(buffer)
+                self._lent -= 1
+
+    def _thread_buffer(self) -> _Held | None:
+        """This thread's buffer of the live session, lent now if it has none (None: all are lent)."""
+        held: _Held | None = getattr(self._local, "held", None)
+        if held is not None and held.generation == self._generation:
+            return held
+        with self._lock:
+            session = self._open()
+            gen = self._generation
+            if self._free:
+                buf: StagingBuffer | None = self._free.pop()
+            elif self._lent < self._max_buffers:
+                buf = session.buffer(self._buffer_bytes, timeout=self.settings.timeout_s)
+            else:
+                return None
+            self._lent += 1
+        holder = _Held(buf, session, gen)
+        weakref.finalize(holder, _give_back, weakref.ref(self), buf, gen)
+        self._local.held = holder
+        return holder
+
+    def _drop_session(self, session: StagingSession | None) -> None:
+        """Forget a session that failed (its buffers stay mapped for calls still reading them)."""
+        with self._lock:
+            if session is None or session is not self._session:
+                return
+            self._session, self._free, self._lent = None, [], 0
+            self._generation += 1
+        session.close(revoke=False)
+
+    # ----- the interface ----------------------------------------------------------------------
+    def call_bytes(self) -> int:
+        """A staging buffer's size (the session is opened first if it can be: its budget sets it)."""
+        if self._session is None:
+            try:
+                with self._lock:
+                    self._open()
+            except KVTierError:
+                pass  # the call will go over gRPC (auto) or fail (shm); the size does not matter then
+        return self._buffer_bytes
+
+    def staging(self, nbytes: int) -> torch.Tensor:
+        """This thread's staging buffer (shared memory) or, where none can be had and ``fallback``
+        allows, its gRPC buffer. Raises KVTierError (strict ``shm`` without a buffer)."""
+        try:
+            held = self._thread_buffer()
+            why = "every staging buffer is lent to another thread" if held is None else \
+                f"{nbytes} bytes do not fit a {held.buffer.nbytes}-byte staging buffer" if nbytes > held.buffer.nbytes else ""
+        except (KVTierError, OSError, ValueError) as e:
+            held, why = None, f"no storage session ({type(e).__name__}: {e})"
+        if not why:
+            self._local.via = held
+            return held.buffer.tensor[:nbytes]
+        if not self.fallback:
+            raise KVTierError(f"kvtier backend: transport 'shm': {why}")
+        self._local.via = None
+        return self.grpc.staging(nbytes)
+
+    def _staged(self, held: _Held, fn: Any, carry: int = 0) -> Any:
+        """``fn(session client, buffer index)`` in the session that owns the thread's buffer. If that
+        session has ended (the daemon restarted), once more in a new session, the first ``carry``
+        bytes of the old buffer (a put's parts) copied into the new one first."""
+        try:
+            out = fn(held.session.client, held.buffer.index)
+        except (NotFoundError, UnavailableError):   # the session ended (daemon restarted or gone)
+            self._drop_session(held.session)
+            fresh = self._thread_buffer()          # a new session (raises KVTierError if there is none)
+            if fresh is None or fresh.buffer.nbytes < carry:
+                raise
+            if carry:
+                fresh.buffer.tensor[:carry].copy_(held.buffer.tensor[:carry])  # the old mapping is still ours
+            self._local.via = fresh
+            out = fn(fresh.session.client, fresh.buffer.index)
+        self.staged_calls += 1
+        return out
+
+    def exists(self, space: UnitSpaceSpec, keys: list[bytes]) -> int:
+        return self.grpc.exists(space, keys)
+
+    def put(self, space: UnitSpaceSpec, keys: list[bytes], part: str) -> list[bool]:
+        held = getattr(self._local, "via", None)   # the buffer the last staging() gave this thread
+        if held is None:
+            self.grpc_calls += 1
+            return self.grpc.put(space, keys, part)
+        return self._staged(held, lambda c, i: c.put_units_staged(space, keys, part, i).accepted,
+                            carry=len(keys) * space.part_nbytes(part))
+
+    def get(self, space: UnitSpaceSpec, keys: list[bytes], part: str) -> list[bool]:
+        self.staging(len(keys) * space.part_nbytes(part))
+        held = self._local.via
+        if held is None:
+            self.grpc_calls += 1
+            return self.grpc.get(space, keys, part)
+        return self._staged(held, lambda c, i: c.get_units_staged(space, keys, part, i))
+
+    def clear(self, space: UnitSpaceSpec) -> int:
+        return self.grpc.clear(space)
+
+    def stats(self) -> dict[str, int]:
+        return self.grpc.stats()
+
+    def close(self) -> None:
+        with self._lock:
+            session, self._session, self._free = self._session, None, []
+            self._generation += 1
+        if session is not None:
+            session.close()
+        self.grpc.close()
+
+
 def make_transport(settings: BackendSettings) -> UnitTransport:
-    """The transport ``settings.transport`` names.
+    """The transport ``settings.transport`` names (``auto``: shm on a unix socket, else gRPC).
 
     Raises:
-        ValueError: ``shm``, which needs the daemon's attach channel (not in this kvtier yet).
+        ValueError: ``shm`` with a TCP address (shared memory needs the daemon's unix socket).
     """
-    if settings.transport == "shm":
-        raise ValueError("kvtier backend: transport 'shm' needs the daemon's attach channel (local attach, issue 9), "
-                         "which this kvtier does not have yet; use transport 'grpc' (or 'auto')")
-    return GrpcTransport(settings)
+    unix = is_unix(resolve_address(settings.address or None))
+    if settings.transport == "shm" and not unix:
+        raise ValueError(f"kvtier backend: transport 'shm' needs the daemon's unix socket on this machine; "
+                         f"{settings.address!r} is a TCP address (use transport 'grpc' or 'auto')")
+    if settings.transport == "grpc" or not unix:
+        return GrpcTransport(settings)
+    return ShmTransport(settings, fallback=settings.transport == "auto")

@@ -7,11 +7,16 @@ way SGLang's cache controller calls it (``PoolTransfer``, ``PoolName.INDEXER``, 
 writes, KV before indexer on reads). Keys are SGLang's own chained page hashes. Expected bytes are the
 host pages' own bytes before they were zeroed; the unit's KV part is checked against an independent
 transposition of the ``page_first`` host page.
+
+Every check runs over both data paths: ``shm`` (the daemon on a unix socket: the backend picks shared
+memory by itself, page bytes in a storage session's staging buffers) and ``grpc`` (the daemon on
+127.0.0.1: gRPC streams). The daemon's counters say which way the bytes went.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 import threading
 
 import pytest
@@ -33,20 +38,54 @@ def tokens_file(path):
     return path
 
 
-@pytest.fixture(scope="module")
-def daemon(tmp_path_factory):
+TRANSPORTS = ["shm", "grpc"]
+
+
+def listen(tmp, transport: str, name: str = "kv") -> str:
+    """Where a test daemon listens: a unix socket (the backend then uses shared memory) or 127.0.0.1."""
+    return f"unix://{tmp}/{name}.sock" if transport == "shm" else "127.0.0.1:0"
+
+
+def start(tmp, transport: str, args, name: str = "kv") -> DaemonProcess:
+    d = DaemonProcess(listen(tmp, transport, name), extra_args=args)
+    d.start()
+    d.transport = transport
+    return d
+
+
+@pytest.fixture(scope="module", params=TRANSPORTS)
+def daemon(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("sgl")
     args = ["--device", "cpu", "--auth-tokens", str(tokens_file(tmp / "tokens.toml")), "--host-memory", "64MiB",
             "--disk-path", str(tmp / "disk"), "--disk-size", "128MiB"]
-    d = DaemonProcess(f"unix://{tmp}/kv.sock", extra_args=args)
-    d.start()
+    d = start(tmp, request.param, args)
     yield d
     d.stop()
     d.cleanup()
 
 
+@pytest.fixture(params=TRANSPORTS)
+def transport(request):
+    return request.param
+
+
 def extra(d, token=TOKEN_A, **more):
     return {"address": d.address, "token": token, "timeout_s": 30, **more}
+
+
+def unit_counters(d, token=TOKEN_A) -> dict[str, int]:
+    with KVTierClient(d.address, token=token) as c:
+        return c.unit_stats()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def delta(after: dict, before: dict, key: str) -> int:
+    return after.get(key, 0) - before.get(key, 0)
 
 
 def exists_v2(backend, keys):
@@ -56,7 +95,7 @@ def exists_v2(backend, keys):
 def test_the_factory_builds_it_from_sglangs_config(daemon):
     pools = HostPools()
     b = make_backend(pools, extra(daemon))
-    assert type(b) is KVTierStorage
+    assert type(b) is KVTierStorage and b.transport.name == daemon.transport      # transport auto picks by address
     assert b._stage().skip_mask == "SSFS" and b._stage().index_nbytes == 8448 and b._stage().kv_nbytes == 4 * PS * 656
 
 
@@ -152,9 +191,9 @@ def test_longest_prefix_and_half_units_never_count(daemon):
     assert b.kvtier_stats()["parts_pending"] >= 2
 
 
-def test_a_page_evicted_inside_kvtier_shows_neither_kv_nor_indexer(tmp_path):
+def test_a_page_evicted_inside_kvtier_shows_neither_kv_nor_indexer(tmp_path, transport):
     # host tier of 2 MiB, no disk: 6 units of ~177 KB fit, 20 do not; the oldest are evicted whole
-    with DaemonProcess(f"unix://{tmp_path}/ev.sock", extra_args=["--device", "cpu", "--host-memory", "2MiB"]) as d:
+    with DaemonProcess(listen(tmp_path, transport, "ev"), extra_args=["--device", "cpu", "--host-memory", "2MiB"]) as d:
         pools = HostPools()
         b = make_backend(pools, {"address": d.address})
         keys = page_keys(20, salt=13)
@@ -203,9 +242,12 @@ def test_tenants_and_pipeline_stages_never_share_units(daemon):
     assert make_backend(HostPools(), extra(daemon, model_name="other-model")).batch_exists(keys) == 0
 
 
-def test_disk_units_survive_a_daemon_restart(tmp_path):
+def test_disk_units_survive_a_daemon_restart(tmp_path, transport):
+    """Units on disk come back after a restart, to a new backend and to the one that wrote them
+    (whose storage session died with the daemon: it opens another by itself)."""
     args = ["--device", "cpu", "--host-memory", "16MiB", "--disk-path", str(tmp_path / "disk"), "--disk-size", "64MiB"]
-    d = DaemonProcess(f"unix://{tmp_path}/r.sock", extra_args=args)
+    address = f"unix://{tmp_path}/r.sock" if transport == "shm" else f"127.0.0.1:{free_port()}"  # the same after restart
+    d = DaemonProcess(address, extra_args=args)
     d.start()
     try:
         pools = HostPools()
@@ -213,14 +255,17 @@ def test_disk_units_survive_a_daemon_restart(tmp_path):
         idx = pools.alloc(4)
         pools.fill(idx, seed=7)
         want = pools.snapshot(idx)
-        store(make_backend(pools, {"address": d.address}), keys, idx)
+        writer = make_backend(pools, {"address": d.address})
+        store(writer, keys, idx)
         d.stop()
         d.start()
         b = make_backend(pools, {"address": d.address})
         assert exists_v2(b, keys).kv_hit_pages == 4
-        dst = pools.alloc(4)
-        assert load(b, keys, dst) == ([True] * 4, [True] * 4)
-        assert all(torch.equal(g[0], w[0]) and torch.equal(g[1], w[1]) for g, w in zip(pools.snapshot(dst), want))
+        for reader in (b, writer):
+            dst = pools.alloc(4)
+            assert load(reader, keys, dst) == ([True] * 4, [True] * 4)
+            assert all(torch.equal(g[0], w[0]) and torch.equal(g[1], w[1]) for g, w in zip(pools.snapshot(dst), want))
+        assert b.transport.name == writer.transport.name == transport
     finally:
         d.stop()
         d.cleanup()
@@ -257,8 +302,14 @@ def test_an_unreachable_daemon_is_a_miss_never_an_exception(tmp_path):
 def test_settings_and_layouts_it_cannot_store_are_refused_clearly(daemon):
     with pytest.raises(ValueError, match="unknown extra-config keys"):
         make_backend(HostPools(), extra(daemon, adress="typo"))
-    with pytest.raises(ValueError, match="attach channel"):
-        make_backend(HostPools(), extra(daemon, transport="shm"))
+    with pytest.raises(ValueError, match="transport must be one of"):
+        make_backend(HostPools(), extra(daemon, transport="rdma"))
+    if daemon.transport == "grpc":   # a TCP address: shared memory is impossible, said at startup
+        with pytest.raises(ValueError, match="unix socket"):
+            make_backend(HostPools(), extra(daemon, transport="shm"))
+    else:
+        assert make_backend(HostPools(), extra(daemon, transport="shm")).transport.name == "shm"
+        assert make_backend(HostPools(), extra(daemon, transport="grpc")).transport.name == "grpc"
     with pytest.raises(ValueError, match="page_first_direct"):
         make_backend(HostPools(layout="layer_first"), extra(daemon))
 
@@ -275,3 +326,66 @@ def test_legacy_get_and_set_of_flat_pages(daemon):
     target = pools.kv.get_dummy_flat_data_page()
     assert b.get(key, target) is target and torch.equal(target, page)
     assert b.clear() is True and b.batch_exists([key]) == 0
+
+
+def test_page_bytes_go_the_transports_way_and_never_both(daemon):
+    """On a unix socket the backend moves page bytes through shared memory: the daemon counts every
+    byte it received and sent for units as ``staged``, and not one as ``stream`` (gRPC messages). On
+    TCP it is the other way round. Expected bytes: SGLang's page sizes (4 layers x 64 x 656 KV,
+    one live indexer layer of 8448 bytes), independent of the backend's own figures."""
+    kv, ix = 4 * PS * 656, 1 * 8448
+    pools = HostPools()
+    b = make_backend(pools, extra(daemon))
+    keys = page_keys(6, salt=43)
+    src = pools.alloc(6)
+    pools.fill(src, seed=12)
+    want = pools.snapshot(src)
+    before = unit_counters(daemon)
+    store(b, keys, src)
+    dst = pools.alloc(6)
+    assert load(b, keys, dst) == ([True] * 6, [True] * 6)
+    assert all(torch.equal(g[0], w[0]) and torch.equal(g[1], w[1]) for g, w in zip(pools.snapshot(dst), want))
+    after = unit_counters(daemon)
+    moved = {k: delta(after, before, k) for k in ("put_bytes_stream", "put_bytes_staged", "get_bytes_stream",
+                                                   "get_bytes_staged")}
+    way, other = ("staged", "stream") if daemon.transport == "shm" else ("stream", "staged")
+    assert moved[f"put_bytes_{way}"] == 6 * (kv + ix) and moved[f"get_bytes_{way}"] == 6 * (kv + ix)
+    assert moved[f"put_bytes_{other}"] == 0 and moved[f"get_bytes_{other}"] == 0
+    if daemon.transport == "shm":
+        assert b.transport.grpc_calls == 0 and b.transport.staged_calls == 3   # 2 puts (indexer, KV) + 1 get
+
+
+def test_threads_each_get_a_staging_buffer_and_more_threads_fall_back_to_grpc(daemon):
+    """Six threads set and read their own pages at once (SGLang's backup and prefetch threads do, on
+    one backend): with shared memory, four hold a staging buffer each (the backend's limit) and the
+    rest go over gRPC (transport auto); every page comes back byte-exact either way."""
+    pools = HostPools(size=2048)
+    b = make_backend(pools, extra(daemon))
+    jobs = []
+    for t in range(6):
+        keys = page_keys(2, salt=100 + t)
+        src = pools.alloc(2)
+        pools.fill(src, seed=100 + t)
+        jobs.append((keys, src, pools.alloc(2), pools.snapshot(src)))
+    go, errors, results = threading.Barrier(6), [], {}
+
+    def work(t):
+        keys, src, dst, _ = jobs[t]
+        try:
+            go.wait(60)
+            store(b, keys, src)
+            results[t] = load(b, keys, dst)
+            go.wait(60)       # every thread still holds its buffer until all are done
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(6)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(120)
+    assert errors == [] and all(results[t] == ([True] * 2, [True] * 2) for t in range(6))
+    for keys, src, dst, want in jobs:
+        assert all(torch.equal(g[0], w[0]) and torch.equal(g[1], w[1]) for g, w in zip(pools.snapshot(dst), want))
+    if daemon.transport == "shm":
+        assert b.transport.staged_calls == 4 * 3 and b.transport.grpc_calls == 2 * 3
