@@ -30,7 +30,7 @@ from typing import Any, Protocol
 import torch
 
 from kvtier.addresses import is_unix, resolve_address
-from kvtier.client import KVTierClient, KVTierError, NotFoundError, UnavailableError
+from kvtier.client import FailedPreconditionError, KVTierClient, KVTierError, NotFoundError, UnavailableError
 from kvtier.client.staging import StagingBuffer, StagingSession
 from kvtier.client.storage import UnitSpaceSpec
 from kvtier.integrations.sglang.settings import BackendSettings
@@ -232,7 +232,7 @@ class ShmTransport:
 
     def staging(self, nbytes: int) -> torch.Tensor:
         """This thread's staging buffer (shared memory) or, where none can be had and ``fallback``
-        allows, its gRPC buffer. Raises KVTierError (strict ``shm`` without a buffer)."""
+        allows, its gRPC buffer. Raises FailedPreconditionError (strict ``shm`` without a buffer)."""
         try:
             held = self._thread_buffer()
             why = "every staging buffer is lent to another thread" if held is None else \
@@ -243,7 +243,7 @@ class ShmTransport:
             self._local.via = held
             return held.buffer.tensor[:nbytes]
         if not self.fallback:
-            raise KVTierError(f"kvtier backend: transport 'shm': {why}")
+            raise FailedPreconditionError(f"transport 'shm': {why}")
         self._local.via = None
         return self.grpc.staging(nbytes)
 

@@ -389,3 +389,34 @@ def test_threads_each_get_a_staging_buffer_and_more_threads_fall_back_to_grpc(da
         assert all(torch.equal(g[0], w[0]) and torch.equal(g[1], w[1]) for g, w in zip(pools.snapshot(dst), want))
     if daemon.transport == "shm":
         assert b.transport.staged_calls == 4 * 3 and b.transport.grpc_calls == 2 * 3
+
+
+def test_a_unit_larger_than_a_staging_buffer_is_false_under_shm_and_grpc_under_auto(tmp_path):
+    """``staging_bytes`` 4096: no unit fits a staging buffer. ``transport: shm`` answers False and
+    misses (a log line, never an exception into SGLang) and stores nothing; ``auto`` sends the same
+    pages over gRPC and they come back byte-exact."""
+    daemon = start(tmp_path, "shm", ["--device", "cpu", "--host-memory", "16MiB"], "big")
+    try:
+        _unit_larger_than_a_buffer(daemon)
+    finally:
+        daemon.stop()
+        daemon.cleanup()
+
+
+def _unit_larger_than_a_buffer(daemon) -> None:
+    keys = page_keys(2, salt=47)
+    pools = HostPools()
+    src = pools.alloc(2)
+    pools.fill(src, seed=14)
+    want = pools.snapshot(src)
+    strict = make_backend(pools, {"address": daemon.address, "transport": "shm", "staging_bytes": 4096})
+    assert strict.batch_set_v2(indexer(keys, src))[PoolName.INDEXER] == [False, False]
+    assert strict.batch_set_v1(keys, src) == [False, False] and strict.batch_exists(keys) == 0
+    auto = make_backend(pools, {"address": daemon.address, "staging_bytes": 4096})
+    store(auto, keys, src)
+    dst = pools.alloc(2)
+    assert load(strict, keys, dst) == ([False, False], [False, False])
+    assert load(auto, keys, dst) == ([True, True], [True, True])
+    assert all(torch.equal(g[0], w[0]) and torch.equal(g[1], w[1]) for g, w in zip(pools.snapshot(dst), want))
+    # one page a call (no two fit 4096 bytes): 2 indexer puts, 2 KV puts, 2 gets, all over gRPC
+    assert auto.transport.grpc_calls == 6 and auto.transport.staged_calls == 0
