@@ -14,6 +14,7 @@ from kvtier.bench.case import BenchContext, Case, CaseResult, Comparison, Figure
 
 def all_cases() -> list[Case]:
     """Every case, in run order (imported here so that ``kvtier --help`` stays fast)."""
+    from kvtier.bench.attach import AttachCase
     from kvtier.bench.capacity import CapacityCase
     from kvtier.bench.copies import CopiesCase
     from kvtier.bench.daemon_io import DaemonIOCase
@@ -22,7 +23,8 @@ def all_cases() -> list[Case]:
     from kvtier.bench.replay import ReplayCase
     from kvtier.bench.sglang_storage import StorageCase
 
-    return [CapacityCase(), CopiesCase(), DiskCase(), DaemonIOCase(), PDTransferCase(), ReplayCase(), StorageCase()]
+    return [CapacityCase(), CopiesCase(), DiskCase(), DaemonIOCase(), AttachCase(), PDTransferCase(), ReplayCase(),
+            StorageCase()]
 
 
 class BenchCaseError(RuntimeError):

@@ -1,9 +1,11 @@
 """Case ``replay``: the Mooncake conversation trace through an embedded daemon (every loaded byte
 verified) against ``--simulate`` (the same policy on size-only tiers) and Belady's MIN bound.
 
-Budgets are small enough that every tier serves hits within a few hundred requests (device 256
-pages, host 3,000 page records, disk 64 MiB); the page geometry is the replay's default (GLM-5.2
-layers 0-3, 64-token pages, 194,048-byte page records). Reports requests/s, the hit rate of each
+The replay attaches its pool (``kvtier replay``'s local mode: misses written and loaded pages
+verified in the pool's memory, no KV over gRPC). Budgets are small enough that every tier serves
+hits within a few hundred requests (device 256 pages, host 3,000 page records, disk 64 MiB); the
+page geometry is the replay's default (GLM-5.2 layers 0-3, 64-token pages, 194,048-byte page
+records). Reports requests/s, the hit rate of each
 tier against the simulation's (they must be equal), the total against Belady's bound, and the
 daemon's peak RSS.
 """
@@ -55,7 +57,7 @@ class ReplayCase(Case):
 
     def run(self, ctx: BenchContext) -> CaseResult:
         from kvtier.cli.replay import daemon_args, simulate
-        from kvtier.cli.replay_backend import ClientBackend
+        from kvtier.cli.replay_backend import AttachedBackend
         from kvtier.client import KVTierClient
         from kvtier.client.spawn import DaemonProcess
 
@@ -73,9 +75,10 @@ class ReplayCase(Case):
         ctx.advance(1)
         disk = ctx.workdir / "replay-disk"
         with DaemonProcess(extra_args=daemon_args(scale, str(disk))) as d, KVTierClient(d.address, timeout=120.0) as c:
-            backend = ClientBackend(c, scale.model, scale.num_layers, scale.device_tokens)
+            backend = AttachedBackend(c, scale.model, scale.num_layers, scale.device_tokens)  # as kvtier replay does locally
             try:
                 real = run_replay(requests, backend, scale, on_request=lambda i, _r: ctx.advance(1))
+                real.transport = "attach"
             finally:
                 backend.close()
             rss = peak_rss_bytes(d.process.pid)

@@ -14,7 +14,7 @@ import click
 
 
 def _case_names() -> list[str]:
-    return ["capacity", "copies", "disk", "daemon", "pd", "replay", "storage"]
+    return ["capacity", "copies", "disk", "daemon", "attach", "pd", "replay", "storage"]
 
 
 @click.command()
@@ -35,9 +35,9 @@ def bench(quick: bool, out: Path, as_json: bool, only: tuple[str, ...], sglang_p
 
     Each case times kvtier and its baseline interleaved (medians after a warm-up) and reports
     kvtier's figure, the baseline's and the ratio (> 1: kvtier better): capacity, get_cpu_copy /
-    load_cpu_copy, disk spill and restore, the daemon's data path vs a gRPC echo, PullKV vs raw
-    Mooncake reads, and a replay of the Mooncake trace. Writes OUT/results.json and a plot per
-    comparison.
+    load_cpu_copy, disk spill and restore, the daemon's data path vs a gRPC echo, a worker's KV
+    write+read through an attached pool vs in-process tensors and gRPC, PullKV vs raw Mooncake reads,
+    and a replay of the Mooncake trace. Writes OUT/results.json and a plot per comparison.
     """
     import torch
     from rich.console import Console
