@@ -152,10 +152,9 @@ RAW_STORAGE = r"""
 import json, socket, sys
 s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
 s.connect(sys.argv[1])
-s.send(json.dumps({"kind": "storage", "version": 1, "token": None}).encode())
-s.send(json.dumps({"kind": "staging", "nbytes": 4096}).encode())
 out = []
-for _ in range(2):
+for msg in ({"kind": "storage", "version": 1, "token": None}, {"kind": "staging", "nbytes": 4096}):
+    s.send(json.dumps(msg).encode())   # the next request only after an answer: a refused one closes the connection
     data, fds, _, _ = socket.recv_fds(s, 1 << 20, 16)
     out.append({"reply": json.loads(data) if data else None, "fds": len(fds)})
     if not data or "error" in json.loads(data):

@@ -160,7 +160,8 @@ class ShmTransport:
         self._buffer_bytes = settings.staging_bytes
         self._reopen_at = 0.0
         self._local = threading.local()
-        self.staged_calls = 0                # plain ints: calls through shared memory, calls sent over gRPC instead
+        self._counts_lock = threading.Lock()  # leaf: the two call counters
+        self.staged_calls = 0                # calls through shared memory, calls sent over gRPC instead
         self.grpc_calls = 0
 
     # ----- the session and its buffers --------------------------------------------------------
@@ -262,8 +263,12 @@ class ShmTransport:
                 fresh.buffer.tensor[:carry].copy_(held.buffer.tensor[:carry])  # the old mapping is still ours
             self._local.via = fresh
             out = fn(fresh.session.client, fresh.buffer.index)
-        self.staged_calls += 1
+        self._counted("staged_calls")
         return out
+
+    def _counted(self, name: str) -> None:
+        with self._counts_lock:
+            setattr(self, name, getattr(self, name) + 1)
 
     def exists(self, space: UnitSpaceSpec, keys: list[bytes]) -> int:
         return self.grpc.exists(space, keys)
@@ -271,7 +276,7 @@ class ShmTransport:
     def put(self, space: UnitSpaceSpec, keys: list[bytes], part: str) -> list[bool]:
         held = getattr(self._local, "via", None)   # the buffer the last staging() gave this thread
         if held is None:
-            self.grpc_calls += 1
+            self._counted("grpc_calls")
             return self.grpc.put(space, keys, part)
         return self._staged(held, lambda c, i: c.put_units_staged(space, keys, part, i).accepted,
                             carry=len(keys) * space.part_nbytes(part))
@@ -280,7 +285,7 @@ class ShmTransport:
         self.staging(len(keys) * space.part_nbytes(part))
         held = self._local.via
         if held is None:
-            self.grpc_calls += 1
+            self._counted("grpc_calls")
             return self.grpc.get(space, keys, part)
         return self._staged(held, lambda c, i: c.get_units_staged(space, keys, part, i))
 
