@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from kvtier.cli import main
-from kvtier.cli.replay import replay_through_daemon, simulate
+from kvtier.cli.replay import pick_transport, replay_through_daemon, simulate
 from kvtier.server.replay.scale import ReplayScale
 from kvtier.server.replay.trace import read_trace
 
@@ -30,6 +30,7 @@ def test_first_200_requests_through_the_daemon_equal_the_simulation(tmp_path):
     assert scale.codec().page_nbytes() == PAGE_RECORD
     real = replay_through_daemon(reqs, scale, workdir=str(tmp_path))
     sim = simulate(reqs, scale)
+    assert real.transport == "attach"  # the embedded daemon is local: misses written in its pool's memory
     assert real.verify_failures == 0
     assert real.hit_tokens == sim.hit_tokens and real.miss_tokens == sim.miss_tokens
     assert all(real.hit_tokens[t] > 0 for t in ("device", "host", "disk")), real.hit_tokens
@@ -37,6 +38,30 @@ def test_first_200_requests_through_the_daemon_equal_the_simulation(tmp_path):
     assert real.moves == sim.moves and real.moves["disk->gone"]["count"] > 0
     pages = sum(len(r.hash_ids) for r in reqs)  # one page per trace block at this scale
     assert real.requests == 200 and real.tokens == pages * 64 == 354_368
+
+
+def test_kv_over_grpc_replays_what_the_attached_replay_does(tmp_path):
+    """``--transport grpc`` (WriteKV/ReadKV streams instead of the attached pool) on the first 60
+    requests: every loaded byte verified and the same hits and moves as the simulation."""
+    reqs = read_trace(TRACE, limit=60)
+    scale = short_scale()
+    real = replay_through_daemon(reqs, scale, workdir=str(tmp_path), transport="grpc")
+    sim = simulate(reqs, scale)
+    assert real.transport == "grpc" and real.verify_failures == 0 and real.verified_pages > 0
+    assert real.hit_tokens == sim.hit_tokens and real.moves == sim.moves
+
+
+@pytest.mark.parametrize(("transport", "address", "chosen"), [
+    ("auto", "unix:///tmp/x/kvtier.sock", "attach"), ("auto", "127.0.0.1:50051", "grpc"),
+    ("grpc", "unix:///tmp/x/kvtier.sock", "grpc"), ("attach", "unix:///tmp/x/kvtier.sock", "attach")])
+def test_auto_attaches_only_to_a_local_daemon(transport, address, chosen):
+    assert pick_transport(transport, address) == chosen
+
+
+def test_cli_refuses_to_attach_to_a_tcp_daemon_before_starting_anything():
+    r = CliRunner().invoke(main, ["replay", "--trace", str(TRACE), "--requests", "5", "--server", "127.0.0.1:1",
+                                  "--transport", "attach", "--no-belady"])
+    assert r.exit_code == 2 and "needs the daemon's unix socket" in r.output and "Traceback" not in r.output
 
 
 def test_cli_simulate_writes_the_json_summary(tmp_path):
@@ -79,6 +104,7 @@ def test_cli_replays_through_a_given_server(kvtier_daemon, tmp_path):
     assert r.exit_code == 0, r.output
     d = json.loads(out.read_text())
     assert d["requests"] == 20 and d["verify_failures"] == 0 and d["simulate"] is False
+    assert d["transport"] == "attach"  # a unix-socket --server is local
     assert d["hit_tokens"]["device"] > 0  # hash id 0 (the shared first block) is reused at once
     assert [p.pool_id for p in kvtier_daemon.client.list_pools()] == ["tiny"]  # its replay pool is gone
 
