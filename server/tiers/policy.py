@@ -239,6 +239,15 @@ class TierIndex:
             if key in self._charge:
                 self.policy.touch(key)
 
+    def touch_many(self, keys: Iterable[Key]) -> list[Key]:
+        """Record a use of each present key of ``keys``, in order, under one lock; returns them."""
+        with self.lock:
+            present = [k for k in keys if k in self._charge]
+            touch = self.policy.touch
+            for k in present:
+                touch(k)
+            return present
+
     def remove(self, key: Key) -> bool:
         """Forget ``key``; False if it was absent."""
         with self.lock:

@@ -32,6 +32,7 @@ import secrets
 import threading
 import time
 from collections.abc import Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +48,11 @@ from kvtier.server.tiers.stack import TierStack
 log = logging.getLogger(__name__)
 
 DEVICE = "device"
+#: Records a prefix load borrows from one tier at a time (one disk read transaction). Small on
+#: purpose: a window's records are copied into one place that is reused by the next window, and
+#: 4 page records (776 KB) stay in a core's cache (2 MiB here) until they are loaded into the pool;
+#: windows of 16 ran 0.70x a plain read, of 4 0.95x (BENCHMARKS.md, fix 6).
+LOAD_BATCH_PAGES = 4
 
 
 @dataclass
@@ -290,8 +296,9 @@ class PrefixCache:
                 unplaced = list(new_pages[:len(lower)])  # neither a cached page nor a fresh one yet
                 page_of = {i: self._pages[k] for i, (k, t) in enumerate(zip(keys, found)) if t == DEVICE}
                 loaded = len(found)
+                done = iter(self._load_pages([(key, found[i], page) for (i, key), page in zip(lower, new_pages) if i < loaded]))
                 for (i, key), page in zip(lower, new_pages):
-                    if i < loaded and self._load_page(key, found[i], page):
+                    if i < loaded and next(done):
                         self._pages[key] = page
                         self._device.commit_insert(key, 1)
                         unplaced.remove(page)
@@ -332,21 +339,43 @@ class PrefixCache:
             self.counters["fresh_pages"] += len(fresh_pages)
             return PrefixLoad(lease_id, slots, tiers)
 
-    def _load_page(self, key: bytes, tier_name: str, page: int) -> bool:
+    def _load_pages(self, items: list[tuple[bytes, str, int]]) -> list[bool]:
+        """Bring ``(key, tier name, pool page)`` items up into their pages, in order, until the first
+        one that fails (a damaged or vanished record: the prefix ends there; it and every later item
+        are False and their pages are not written). Records are borrowed in windows of
+        :data:`LOAD_BATCH_PAGES` items, one borrow per tier a window (the disk tier reads a window in
+        one read transaction, with one count and one touch); a record the tier verified as it read
+        it is not hashed again."""
+        done: list[bool] = []
+        for w in range(0, len(items), LOAD_BATCH_PAGES):
+            window = items[w:w + LOAD_BATCH_PAGES]
+            names = list(dict.fromkeys(t for _, t, _ in window))
+            with ExitStack() as stack:
+                recs: dict[tuple[str, bytes], RecordLike | None] = {}
+                for name in names:
+                    tier = self.stack.tier(name)
+                    assert tier is not None
+                    tkeys = [self._tier_key(k) for k, t, _ in window if t == name]
+                    recs.update(zip(((name, k) for k in tkeys), stack.enter_context(tier.borrow(tkeys))))
+                for key, name, page in window:
+                    if not self._load_one(key, name, page, recs[(name, self._tier_key(key))]):
+                        return done + [False] * (len(items) - len(done))
+                    done.append(True)
+        return done
+
+    def _load_one(self, key: bytes, tier_name: str, page: int, rec: RecordLike | None) -> bool:
+        if rec is None:
+            return False
         tier = self.stack.tier(tier_name)
         assert tier is not None
-        tkey = self._tier_key(key)
-        with tier.borrow([tkey]) as (rec,):
-            if rec is None:
+        if self.pool is not None:
+            assert isinstance(rec, torch.Tensor)
+            try:
+                self.codec.load_page(self.pool, rec, page, verified=tier.verifies_reads)
+            except RecordError as e:
+                tier.report_damaged(self._tier_key(key), e)
                 return False
-            if self.pool is not None:
-                assert isinstance(rec, torch.Tensor)
-                try:
-                    self.codec.load_page(self.pool, rec, page)
-                except RecordError as e:
-                    tier.report_damaged(tkey, e)
-                    return False
-            nbytes = rec if isinstance(rec, int) else int(rec.numel())
+        nbytes = rec if isinstance(rec, int) else int(rec.numel())
         self.stack.count_move(tier_name, DEVICE, nbytes)
         return True
 
