@@ -15,6 +15,10 @@ small pool, and tears it down afterwards::
 of the test. Budgets: ``device_pages`` (pool pages), ``host_pages`` and ``disk_pages`` (records of one
 page each; the LMDB map is twice the records' size), ``write_through``, ``num_layers`` (of ``model``).
 The daemon is configured by a TOML file in its temp dir (``[tiers]`` table).
+
+``mooncake_master`` starts a real ``mooncake_master`` with its HTTP metadata server on free ports of
+127.0.0.1 (:class:`kvtier.mooncake_master.MooncakeMaster`: ``.master``, ``.metadata``, ``.kill()``,
+``.start()``) and always kills it afterwards; a missing mooncake wheel fails the test.
 """
 
 from __future__ import annotations
@@ -151,3 +155,16 @@ def kvtier_daemon(kvtier_daemon_factory: Callable[..., TinyDaemon]) -> TinyDaemo
     """An ephemeral daemon with tiny budgets (pool 8 pages, host 4 pages, disk 8 pages) and a pool
     ``tiny`` of GLM-5.2's first 4 layers."""
     return kvtier_daemon_factory()
+
+
+@pytest.fixture
+def mooncake_master() -> Iterator[Any]:
+    """A real ``mooncake_master`` (HTTP metadata server on) on free 127.0.0.1 ports, killed after the test."""
+    from kvtier.mooncake_master import MooncakeMaster
+
+    m = MooncakeMaster()
+    try:
+        m.start()
+        yield m
+    finally:
+        m.cleanup()

@@ -14,7 +14,7 @@ interleaved (each phase starts at the next function every round, so none always 
   to a new plain file; with fsync (``sync=True``: LMDB syncs every commit; the file is fsynced after
   every record) and without;
 * restore, checksum verified: ``DiskTier.borrow`` as the prefix cache calls it (a request's pages
-  ``LOAD_BATCH_PAGES`` at a time) and one record a call (``Restore``, ``spill_down``), and
+  ``DiskTier.borrow_batch`` (4) at a time) and one record a call (``Restore``, ``spill_down``), and
   ``read_into`` one reused buffer; vs ``readinto`` of the same bytes from the plain file into one
   reused buffer. Both read from the page cache (the files were just written);
 * LMDB's ``writemap`` (examined, not used): raw LMDB put+commit of the same records, no kvtier code,
@@ -37,7 +37,7 @@ from kvtier.bench.case import BenchContext, Case, CaseResult, Comparison, interl
 from kvtier.server.pool import create_pool, slots_of_pages
 from kvtier.server.replay.scale import ReplayScale
 from kvtier.server.tiers import DiskTier, DiskTierConfig, RecordCodec
-from kvtier.server.tiers.prefix import LOAD_BATCH_PAGES
+from kvtier.server.tiers.disk import BORROW_BATCH
 
 
 def page_records(n: int, seed: int = 0) -> list[torch.Tensor]:
@@ -112,9 +112,9 @@ class DiskRound:
                 pos += int(r.numel())
 
     def lmdb_borrow(self) -> None:
-        """As the prefix cache loads a request's disk pages: ``LOAD_BATCH_PAGES`` keys a call."""
-        for i in range(0, len(self.keys), LOAD_BATCH_PAGES):
-            with self.disk.borrow(self.keys[i:i + LOAD_BATCH_PAGES]) as recs:
+        """As the prefix cache loads a request's disk pages: ``BORROW_BATCH`` keys a call."""
+        for i in range(0, len(self.keys), BORROW_BATCH):
+            with self.disk.borrow(self.keys[i:i + BORROW_BATCH]) as recs:
                 if any(r is None for r in recs):
                     raise RuntimeError("disk tier lost a record")
             del recs
@@ -206,7 +206,7 @@ class DiskCase(Case):
 
     def settings(self, ctx: BenchContext) -> dict[str, Any]:
         return {"records": 256 if ctx.quick else 512, "record_bytes": 194_048, "reps": 3 if ctx.quick else 7,
-                "sync_reps": 2 if ctx.quick else 5, "warmup": 1, "restore_batch": LOAD_BATCH_PAGES,
+                "sync_reps": 2 if ctx.quick else 5, "warmup": 1, "restore_batch": BORROW_BATCH,
                 "workdir_fs": "the file system of --out", "environment": "warm (one environment, records removed between rounds)"}
 
     def steps(self, ctx: BenchContext) -> int:
@@ -255,8 +255,8 @@ class DiskCase(Case):
         c.append(Comparison("disk.spill_fsync_vs_file", "spill with fsync (LMDB syncs every commit), warm environment, vs plain file write()+fsync a record",
                             "GB/s", gb("LMDB tier write(), sync", ts["lmdb_spill"]), gb("plain file write()+fsync", ts["file_spill"]),
                             target=0.9))
-        c.append(Comparison("disk.restore_borrow_vs_file", f"restore as the prefix cache reads (borrow, {LOAD_BATCH_PAGES} pages a call, checksum verified) vs plain file readinto",
-                            "GB/s", gb(f"LMDB tier borrow({LOAD_BATCH_PAGES} keys)", t["lmdb_borrow"]), file_r, target=0.8))
+        c.append(Comparison("disk.restore_borrow_vs_file", f"restore as the prefix cache reads (borrow, {BORROW_BATCH} pages a call, checksum verified) vs plain file readinto",
+                            "GB/s", gb(f"LMDB tier borrow({BORROW_BATCH} keys)", t["lmdb_borrow"]), file_r, target=0.8))
         c.append(Comparison("disk.restore_borrow_one_vs_file", "restore one record a call (borrow, checksum verified) vs plain file readinto",
                             "GB/s", gb("LMDB tier borrow(1 key)", t["lmdb_borrow_one"]), file_r, target=0.8))
         c.append(Comparison("disk.restore_read_into_vs_file", "restore into a reused buffer (read_into, checksum verified) vs plain file readinto",

@@ -1,5 +1,6 @@
-"""``kvtier serve`` flags for the tiers: ``--disk-path``, ``--disk-size``, ``--disk-max-readers``,
-``--disk-sync``, ``--write-through``.
+"""``kvtier serve`` flags for the tiers: ``--tiers``, ``--disk-path``, ``--disk-size``,
+``--disk-max-readers``, ``--disk-sync``, ``--write-through`` and the ``--mooncake-*`` settings of the
+Mooncake Store tier.
 
 They are added to the ``serve`` command by :func:`add_tier_options` (one line in
 ``kvtier/cli/__init__.py``) and reach the daemon as its ``tiers`` setting
@@ -14,7 +15,7 @@ from typing import Any
 import click
 
 from kvtier.server.daemon.config import parse_bytes
-from kvtier.server.daemon.tier_settings import TierSettings
+from kvtier.server.daemon.tier_settings import TierSettings, mooncake_config, parse_stack
 
 _META = "kvtier.tier_flags"
 
@@ -40,7 +41,9 @@ def _settings(ctx: click.Context, _param: click.Parameter, _value: Any) -> TierS
 
             with open(config_file, "rb") as f:
                 base = TierSettings.coerce(tomllib.load(f).get("tiers"))
-        return TierSettings(**{**base.__dict__, **flags})
+        mooncake = {k.split(".", 1)[1]: v for k, v in flags.items() if k.startswith("mooncake.")}
+        plain = {k: v for k, v in flags.items() if not k.startswith("mooncake.")}
+        return TierSettings(**{**base.__dict__, **plain, "mooncake": mooncake_config(base.mooncake, **mooncake)})
     except (ValueError, OSError) as e:
         raise click.UsageError(str(e)) from None
 
@@ -61,6 +64,32 @@ def add_tier_options(command: click.Command) -> click.Command:
         click.Option(["--write-through/--write-back"], default=None, expose_value=False,
                      callback=_remember("write_through"),
                      help="Host tier writes records to disk on entry (write-through) or on eviction [write-back]."),
+        click.Option(["--tiers", "tier_stack"], default=None, metavar="NAMES", expose_value=False,
+                     callback=_remember("stack", parse_stack),
+                     help="Tiers below the device, fastest first, from host, disk, mooncake "
+                          "[host, and disk with --disk-path]. E.g. host,disk,mooncake."),
+        click.Option(["--mooncake-master"], default=None, metavar="HOST:PORT", expose_value=False,
+                     callback=_remember("mooncake.master"),
+                     help="mooncake_master RPC address of the shared Mooncake Store tier [127.0.0.1:50051]."),
+        click.Option(["--mooncake-metadata"], default=None, metavar="URL", expose_value=False,
+                     callback=_remember("mooncake.metadata"),
+                     help="Transfer metadata: the master's HTTP metadata server http://HOST:PORT/metadata, or "
+                          "P2PHANDSHAKE (every client of the store must use the same) [http://127.0.0.1:8080/metadata]."),
+        click.Option(["--mooncake-protocol"], type=click.Choice(["tcp", "rdma"]), default=None, expose_value=False,
+                     callback=_remember("mooncake.protocol"), help="Mooncake transfer protocol [tcp]."),
+        click.Option(["--mooncake-rdma-devices"], default=None, metavar="DEVS", expose_value=False,
+                     callback=_remember("mooncake.rdma_devices"), help="RDMA devices for --mooncake-protocol rdma, e.g. mlx5_0."),
+        click.Option(["--mooncake-hostname"], default=None, metavar="HOST", expose_value=False,
+                     callback=_remember("mooncake.local_hostname"),
+                     help="Address this daemon's store client publishes to its peers [127.0.0.1]."),
+        click.Option(["--mooncake-segment-size"], default=None, metavar="BYTES", expose_value=False,
+                     callback=_remember("mooncake.global_segment_bytes", lambda v: parse_bytes(v, "--mooncake-segment-size")),
+                     help="Host memory this daemon lends to the shared store, e.g. 8GiB [1GiB]; 0: none."),
+        click.Option(["--mooncake-replicas"], type=click.IntRange(min=1), default=None, expose_value=False,
+                     callback=_remember("mooncake.replicas"), help="Copies of each object in the store [1]."),
+        click.Option(["--mooncake-soft-pin/--no-mooncake-soft-pin"], default=None, expose_value=False,
+                     callback=_remember("mooncake.soft_pin"),
+                     help="Soft-pin the objects this daemon puts (the store evicts them last) [no]."),
         # processed last (never on the command line): turns the flags above into the tiers setting
         click.Option(["--tiers-from-flags", "tiers"], hidden=True, default=None, callback=_settings, expose_value=True),
     ])

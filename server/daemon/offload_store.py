@@ -3,8 +3,9 @@
 back for ``load_cpu_copy``, ``Drop`` removes it.
 
 Copies are records in the host tier that spill to the LMDB disk tier (write-back or write-through)
-and come back from either. A copy is one record: its latent rows and live-layer indexer pages live
-and die together, never apart. The store does not refuse when full: older copies move down (and,
+and come back from either: the stack's cascade. A shared tier (the Mooncake Store tier) never holds
+a copy: copies are named by each daemon's clients and would collide between daemons. A copy is one
+record: its latent rows and live-layer indexer pages live and die together, never apart. The store does not refuse when full: older copies move down (and,
 past the last tier, are gone: a later restore of them is NOT_FOUND). A copy larger than every tier
 (or a daemon without any tier) is refused with RESOURCE_EXHAUSTED.
 
@@ -94,9 +95,9 @@ class OffloadStore:
         return tenant_key(caller.tenant, OFFLOAD_PREFIX + self.check_key(key))
 
     def _fitting_tiers(self, tenant: str, nbytes: int) -> list[Any]:
-        """The tiers whose budget (and the tenant's quota there) can take ``nbytes``, healthy or not."""
+        """The cascade tiers whose budget (and the tenant's quota there) can take ``nbytes``, healthy or not."""
         out = []
-        for t in self.stack.tiers:
+        for t in self.stack.cascade:
             charge = disk_charge(nbytes) if t.name == "disk" else nbytes
             quota = self.quotas.tier_bytes(tenant, t.name)
             if charge <= t.index.capacity and (quota is None or charge <= quota):
@@ -105,7 +106,7 @@ class OffloadStore:
 
     def _unhealthy_holder(self, tkey: bytes) -> Any:
         """The unhealthy tier whose storage holds ``tkey``'s record (unreachable until it recovers), or None."""
-        return next((t for t in self.stack.tiers if t.held_while_unhealthy(tkey)), None)
+        return next((t for t in self.stack.cascade if t.held_while_unhealthy(tkey)), None)
 
     @staticmethod
     def _retry_hint(tier: Any) -> str:
@@ -113,15 +114,15 @@ class OffloadStore:
                 f"service {tier.health.service_name} is SERVING")
 
     def _refusal(self, tenant: str, key: str, nbytes: int) -> ResourceExhausted:
-        if not self.stack.tiers:
+        if not self.stack.cascade:
             return ResourceExhausted(f"host tier full: the copy needs {nbytes} bytes and the daemon has no "
                                      f"tier to keep copies in (host memory budget 0, no disk tier)")
-        caps = [(t.name, self.quotas.tier_bytes(tenant, t.name), t.index) for t in self.stack.tiers]
+        caps = [(t.name, self.quotas.tier_bytes(tenant, t.name), t.index) for t in self.stack.cascade]
         named = [f"{name}_bytes quota {q} bytes ({ix.group_used(tenant)} in use)" for name, q, ix in caps if q is not None]
         if named:
             return ResourceExhausted(f"tier quota of tenant {tenant!r}: the {nbytes}-byte copy {key!r} fits no tier "
                                      f"within the tenant's {', '.join(named)}")
-        top = self.stack.tiers[0]
+        top = self.stack.cascade[0]
         return ResourceExhausted(f"host tier full: the copy needs {nbytes} bytes, the {top.name} tier holds "
                                  f"{top.index.capacity} bytes and no tier below can take it")
 
@@ -139,7 +140,7 @@ class OffloadStore:
         if not fitting:
             raise self._refusal(caller.tenant, key, nbytes)
         if not any(t.health.healthy for t in fitting):
-            raise Unavailable(f"the copy needs {nbytes} bytes, more than the {self.stack.tiers[0].name} tier "
+            raise Unavailable(f"the copy needs {nbytes} bytes, more than the {self.stack.cascade[0].name} tier "
                               f"holds; {self._retry_hint(fitting[0])}")
 
     def put(self, caller: Caller, key: str, copy: HostCopy) -> bool:
@@ -158,27 +159,28 @@ class OffloadStore:
         with self._lock:
             self.check_room(caller, key, copy.nbytes)
             codec = RecordCodec(model_from_fingerprint(dict(copy.layout)))
-            try:  # built where the top tier keeps records (its host arena: no copy on entry)
+            try:  # built where the top cascade tier keeps records (its host arena: no copy on entry)
                 src = torch.as_tensor(copy.copy.get("src_loc"), dtype=torch.int64).reshape(-1)
                 pages = int(torch.unique(src // codec.page_size).numel())
-                out = self.stack.tiers[0].record_buffer(codec.nbytes(src.numel(), pages)) if self.stack.tiers else None
+                top = self.stack.cascade[0] if self.stack.cascade else None
+                out = top.record_buffer(codec.nbytes(src.numel(), pages)) if top is not None else None
                 rec = codec.encode_copy(dict(copy.copy), out=out)
             except ValueError as e:
                 raise InvalidArgument(f"copy {key!r}: {e}") from None
             placed = self.stack.put(tkey, rec, source="device")
             if not placed:
-                sick = next((t for t in self.stack.tiers if not t.health.healthy), None)
+                sick = next((t for t in self.stack.cascade if not t.health.healthy), None)
                 if sick is not None:
                     raise Unavailable(f"no tier could take the {rec.numel()}-byte copy {key!r}; {self._retry_hint(sick)}")
                 raise self._refusal(caller.tenant, key, int(rec.numel()))
             self._sources[(caller.tenant, key)] = copy.source_pool
-            return any(t.persistent for t in self.stack.tiers if t.name in placed)
+            return any(t.persistent for t in self.stack.cascade if t.name in placed)
 
     def get(self, caller: Caller, key: str) -> HostCopy:
         """The tenant's copy under ``key``, checked (a damaged record is dropped and NOT_FOUND; one on
         an unhealthy tier is UNAVAILABLE)."""
         tkey = self._key(caller, key)
-        for tier in self.stack.tiers:
+        for tier in self.stack.cascade:
             with tier.borrow([tkey]) as (rec,):
                 if rec is None:
                     continue
@@ -202,7 +204,7 @@ class OffloadStore:
         cannot be read then, so its bytes are unknown and 0 is returned."""
         tkey = self._key(caller, key)
         nbytes = None
-        for tier in self.stack.tiers:
+        for tier in self.stack.cascade:
             with tier.borrow([tkey]) as (rec,):
                 if rec is not None and nbytes is None:
                     try:
@@ -222,4 +224,4 @@ class OffloadStore:
     def contains(self, caller: Caller, key: str) -> bool:
         """Whether any tier holds the tenant's copy under ``key``."""
         tkey = self._key(caller, key)
-        return any(t.contains([tkey])[0] for t in self.stack.tiers)
+        return any(t.contains([tkey])[0] for t in self.stack.cascade)

@@ -10,7 +10,8 @@ service layer turns metadata into a :class:`Caller` (``kvtier.server.service.aut
 
 Tier keys carry the tenant *above* the tiers (:func:`tenant_key`): ``b"t" + len(name) + name + rest``.
 The tiers store opaque byte keys and never know tenants; :func:`tenant_of_key` reads the tenant back
-for per-tenant quotas and usage.
+for per-tenant quotas and usage, :func:`key_body` the rest (its namespace, ``p:``/``o:``, first) for
+a tier that keeps only some namespaces (the shared Mooncake Store tier: prefix pages only).
 """
 
 from __future__ import annotations
@@ -84,6 +85,14 @@ def tenant_of_key(key: object) -> str | None:
         return key[2:2 + n].decode()
     except UnicodeDecodeError:
         return None
+
+
+def key_body(key: bytes) -> bytes:
+    """The ``rest`` of a :func:`tenant_key` (namespace first, e.g. ``b"p:..."``); a key not made by
+    :func:`tenant_key` is its own body."""
+    if tenant_of_key(key) is None:
+        return key
+    return key[2 + key[1]:]
 
 
 def _digest(token: str) -> bytes:

@@ -1,4 +1,5 @@
-"""The daemon's tiers: one host/disk stack shared by the offload store and one prefix cache per pool.
+"""The daemon's tiers: one stack (host, disk, mooncake: as configured) shared by the offload store and
+one prefix cache per pool, and the monitor thread that probes unhealthy tiers.
 
 Built once per daemon from :class:`~kvtier.server.daemon.config.DaemonConfig` (host budget
 ``host_memory_bytes``, the rest from its ``tiers`` settings) and kept as ``Daemon.tiers``.
@@ -10,7 +11,10 @@ status codes.
 
 Tenants: a pool's prefix namespace is ``tenant_key(tenant, b"p:" + layout digest)``: pools of one
 tenant with the same layout share pages; equal prompts of two tenants never share or probe each
-other's pages. The tiers account each tenant's bytes (``TierIndex.set_groups``) for its quotas.
+other's pages. The tiers account each tenant's bytes (``TierIndex.set_groups``) for its quotas. The
+shared Mooncake Store tier keeps the prefix pages of every tenant (its key filter looks past the
+tenant, :func:`~kvtier.server.daemon.tenants.key_body`), and has no per-tenant quota (see
+``kvtier.server.tiers.mooncake_store``).
 
 Monitoring (:meth:`TierRuntime.stats`) takes no pool, cache or index lock.
 """
@@ -28,7 +32,7 @@ import torch
 from kvtier.server.daemon.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from kvtier.server.daemon.pools import PoolEntry
 from kvtier.server.daemon.quotas import Quotas
-from kvtier.server.daemon.tenants import Caller, tenant_key, tenant_of_key
+from kvtier.server.daemon.tenants import Caller, key_body, tenant_key, tenant_of_key
 from kvtier.server.daemon.tier_settings import TierSettings
 from kvtier.server.tiers import (
     DiskTierConfig, HostTier, HostTierConfig, LeaseError, PrefixCache, PrefixLoad, PrefixLookup, RecordCodec,
@@ -92,19 +96,21 @@ def tier_errors() -> Iterator[None]:
 
 
 def build_stack(host_bytes: int, settings: TierSettings, device: str = "cpu") -> TierStack:
-    """The host tier (``host_bytes``; page-locked when ``device`` is CUDA unless the settings say)
-    over the LMDB disk tier when ``settings.disk_path`` is set."""
+    """The stack ``settings.tier_names`` names, fastest first, each tier from its typed config: the
+    host tier (``host_bytes``; page-locked when ``device`` is CUDA unless the settings say), the LMDB
+    disk tier (``disk_*``), the Mooncake Store tier (``settings.mooncake``)."""
     pin = settings.host_pin_memory if settings.host_pin_memory is not None else device.startswith("cuda")
-    configs: list[Any] = [HostTierConfig(capacity_bytes=host_bytes, write_back=not settings.write_through,
-                                         pin_memory=pin)]
-    if settings.disk_path:
-        configs.append(DiskTierConfig(path=settings.disk_path, capacity_bytes=settings.disk_bytes,
-                                      max_readers=settings.disk_max_readers, sync=settings.disk_sync,
-                                      reserve_fraction=settings.disk_reserve_fraction,
-                                      probe_backoff_max_s=settings.disk_probe_backoff_max_seconds,
-                                      probe_backoff_initial_s=min(1.0, settings.disk_probe_backoff_max_seconds),
-                                      fault_file=fault_file_from_env()))
-    return TierStack.from_configs(configs)
+    configs: dict[str, Any] = {
+        "host": lambda: HostTierConfig(capacity_bytes=host_bytes, write_back=not settings.write_through, pin_memory=pin),
+        "disk": lambda: DiskTierConfig(path=settings.disk_path, capacity_bytes=settings.disk_bytes,
+                                       max_readers=settings.disk_max_readers, sync=settings.disk_sync,
+                                       reserve_fraction=settings.disk_reserve_fraction,
+                                       probe_backoff_max_s=settings.disk_probe_backoff_max_seconds,
+                                       probe_backoff_initial_s=min(1.0, settings.disk_probe_backoff_max_seconds),
+                                       fault_file=fault_file_from_env()),
+        "mooncake": lambda: settings.mooncake,
+    }
+    return TierStack.from_configs([configs[name]() for name in settings.tier_names])
 
 
 class TierRuntime:
@@ -130,6 +136,8 @@ class TierRuntime:
         self._lock = threading.Lock()  # short: creating a pool's cache object only
         for t in self.stack.tiers:
             t.index.set_groups(tenant_of_key, lambda tenant, tier=t.name: self.quotas.tier_bytes(tenant, tier))
+            if hasattr(t, "set_key_body"):
+                t.set_key_body(key_body)  # a shared tier's namespaces lie past the tenant
             if hasattr(t, "open"):
                 t.open()  # the daemon never forks after this; the startup scrub runs now
         self.monitor = TierMonitor(self.stack.tiers)  # probes unhealthy tiers; started by start_monitor()
@@ -221,7 +229,7 @@ class TierRuntime:
         and close the LMDB environment). Without a disk tier nothing is moved."""
         self.monitor.stop()
         try:
-            if len(self.stack.tiers) > 1:
+            if len(self.stack.cascade) > 1:
                 for entry in self.pools.list():
                     if entry.prefix_cache is not None:
                         entry.prefix_cache.drop_all()

@@ -1,17 +1,35 @@
-"""The daemon's tier settings (``[tiers]`` in the TOML config, ``--disk-*`` flags of ``kvtier serve``).
+"""The daemon's tier settings (``[tiers]`` in the TOML config, ``--tiers``, ``--disk-*`` and
+``--mooncake-*`` flags of ``kvtier serve``).
 
-The host tier's budget is the daemon's ``host_memory_bytes``; these fields configure the rest.
+The host tier's budget is the daemon's ``host_memory_bytes``; these fields configure the rest. Which
+tiers the stack has, fastest first, is ``stack`` (``--tiers host,disk,mooncake``); the Mooncake Store
+tier's settings are a ``[tiers.mooncake]`` table holding the fields of
+:class:`~kvtier.server.tiers.mooncake_config.MooncakeStoreTierConfig` (byte sizes may be ``"1GiB"``)::
+
+    [tiers]
+    stack = ["host", "disk", "mooncake"]
+    disk_path = "/var/lib/kvtier/disk"
+
+    [tiers.mooncake]
+    master = "10.0.0.5:50051"
+    metadata = "http://10.0.0.5:8080/metadata"
+    global_segment_bytes = "8GiB"
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.server.daemon.config_keys import check_known_keys
+from kvtier.server.tiers.mooncake_config import MooncakeStoreTierConfig
 
 GiB = 1 << 30
+TIER_NAMES = ("host", "disk", "mooncake")
+MOONCAKE_BYTE_FIELDS = ("capacity_bytes", "global_segment_bytes", "local_buffer_bytes", "staging_bytes",
+                        "max_object_bytes")
 
 
 @dataclass(frozen=True)
@@ -30,6 +48,9 @@ class TierSettings:
             daemon, so a client that vanished mid-request cannot pin pages forever (0: never).
         disk_probe_backoff_max_seconds: an unhealthy disk tier (ENOSPC, EIO) is probed 1 s after the
             failure, then at doubling intervals up to this many seconds.
+        stack: tier names fastest first, from ``host``, ``disk``, ``mooncake``; empty: ``host``, plus
+            ``disk`` when ``disk_path`` is set.
+        mooncake: settings of the Mooncake Store tier (used when ``stack`` names it).
     """
 
     disk_path: str = ""
@@ -41,6 +62,8 @@ class TierSettings:
     host_pin_memory: bool | None = None
     lease_ttl_seconds: float = 600.0
     disk_probe_backoff_max_seconds: float = 30.0
+    stack: tuple[str, ...] = ()
+    mooncake: MooncakeStoreTierConfig = field(default_factory=MooncakeStoreTierConfig)
 
     def __post_init__(self) -> None:
         if not isinstance(self.disk_probe_backoff_max_seconds, (int, float)) or self.disk_probe_backoff_max_seconds <= 0:
@@ -53,6 +76,16 @@ class TierSettings:
             raise ValueError(f"tiers.lease_ttl_seconds must be >= 0, got {self.lease_ttl_seconds!r}")
         if not 0.0 < float(self.disk_reserve_fraction) < 1.0:
             raise ValueError(f"tiers.disk_reserve_fraction must lie in (0, 1), got {self.disk_reserve_fraction!r}")
+        object.__setattr__(self, "stack", parse_stack(self.stack))
+        if "disk" in self.stack and not self.disk_path:
+            raise ValueError("tiers.stack names the disk tier but no disk_path (--disk-path) is set")
+        if "mooncake" in self.stack:
+            self.mooncake.validate()
+
+    @property
+    def tier_names(self) -> tuple[str, ...]:
+        """The stack's tiers, fastest first (``stack``, or the default: host, and disk with a path)."""
+        return self.stack or (("host", "disk") if self.disk_path else ("host",))
 
     @classmethod
     def coerce(cls, value: TierSettings | Mapping[str, Any] | None) -> TierSettings:
@@ -68,9 +101,55 @@ class TierSettings:
         if not isinstance(value, Mapping):
             raise ValueError(f"[tiers] must be a table, got {type(value).__name__}")
         check_known_keys(cls, value, "[tiers]")
+        from kvtier.server.daemon.config import parse_bytes  # config imports this module
+
         data = dict(value)
         if "disk_bytes" in data:
-            from kvtier.server.daemon.config import parse_bytes  # config imports this module
-
             data["disk_bytes"] = parse_bytes(data["disk_bytes"], "tiers.disk_bytes")
+        if "mooncake" in data:
+            data["mooncake"] = mooncake_config(data["mooncake"])
         return cls(**data)
+
+
+def parse_stack(value: Any) -> tuple[str, ...]:
+    """``"host,disk,mooncake"`` or a list of names -> a tuple of known, distinct tier names.
+
+    Raises:
+        ValueError: an unknown or repeated name.
+    """
+    names = tuple(n.strip() for n in value.split(",") if n.strip()) if isinstance(value, str) else tuple(value)
+    unknown = [n for n in names if n not in TIER_NAMES]
+    if unknown:
+        raise ValueError(f"unknown tiers {unknown}; known: {list(TIER_NAMES)}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"tiers repeat in {list(names)}")
+    return names
+
+
+def mooncake_config(value: MooncakeStoreTierConfig | Mapping[str, Any], **changes: Any) -> MooncakeStoreTierConfig:
+    """A :class:`MooncakeStoreTierConfig` from itself or a ``[tiers.mooncake]`` table, with ``changes``
+    over it (flags). Byte sizes may be ``"1GiB"``; ``namespaces`` may be a list.
+
+    Raises:
+        ValueError: unknown keys or bad values.
+    """
+    from kvtier.server.daemon.config import parse_bytes  # config imports this module
+
+    if isinstance(value, MooncakeStoreTierConfig):
+        data = dataclasses.asdict(value)
+    elif isinstance(value, Mapping):
+        check_known_keys(MooncakeStoreTierConfig, value, "[tiers.mooncake]")
+        data = dict(value)
+    else:
+        raise ValueError(f"[tiers.mooncake] must be a table, got {type(value).__name__}")
+    data.update(changes)
+    for key in MOONCAKE_BYTE_FIELDS:
+        if key in data:
+            data[key] = parse_bytes(data[key], f"tiers.mooncake.{key}")
+    if "namespaces" in data:
+        data["namespaces"] = tuple(data["namespaces"])
+    try:
+        cfg = MooncakeStoreTierConfig(**data)
+    except TypeError as e:
+        raise ValueError(f"[tiers.mooncake]: {e}") from None
+    return cfg

@@ -38,7 +38,8 @@ def tenant_labels(labels: dict[str, str], tenant: str) -> dict[str, str]:
 
 
 def move_labels(src: str, dst: str) -> dict[str, str]:
-    """Labels of a move row (``dst`` ``gone``: dropped past the last tier; ``host(present)``: already there)."""
+    """Labels of a move row (``dst`` ``gone``: dropped past the last tier; ``host(present)``: already there;
+    ``mooncake(unhealthy)``: a publish to that shared tier skipped while it is unhealthy)."""
     return {"src": src, "dst": dst}
 
 
@@ -69,7 +70,7 @@ def daemon_snapshot(stack: TierStack, caches: Callable[[], Sequence[tuple[str, P
     moves, evictions, checksum failures) do not: a tier's records of every tenant share its budget.
 
     Args:
-        stack: the daemon's host/disk tiers.
+        stack: the daemon's tiers (host, disk, mooncake: as configured).
         caches: ``(tenant, prefix cache)`` of each pool that has one (device tier).
         pools: a view of each pool.
     """

@@ -37,12 +37,15 @@ class MetricSpec:
 
 METRICS: dict[str, MetricSpec] = {
     "kvtier_tier_used_bytes": MetricSpec("gauge", "Bytes a tier holds (device: allocated pool pages; host/disk: "
-                                                  "charged record bytes)."),
-    "kvtier_tier_capacity_bytes": MetricSpec("gauge", "Byte budget of a tier (device: all pool pages)."),
+                                                  "charged record bytes; mooncake: record bytes of the objects this "
+                                                  "daemon put into the shared store)."),
+    "kvtier_tier_capacity_bytes": MetricSpec("gauge", "Byte budget of a tier (device: all pool pages; mooncake: the "
+                                                      "bound of this daemon's ledger of objects put)."),
     "kvtier_tier_healthy": MetricSpec("gauge", "1 while a tier serves, 0 while it is bypassed (storage failed)."),
     "kvtier_hit_pages": MetricSpec("counter", "Prefix-cache pages loaded, by the tier they came from and tenant."),
     "kvtier_miss_pages": MetricSpec("counter", "Prefix-cache pages asked for and found in no tier, by tenant."),
-    "kvtier_moves": MetricSpec("counter", "Records moved between tiers (dst 'gone': dropped)."),
+    "kvtier_moves": MetricSpec("counter", "Records moved between tiers (dst 'gone': dropped; 'mooncake(unhealthy)': "
+                                          "a publish skipped while that tier is unhealthy, the page stays)."),
     "kvtier_moved_bytes": MetricSpec("counter", "Record bytes moved between tiers."),
     "kvtier_evictions": MetricSpec("counter", "Entries a tier evicted to stay in budget."),
     "kvtier_checksum_failures": MetricSpec("counter", "Records that failed their checksum or header checks."),

@@ -155,7 +155,7 @@ def _bind(server: grpc.Server, config: DaemonConfig) -> str:
 
 
 def _serve_tier_health(hs: health.HealthServicer, state: Daemon) -> None:
-    """One health service per tier (``kvtier.tier.host``, ``kvtier.tier.disk``), kept in step with the
+    """One health service per tier (``kvtier.tier.host``, ``kvtier.tier.disk``, ``kvtier.tier.mooncake``), kept in step with the
     tier's health by the tier monitor (called from its thread, no lock of the daemon held)."""
     def status(healthy: bool) -> int:
         return health_pb2.HealthCheckResponse.SERVING if healthy else health_pb2.HealthCheckResponse.NOT_SERVING

@@ -72,6 +72,13 @@ MAP_FULL_RETRY_PAUSES_S: tuple[float, ...] = (0.002, 0.01, 0.03, 0.1, 0.2)
 
 log = logging.getLogger(__name__)
 
+#: Keys one :meth:`DiskTier.borrow` of a prefix load reads (one read transaction; the prefix cache
+#: borrows runs of ``borrow_batch`` pages a call). Small on purpose: a run's records are copied into
+#: one place the next run reuses, and 4 page records (776 KB) stay in a core's cache (2 MiB here)
+#: until they are loaded into the pool; runs of 16 ran 0.70x a plain read, of 4 0.79-0.81x
+#: (BENCHMARKS.md, fix 6).
+BORROW_BATCH = 4
+
 _SEQ = struct.Struct(">Q")  # big-endian: the order sub-database iterates oldest first
 _PROBE_KEY = b"probe"  # in its own sub-database, so a probe left behind is never taken for a record
 _MIN_PROBE_BYTES = 4096
@@ -105,6 +112,7 @@ class DiskTier(Tier):
 
     name = "disk"
     persistent = True
+    borrow_batch = BORROW_BATCH
 
     def __init__(self, config: DiskTierConfig) -> None:
         config.validate()

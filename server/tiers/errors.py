@@ -34,15 +34,19 @@ class DiskPathError(TierError, ValueError):
 
 
 class TierUnavailableError(TierError):
-    """The tier is unhealthy (its storage failed: ENOSPC, EIO, ...) and bypassed until a probe
-    succeeds. Nothing of the failed call is visible in the tier.
+    """The tier is unhealthy (its storage failed: ENOSPC, EIO, a store whose master went away) and
+    bypassed until a probe succeeds; the tier marked itself unhealthy before raising. Nothing of the
+    failed call is visible in the tier (records of a batch stored before it stay: ``written``).
 
     Attributes:
         tier: the tier's name.
         reason: why it is unhealthy.
+        written: keys of a batch write stored before the failure (they stay; e.g. the Mooncake Store
+            tier's earlier store calls of the batch); empty for a single-record write.
     """
 
-    def __init__(self, tier: str, reason: str) -> None:
+    def __init__(self, tier: str, reason: str, *, written: tuple[bytes, ...] = ()) -> None:
         super().__init__(f"the {tier} tier is unhealthy ({reason}); it is bypassed until a probe succeeds")
         self.tier = tier
         self.reason = reason
+        self.written = tuple(written)

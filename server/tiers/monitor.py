@@ -35,7 +35,7 @@ class TierMonitor:
     """Probes unhealthy tiers and reports health changes.
 
     Args:
-        tiers: the tiers to watch (e.g. the daemon's stack: host, disk).
+        tiers: the tiers to watch (e.g. the daemon's stack: host, disk, mooncake).
         poll_s: the longest sleep between rounds when nothing wakes it.
 
     Use :meth:`start`/:meth:`stop` for the background thread, or call :meth:`run_once` (tests).

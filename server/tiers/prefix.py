@@ -10,7 +10,8 @@ Protocol of one request (what ``kvtier replay`` does):
    *some* tier with the fastest tier of each page. Pins nothing.
 2. :meth:`load` -- under a new lease: pins device hits, brings the rest of that prefix up from the
    host/disk tiers into newly allocated pages, and allocates fresh pages for the remaining tokens.
-3. the caller writes its new KV into the fresh slots, then :meth:`store` hands those pages to the cache.
+3. the caller writes its new KV into the fresh slots, then :meth:`store` hands those pages to the cache
+   (and publishes their records to the stack's shared tiers, so other daemons find them at once).
 4. :meth:`release` -- unpins the lease's pages and frees fresh pages it did not store.
 
 Decisions (what lives where, which victim) are apart from byte moves: with ``pool=None`` the same
@@ -32,7 +33,6 @@ import secrets
 import threading
 import time
 from collections.abc import Sequence
-from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,11 +48,6 @@ from kvtier.server.tiers.stack import TierStack
 log = logging.getLogger(__name__)
 
 DEVICE = "device"
-#: Records a prefix load borrows from one tier at a time (one disk read transaction). Small on
-#: purpose: a window's records are copied into one place that is reused by the next window, and
-#: 4 page records (776 KB) stay in a core's cache (2 MiB here) until they are loaded into the pool;
-#: windows of 16 ran 0.70x a plain read, of 4 0.95x (BENCHMARKS.md, fix 6).
-LOAD_BATCH_PAGES = 4
 
 
 @dataclass
@@ -77,7 +72,7 @@ class PrefixLoad:
         lease: the lease id (32 hex characters, 128 random bits) to :meth:`store` under and :meth:`release`.
         slots: ``(total_tokens,)`` int64 slots: the first ``loaded_pages * page_size`` hold the
             loaded prefix, the rest are fresh pages for the caller to fill.
-        tiers: tier each loaded page came from (``device``, ``host``, ``disk``).
+        tiers: tier each loaded page came from (``device``, ``host``, ``disk``, ``mooncake``).
     """
 
     lease: str
@@ -225,8 +220,8 @@ class PrefixCache:
     def _evict_device(self, key: bytes) -> None:
         page = self._pages[key]
         tkey = self._tier_key(key)
-        if self.stack.tiers:
-            top = self.stack.tiers[0]
+        if self.stack.cascade:
+            top = self.stack.cascade[0]
             if top.contains([tkey])[0]:
                 top.index.touch(tkey)  # same content is already there: no bytes move
                 self.stack.count_move(DEVICE, f"{top.name}(present)", 0)
@@ -240,13 +235,14 @@ class PrefixCache:
         self.allocator.free_pages_by_id([page])
         self.counters["evicted_pages"] += 1
 
-    def _page_record(self, page: int) -> RecordLike:
-        """The page's record, built where the top tier keeps records (its arena: no copy on entry)."""
+    def _page_record(self, page: int, out: torch.Tensor | None = None) -> RecordLike:
+        """The page's record, built in ``out`` (a shared tier's staging, at publish) or where the top
+        cascade tier keeps records (its arena: no copy on entry)."""
         if self.pool is None:
             return self.page_record_bytes
-        if not self.stack.tiers:
-            return self.codec.encode_page(self.pool, page)
-        return self.codec.encode_page(self.pool, page, out=self.stack.tiers[0].record_buffer(self.page_record_bytes))
+        if out is None and self.stack.cascade:
+            out = self.stack.cascade[0].record_buffer(self.page_record_bytes)
+        return self.codec.encode_page(self.pool, page, out=out)
 
     # ----- load / store / release ---------------------------------------------------------------
     def load(self, keys: Sequence[bytes], total_tokens: int | None = None) -> PrefixLoad:
@@ -296,20 +292,26 @@ class PrefixCache:
                 unplaced = list(new_pages[:len(lower)])  # neither a cached page nor a fresh one yet
                 page_of = {i: self._pages[k] for i, (k, t) in enumerate(zip(keys, found)) if t == DEVICE}
                 loaded = len(found)
-                done = iter(self._load_pages([(key, found[i], page) for (i, key), page in zip(lower, new_pages) if i < loaded]))
-                for (i, key), page in zip(lower, new_pages):
-                    if i < loaded and next(done):
-                        self._pages[key] = page
-                        self._device.commit_insert(key, 1)
+                pairs = list(zip(lower, new_pages))
+                for run in self._tier_runs(pairs, found):
+                    if run[0][0][0] < loaded:
+                        got = self._load_pages(found[run[0][0][0]], [(key, page) for (_, key), page in run])
+                    else:  # past a failed load: the prefix ended there, nothing more is read
+                        got = [0] * len(run)
+                    for ((i, key), page), nbytes in zip(run, got):
+                        if i < loaded and nbytes:
+                            self.stack.count_move(found[i], DEVICE, nbytes)
+                            self._pages[key] = page
+                            self._device.commit_insert(key, 1)
+                            unplaced.remove(page)
+                            page_of[i] = page
+                            lease.pinned.extend(self._device.pin([key]))
+                            continue
+                        if i < loaded:  # a damaged or vanished record: the prefix ends here
+                            self.counters["failed_loads"] += 1
+                            loaded = i
                         unplaced.remove(page)
-                        page_of[i] = page
-                        lease.pinned.extend(self._device.pin([key]))
-                        continue
-                    if i < loaded:  # a damaged or vanished record: the prefix ends here
-                        self.counters["failed_loads"] += 1
-                        loaded = i
-                    unplaced.remove(page)
-                    lease.fresh.insert(0, page)
+                        lease.fresh.insert(0, page)
             except BaseException:
                 if lease_id in self._leases:
                     if unplaced:  # a page being loaded when the error came: free it with the lease
@@ -339,45 +341,42 @@ class PrefixCache:
             self.counters["fresh_pages"] += len(fresh_pages)
             return PrefixLoad(lease_id, slots, tiers)
 
-    def _load_pages(self, items: list[tuple[bytes, str, int]]) -> list[bool]:
-        """Bring ``(key, tier name, pool page)`` items up into their pages, in order, until the first
-        one that fails (a damaged or vanished record: the prefix ends there; it and every later item
-        are False and their pages are not written). Records are borrowed in windows of
-        :data:`LOAD_BATCH_PAGES` items, one borrow per tier a window (the disk tier reads a window in
-        one read transaction, with one count and one touch); a record the tier verified as it read
-        it is not hashed again."""
-        done: list[bool] = []
-        for w in range(0, len(items), LOAD_BATCH_PAGES):
-            window = items[w:w + LOAD_BATCH_PAGES]
-            names = list(dict.fromkeys(t for _, t, _ in window))
-            with ExitStack() as stack:
-                recs: dict[tuple[str, bytes], RecordLike | None] = {}
-                for name in names:
-                    tier = self.stack.tier(name)
-                    assert tier is not None
-                    tkeys = [self._tier_key(k) for k, t, _ in window if t == name]
-                    recs.update(zip(((name, k) for k in tkeys), stack.enter_context(tier.borrow(tkeys))))
-                for key, name, page in window:
-                    if not self._load_one(key, name, page, recs[(name, self._tier_key(key))]):
-                        return done + [False] * (len(items) - len(done))
-                    done.append(True)
-        return done
+    def _tier_runs(self, pairs: list[tuple[tuple[int, bytes], int]], found: list[str]) -> list[list[tuple[tuple[int, bytes], int]]]:
+        """Cut ``((i, key), page)`` pairs into runs of one tier, each at most that tier's
+        ``borrow_batch`` keys (1 where the tier has none: one record borrowed at a time)."""
+        runs: list[list[tuple[tuple[int, bytes], int]]] = []
+        for pair in pairs:
+            name = found[pair[0][0]]
+            if runs and found[runs[-1][0][0][0]] == name:
+                tier = self.stack.tier(name)
+                if len(runs[-1]) < max(1, int(getattr(tier, "borrow_batch", 1))):
+                    runs[-1].append(pair)
+                    continue
+            runs.append([pair])
+        return runs
 
-    def _load_one(self, key: bytes, tier_name: str, page: int, rec: RecordLike | None) -> bool:
-        if rec is None:
-            return False
+    def _load_pages(self, tier_name: str, items: list[tuple[bytes, int]]) -> list[int]:
+        """Borrow the records of ``items`` ``(key, pool page)`` from one tier in one batch and write
+        each onto its page; returns the record bytes per item (0: absent or damaged)."""
         tier = self.stack.tier(tier_name)
         assert tier is not None
-        if self.pool is not None:
-            assert isinstance(rec, torch.Tensor)
-            try:
-                self.codec.load_page(self.pool, rec, page, verified=tier.verifies_reads)
-            except RecordError as e:
-                tier.report_damaged(self._tier_key(key), e)
-                return False
-        nbytes = rec if isinstance(rec, int) else int(rec.numel())
-        self.stack.count_move(tier_name, DEVICE, nbytes)
-        return True
+        tkeys = [self._tier_key(k) for k, _ in items]
+        out = []
+        with tier.borrow(tkeys) as recs:
+            for tkey, (_, page), rec in zip(tkeys, items, recs):
+                if rec is None:
+                    out.append(0)
+                    continue
+                if self.pool is not None:
+                    assert isinstance(rec, torch.Tensor)
+                    try:
+                        self.codec.load_page(self.pool, rec, page, verified=tier.verifies_reads)  # hashed once
+                    except RecordError as e:
+                        tier.report_damaged(tkey, e)
+                        out.append(0)
+                        continue
+                out.append(rec if isinstance(rec, int) else int(rec.numel()))
+        return out
 
     def _new_lease_id(self) -> str:
         while True:
@@ -418,7 +417,7 @@ class PrefixCache:
             fresh = set(lease.fresh)
             if any(p not in fresh for p in page_ids) or len(set(page_ids)) != len(page_ids):
                 raise ValueError("slots must be distinct fresh pages of this lease")
-            adopted = 0
+            adopted: list[tuple[bytes, int]] = []
             for key, page in zip(keys, page_ids):
                 if key in self._device:
                     continue
@@ -427,9 +426,13 @@ class PrefixCache:
                 self._device.commit_insert(key, 1)
                 self._device.pin([key])
                 lease.pinned.append(key)
-                adopted += 1
+                adopted.append((key, page))
             self.counters["stores"] += 1
-            return adopted
+            if adopted and self.stack.shared:  # other daemons see the new pages at once
+                self.stack.publish([self._tier_key(k) for k, _ in adopted],
+                                   lambda i, out: self._page_record(adopted[i][1], out), source=DEVICE,
+                                   record_size=self.page_record_bytes)
+            return len(adopted)
 
     def release(self, lease_id: str) -> None:
         """Unpin the lease's pages and free its fresh pages.

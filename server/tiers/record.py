@@ -290,8 +290,12 @@ class RecordCodec:
         :meth:`encode_from_pool` of the page's slots, copied as whole rows (one copy per layer),
         into ``out[:nbytes]`` when given.
 
+        Args:
+            out: build the record in the first :meth:`page_nbytes` bytes of this contiguous 1-D uint8
+                host tensor (e.g. a transfer engine's registered staging memory) instead of a new one.
+
         Raises:
-            ValueError: ``page`` outside the pool.
+            ValueError: ``page`` outside the pool, or ``out`` too small or not a 1-D uint8 host tensor.
         """
         ps = self.page_size
         if not 0 <= page < pool.num_slots // ps or page >= pool.num_pages:

@@ -15,6 +15,7 @@ from kvtier.server.tiers.base import EvictHook, RecordLike, Tier, TierConfig, re
 from kvtier.server.tiers.disk import DiskTierConfig, disk_charge
 from kvtier.server.tiers.errors import TierFullError
 from kvtier.server.tiers.host import HostTierConfig
+from kvtier.server.tiers.mooncake_config import MooncakeStoreTierConfig
 from kvtier.server.tiers.policy import TierIndex
 
 
@@ -27,12 +28,16 @@ class SimTierConfig(TierConfig):
         capacity_bytes: budget in charged bytes (the real tier's record budget).
         lmdb_charge: charge records as the LMDB tier does (:func:`disk_charge`) instead of their size.
         write_back: as :attr:`HostTierConfig.write_back`.
+        shared: stands for a shared tier (published to at store time, not cascaded into); its LRU over
+            ``capacity_bytes`` only approximates a real store, which other daemons fill too and which
+            evicts by its own rules.
     """
 
     kind: ClassVar[str] = "sim"
     name: str = "host"
     lmdb_charge: bool = False
     write_back: bool = True
+    shared: bool = False
 
     @classmethod
     def like(cls, config: TierConfig) -> SimTierConfig:
@@ -41,6 +46,8 @@ class SimTierConfig(TierConfig):
             return cls(capacity_bytes=config.capacity_bytes, name="host", write_back=config.write_back)
         if isinstance(config, DiskTierConfig):
             return cls(capacity_bytes=config.record_budget, name="disk", lmdb_charge=True)
+        if isinstance(config, MooncakeStoreTierConfig):
+            return cls(capacity_bytes=config.capacity_bytes, name="mooncake", shared=True)
         if isinstance(config, SimTierConfig):
             return config
         raise ValueError(f"no simulated twin for {type(config).__name__}")
@@ -52,6 +59,7 @@ class SimTier(Tier):
     def __init__(self, config: SimTierConfig) -> None:
         config.validate()
         self.name = config.name
+        self.shared = config.shared
         super().__init__(TierIndex(config.capacity_bytes))
         self.config = config
         self._sizes: dict[bytes, int] = {}

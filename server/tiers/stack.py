@@ -6,22 +6,35 @@ is write-through the record went down when it entered, and eviction just drops i
 below does not hold it: a copy skipped while that tier was unhealthy goes down now). The last tier's
 victims are gone.
 
-Unhealthy tiers (:mod:`kvtier.server.tiers.health`) are bypassed: a record that would go to one is
-passed on to the next tier, and past the last one it is dropped and counted (``host->gone``); a tier
-whose storage fails during a write (``TierUnavailableError``) is bypassed the same way.
+Shared tiers (``tier.shared``, e.g. the Mooncake Store tier, which many daemons read) are not part of
+that cascade: pages are *published* to them when the prefix cache adopts them (:meth:`TierStack.publish`,
+counted ``device->mooncake``), so other daemons see a prefix at once; victims of the tiers above are
+dropped there as before (the shared tier keeps its own copy until its own eviction). Lookups and loads
+ask every tier, shared ones included, fastest first.
+
+Unhealthy tiers (:mod:`kvtier.server.tiers.health`) are bypassed: they answer no lookup (misses); a
+record the cascade would write into one is passed on to the next tier, and past the last one it is
+dropped and counted (``host->gone``); a tier whose storage fails during a write
+(``TierUnavailableError``) is bypassed the same way. A publish to an unhealthy shared tier (or one
+that fails during the publish) is skipped and counted ``device-><tier>(unhealthy)`` (0 bytes: nothing
+moved), not ``->gone``: the page stays on the device and in the cascade, only the shared copy is not
+made. The daemon's monitor thread (:mod:`kvtier.server.tiers.monitor`) probes unhealthy tiers with
+backoff.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvtier.server.tiers.base import RecordLike, Tier, TierConfig, record_nbytes
 from kvtier.server.tiers.disk import DiskTier, DiskTierConfig
 from kvtier.server.tiers.errors import TierFullError, TierUnavailableError
 from kvtier.server.tiers.host import HostTier, HostTierConfig
+from kvtier.server.tiers.mooncake_config import MooncakeStoreTierConfig
+from kvtier.server.tiers.mooncake_store import MooncakeStoreTier
 from kvtier.server.tiers.sim import SimTier, SimTierConfig
 
 log = logging.getLogger(__name__)
@@ -29,6 +42,7 @@ log = logging.getLogger(__name__)
 TIER_CLASSES: dict[type[TierConfig], type[Tier]] = {
     HostTierConfig: HostTier,
     DiskTierConfig: DiskTier,
+    MooncakeStoreTierConfig: MooncakeStoreTier,
     SimTierConfig: SimTier,
 }
 
@@ -45,13 +59,21 @@ def _write_back(tier: Tier) -> bool:
     return bool(getattr(tier.config, "write_back", True))  # type: ignore[attr-defined]
 
 
+def is_shared(tier: Tier) -> bool:
+    """Whether ``tier`` is shared with other daemons (published to, not cascaded into)."""
+    return bool(getattr(tier, "shared", False))
+
+
 class TierStack:
     """Tiers from fastest to slowest, with the cascade and move counters.
 
     Args:
-        tiers: e.g. ``[HostTier, DiskTier]``; names must differ.
+        tiers: e.g. ``[HostTier, DiskTier, MooncakeStoreTier]``; names must differ.
 
     Attributes:
+        tiers: every tier, fastest first (lookups ask them in this order).
+        cascade: the tiers evictions cascade through (all but the shared ones).
+        shared: the shared tiers, written by :meth:`publish`.
         moves: ``{"src->dst": {"count": records, "bytes": record bytes}}`` for every move, e.g.
             ``device->host``, ``host->disk``, ``disk->gone``, ``host->device``.
     """
@@ -61,6 +83,8 @@ class TierStack:
         if len(set(names)) != len(names):
             raise ValueError(f"tier names must differ, got {names}")
         self.tiers = list(tiers)
+        self.cascade = [t for t in self.tiers if not is_shared(t)]
+        self.shared = [t for t in self.tiers if is_shared(t)]
         self.moves: dict[str, dict[str, int]] = {}
         self._moves_lock = threading.Lock()
 
@@ -83,33 +107,34 @@ class TierStack:
         """The tier called ``name``, or None."""
         return next((t for t in self.tiers if t.name == name), None)
 
-    def count_move(self, src: str, dst: str, nbytes: int) -> None:
-        """Add one move of ``nbytes`` from ``src`` to ``dst``."""
+    def count_move(self, src: str, dst: str, nbytes: int, *, records: int = 1) -> None:
+        """Add ``records`` moves (one by default) of ``nbytes`` in all from ``src`` to ``dst``."""
         with self._moves_lock:
             m = self.moves.setdefault(f"{src}->{dst}", {"count": 0, "bytes": 0})
-            m["count"] += 1
+            m["count"] += records
             m["bytes"] += nbytes
 
     def _held_below(self, key: bytes, level: int) -> bool:
-        return any(t.contains([key])[0] for t in self.tiers[level + 1:])
+        return any(t.contains([key])[0] for t in self.cascade[level + 1:])
 
     # ----- writes and the cascade ---------------------------------------------------------------
     def put(self, key: bytes, rec: RecordLike, *, source: str, level: int = 0, count_gone: bool = True) -> list[str]:
         """Store ``rec`` under ``key`` in tier ``level`` (and below it when that tier is
-        write-through), cascading evictions down; unhealthy tiers are passed over.
+        write-through), cascading evictions down (``level`` indexes :attr:`cascade`: shared tiers are
+        published to, never put into); unhealthy tiers are passed over.
 
         Returns:
             Names of the tiers that now hold the record (empty: it fit nowhere and was counted
             ``source->gone``, unless ``count_gone`` is False).
         """
-        if level >= len(self.tiers):
+        if level >= len(self.cascade):
             if count_gone:
                 self.count_move(source, "gone", record_nbytes(rec))
             return []
-        tier = self.tiers[level]
+        tier = self.cascade[level]
         if not tier.health.healthy:
             return self.put(key, rec, source=source, level=level + 1, count_gone=count_gone)
-        below = level + 1 < len(self.tiers)
+        below = level + 1 < len(self.cascade)
 
         def on_evict(victim: bytes, vrec: RecordLike | None) -> None:
             n = record_nbytes(vrec) if vrec is not None else 0
@@ -135,20 +160,74 @@ class TierStack:
             placed += self.put(key, rec, source=tier.name, level=level + 1, count_gone=False)
         return placed
 
+    def publish(self, keys: Sequence[bytes], make_record: Callable[[int, Any], RecordLike], *, source: str,
+                record_size: int | None = None) -> int:
+        """Write the records of ``keys`` that a shared tier lacks into it (one presence check, then
+        batch writes). ``make_record(i, out)`` builds the record of ``keys[i]`` (only for absent ones),
+        in ``out`` when it is a tensor: with ``record_size`` (bytes of each record) given, a tier that
+        stages its transfers (``tier.staged``) lends its registered memory, so the record is built
+        where the store reads it (no staging copy).
+
+        Keys a tier does not keep (``tier.is_shared_key`` false: another namespace) are left out.
+        Never raises for a full or failing tier: a full one keeps what fit (the tier counts
+        ``full_errors``); records not written because the tier is (or turned) unhealthy are counted
+        ``source-><tier>(unhealthy)``, one per record, 0 bytes. Returns records written."""
+        written = 0
+        for tier in self.shared:
+            if not keys:
+                break
+            if not tier.health.healthy:
+                self.count_move(source, f"{tier.name}(unhealthy)", 0, records=len(keys))
+                continue
+            keeps = getattr(tier, "is_shared_key", None)  # a tier may keep only some namespaces
+            held = tier.contains(keys)
+            missing = [i for i, h in enumerate(held) if not h and (keeps is None or keeps(keys[i]))]
+            staged = getattr(tier, "staged", None) if record_size else None
+            while missing:
+                if not tier.health.healthy:  # failed during this publish (a presence check or a write)
+                    self.count_move(source, f"{tier.name}(unhealthy)", 0, records=len(missing))
+                    break
+                items: list[tuple[bytes, RecordLike]] = []
+                try:
+                    if staged is not None:
+                        with staged([record_size] * len(missing)) as bufs:
+                            part, missing = missing[:len(bufs)], missing[len(bufs):]
+                            if not part:
+                                staged = None  # nothing fits the staging memory: build them apart
+                                continue
+                            items = [(keys[i], make_record(i, b)) for i, b in zip(part, bufs)]
+                            done = tier.write(items)
+                    else:
+                        items = [(keys[i], make_record(i, None)) for i in missing]
+                        missing = []
+                        done = tier.write(items)
+                except TierFullError as e:
+                    log.info("%s tier: no room to publish records (%s)", tier.name, e)
+                    break
+                except TierUnavailableError as e:
+                    log.debug("%s", e)
+                    done = list(e.written)
+                    self.count_move(source, f"{tier.name}(unhealthy)", 0, records=len(items) - len(done))
+                sizes = {k: record_nbytes(r) for k, r in items}
+                for k in done:
+                    self.count_move(source, tier.name, sizes[k])
+                written += len(done)
+        return written
+
     def remove(self, keys: Sequence[bytes]) -> int:
         """Drop ``keys`` from every tier; returns records dropped."""
         return sum(t.remove(keys) for t in self.tiers)
 
     # ----- presence -----------------------------------------------------------------------------
     def where(self, keys: Sequence[bytes]) -> list[list[str]]:
-        """For each key, the names of the tiers that hold it, fastest first."""
-        held = [t.contains(keys) for t in self.tiers]
+        """For each key, the names of the (healthy) tiers that hold it, fastest first."""
+        held = [t.contains(keys) if t.health.healthy else [False] * len(keys) for t in self.tiers]
         return [[t.name for t, h in zip(self.tiers, col) if h] for col in zip(*held)] if self.tiers else [[] for _ in keys]
 
     def first_holder(self, key: bytes) -> int | None:
         """Index of the fastest tier holding ``key``, or None."""
         for i, t in enumerate(self.tiers):
-            if t.contains([key])[0]:
+            if t.health.healthy and t.contains([key])[0]:
                 return i
         return None
 
@@ -168,8 +247,8 @@ class TierStack:
         shutdown, so a restart finds in the last tier what the faster tiers held; an unhealthy tier
         below is skipped. Returns records moved."""
         moved = 0
-        for level, tier in enumerate(self.tiers[:-1]):
-            below = self.tiers[level + 1]
+        for level, tier in enumerate(self.cascade[:-1]):
+            below = self.cascade[level + 1]
             if not below.health.healthy:
                 log.warning("%s tier is unhealthy: %d records of the %s tier are not moved down",
                             below.name, len(tier.index), tier.name)

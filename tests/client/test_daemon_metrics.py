@@ -13,12 +13,11 @@ import json
 import logging
 import os
 import resource
-import urllib.request
 
 import pytest
 
 from kv_helpers import PAGE_SIZE, put_prefix_pages
-from prometheus_client.parser import text_string_to_metric_families
+from metrics_kit import scrape, value
 
 from kvtier.client import KVTierClient
 from kvtier.client.errors import NotFoundError, UnauthenticatedError
@@ -29,21 +28,6 @@ RECORD = 194_048  # one page record: 4 layers x 64 x 656 latent + 3 live layers 
 POOL_PAGE = 4 * 64 * 656 + 3 * 64 * 132  # pool bytes of one page: 193,280
 LMDB_PAGE = resource.getpagesize()
 DISK_CHARGE = -(-(RECORD + 16) // LMDB_PAGE) * LMDB_PAGE + 256
-
-
-def scrape(address: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """``{(sample name, sorted labels): value}`` of one scrape."""
-    assert address.startswith("http://127.0.0.1:")
-    text = urllib.request.urlopen(address, timeout=30).read().decode()
-    out = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return out
-
-
-def value(m: dict, name: str, **labels: str) -> float:
-    return m.get((name, tuple(sorted(labels.items()))), 0.0)
 
 
 def test_metrics_hold_what_the_test_did(tmp_path):
