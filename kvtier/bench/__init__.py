@@ -18,10 +18,11 @@ def all_cases() -> list[Case]:
     from kvtier.bench.copies import CopiesCase
     from kvtier.bench.daemon_io import DaemonIOCase
     from kvtier.bench.disk import DiskCase
+    from kvtier.bench.mooncake import MooncakeCase
     from kvtier.bench.pd_transfer import PDTransferCase
     from kvtier.bench.replay import ReplayCase
 
-    return [CapacityCase(), CopiesCase(), DiskCase(), DaemonIOCase(), PDTransferCase(), ReplayCase()]
+    return [CapacityCase(), CopiesCase(), DiskCase(), DaemonIOCase(), PDTransferCase(), MooncakeCase(), ReplayCase()]
 
 
 class BenchCaseError(RuntimeError):

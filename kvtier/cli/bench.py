@@ -14,7 +14,7 @@ import click
 
 
 def _case_names() -> list[str]:
-    return ["capacity", "copies", "disk", "daemon", "pd", "replay"]
+    return ["capacity", "copies", "disk", "daemon", "pd", "mooncake", "replay"]
 
 
 @click.command()

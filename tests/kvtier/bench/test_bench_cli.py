@@ -15,7 +15,7 @@ import pytest
 
 from kvtier.bench.report import plot_name
 
-CASES = {"capacity", "copies", "disk", "daemon", "pd", "replay"}
+CASES = {"capacity", "copies", "disk", "daemon", "pd", "mooncake", "replay"}
 
 
 @pytest.fixture(scope="module")
