@@ -1,6 +1,9 @@
 """PD transfer on a daemon, the domain half: the engine and its registrations, layouts, PullKV, ReadPages.
 
-One :class:`TransferState` per daemon (``Daemon.transfer``). The peer daemon is reached through a
+One :class:`TransferState` per daemon (``Daemon.transfer``). With an engine, the daemon's host arena is
+registered once as one range (:attr:`TransferState.host_range`: host-tier records and pools' host
+copies live there), so a peer's engine can read a record held in the host tier by its address. The
+peer daemon is reached through a
 :class:`PeerConnector` the caller passes in (the gRPC one lives in ``kvtier.server.service.transfer_peer``),
 so nothing here imports grpc. With
 ``transfer_engine = "mooncake"`` it starts a Mooncake Transfer Engine on ``transfer_host`` and
@@ -162,6 +165,13 @@ class TransferState:
         # peer's digest on every pull. Plain dict operations (atomic), nothing held around them.
         self._layouts: dict[tuple[str, str], tuple[PoolEntry, PoolLayout, str]] = {}
         self._peer_layouts: dict[tuple[str, str, str], tuple[str, PoolLayout]] = {}
+        # The daemon's host arena (host-tier records, pools' host copies) as one registered range, so a
+        # peer's engine can read pages held in the host tier as it reads pool pages.
+        self.host_range: tuple[int, int] | None = None
+        arena = state.pools.host_arena
+        if self.engine is not None and arena is not None:
+            self.host_range = arena.registration_range()
+            self.engine.register([self.host_range])
 
     # ----- registrations and layouts ------------------------------------------------------------
     def _registration(self, entry: PoolEntry) -> list[tuple[int, int]]:
@@ -322,6 +332,12 @@ class TransferState:
         """Drop every registration (at shutdown)."""
         if self.engine is None:
             return
+        if self.host_range is not None:
+            try:
+                self.engine.unregister([self.host_range])
+            except TransferError:
+                log.warning("could not unregister the host arena at shutdown", exc_info=True)
+            self.host_range = None
         with self._lock:
             for pid, (_, ranges) in self._registered.items():
                 try:
