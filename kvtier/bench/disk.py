@@ -205,8 +205,8 @@ class DiskCase(Case):
     title = "LMDB disk tier: spill and restore of page records vs a plain file"
 
     def settings(self, ctx: BenchContext) -> dict[str, Any]:
-        return {"records": 256 if ctx.quick else 512, "record_bytes": 194_048, "reps": 3 if ctx.quick else 7,
-                "sync_reps": 2 if ctx.quick else 5, "warmup": 1, "restore_batch": BORROW_BATCH,
+        return {"records": 256 if ctx.quick else 512, "record_bytes": 194_048, "reps": 5 if ctx.quick else 9,
+                "sync_reps": 3 if ctx.quick else 5, "warmup": 1, "restore_batch": BORROW_BATCH,
                 "workdir_fs": "the file system of --out", "environment": "warm (one environment, records removed between rounds)"}
 
     def steps(self, ctx: BenchContext) -> int:
