@@ -11,9 +11,12 @@ The py-lmdb way (DESIGN.md, STYLE.md):
   the transaction aborts, nothing of it is visible, and the caller gets :class:`TierFullError`;
 * every transaction is a ``with env.begin(...)``; reads use ``buffers=True`` and copy out inside it;
 * the LRU order persists in two sub-databases (``seq``: key -> access sequence number, ``order``:
-  sequence number -> key), so it survives a restart; a read hit's new position is written with the
-  next write transaction (or at flush/close), so reads never open a write transaction (with
-  ``sync`` that would be an fsync per read); a startup scrub drops damaged records.
+  sequence number -> key), so it survives a restart; new positions (a written record's, a read
+  hit's) are kept in memory and written :data:`STAMP_BATCH` at a time with a write transaction (and
+  at flush/close), so reads never open a write transaction (with ``sync`` that would be an fsync per
+  read) and a spill's commit touches only the records' B-tree. After a crash the records whose
+  positions were pending load as the newest (they were the latest used); a startup scrub drops
+  damaged records.
 
 Thread safety: writes, touches and removals are serialised by the index lock (LMDB allows one writer
 anyway); reads run in parallel read transactions and see a snapshot, so a read racing an eviction
@@ -79,9 +82,30 @@ log = logging.getLogger(__name__)
 #: (BENCHMARKS.md, fix 6).
 BORROW_BATCH = 4
 
+#: LRU positions not yet on disk (new records and read hits) are written together, with the write
+#: transaction that brings them to this many (and at flush/close): stamping each record's position
+#: in its own put transaction dirtied two more B-trees a commit and cost ~15 us of a ~95 us spill
+#: (BENCHMARKS.md, fix 7). A crash loses at most this many positions; those records load as newest.
+STAMP_BATCH = 64
+
 _SEQ = struct.Struct(">Q")  # big-endian: the order sub-database iterates oldest first
 _PROBE_KEY = b"probe"  # in its own sub-database, so a probe left behind is never taken for a record
 _MIN_PROBE_BYTES = 4096
+
+
+_BYTE_ARRAYS: dict[int, type] = {}
+
+
+def _bytes_view(rec: torch.Tensor) -> ctypes.Array:
+    """A contiguous uint8 host tensor's bytes as a ctypes array over its memory (no copy; valid while
+    ``rec`` lives), for ``txn.put``; the array type of each size is made once."""
+    n = rec.numel()
+    cls = _BYTE_ARRAYS.get(n)
+    if cls is None:
+        if len(_BYTE_ARRAYS) > 4096:
+            _BYTE_ARRAYS.clear()
+        cls = _BYTE_ARRAYS[n] = ctypes.c_char * n
+    return cls.from_address(rec.data_ptr())
 
 
 class _Borrowed:
@@ -127,7 +151,7 @@ class DiskTier(Tier):
         self._pid = -1
         self._seq: dict[bytes, int] = {}
         self._sizes: dict[bytes, int] = {}
-        self._touched: dict[bytes, None] = {}  # read hits whose new LRU position is not on disk yet
+        self._touched: dict[bytes, None] = {}  # writes and read hits whose LRU position is not on disk yet
         self._next_seq = 0
         self._scrubbed = 0
         self._read_arena: HostArena | None = None
@@ -231,16 +255,16 @@ class DiskTier(Tier):
             self._seq[k] = s
             self.index.commit_insert(k, disk_charge(sizes[k]))
         self._next_seq = max((s for s, _ in ordered), default=-1) + 1
-        if bad or stray or unordered:
+        for k in unordered:  # written after the last stamp batch (a crash lost its position): newest
+            self.index.commit_insert(k, disk_charge(sizes[k]))
+            self._touched[k] = None  # stamped with a later batch (no write here: a full disk can reload)
+        if bad or stray:
             with self._write_txn(env) as txn:
                 for k in bad:
                     txn.delete(k, db=records)
                     txn.delete(k, db=seqdb)
                 for s, k in stray:
                     txn.delete(_SEQ.pack(s), db=orderdb)
-                for k in unordered:  # cannot come from kvtier (one txn writes both); keep it, newest
-                    self._stamp(txn, k)
-                    self.index.commit_insert(k, disk_charge(sizes[k]))
         self._scrubbed += len(bad)
         if bad:
             self._count(damaged=len(bad))
@@ -363,14 +387,17 @@ class DiskTier(Tier):
             for attempt, pause in enumerate(MAP_FULL_RETRY_PAUSES_S + (None,)):
                 try:
                     with self._write_txn(env) as txn:
-                        self._stamp_touched(txn)
+                        put, touched, index = txn.put, self._touched, self.index
                         for key in order:
-                            if key not in self.index:
+                            if key not in index:
                                 continue  # evicted again within the batch
                             rec = recs.get(key)
                             if rec is not None:  # its bytes, viewed without numpy (contiguous: checked)
-                                txn.put(key, (ctypes.c_char * rec.numel()).from_address(rec.data_ptr()), db=records)
-                            self._stamp(txn, key)
+                                put(key, _bytes_view(rec), db=records)
+                            touched.pop(key, None)  # its new LRU position: stamped with a batch
+                            touched[key] = None
+                        if len(touched) >= STAMP_BATCH:
+                            self._stamp_touched(txn)
                     break
                 except lmdb.MapFullError:
                     # Pages freed by the eviction commit above are reusable only once every read
@@ -431,8 +458,8 @@ class DiskTier(Tier):
                 try:
                     env, _, _, _ = self._env()
                     with self._write_txn(env) as txn:
-                        self._stamp_touched(txn)
                         for k in present:
+                            self._touched.pop(k, None)
                             self._delete(txn, k)
                 except Exception as e:
                     if not is_io_fault(e):
