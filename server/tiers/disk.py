@@ -95,6 +95,10 @@ _MIN_PROBE_BYTES = 4096
 
 _BYTE_ARRAYS: dict[int, type] = {}
 
+#: This process's id, renewed in the child after every ``os.fork`` (the data path's fork check).
+_PROCESS = [os.getpid()]
+os.register_at_fork(after_in_child=lambda: _PROCESS.__setitem__(0, os.getpid()))
+
 
 def _bytes_view(rec: torch.Tensor) -> ctypes.Array:
     """A contiguous uint8 host tensor's bytes as a ctypes array over its memory (no copy; valid while
@@ -156,6 +160,7 @@ class DiskTier(Tier):
         self._scrubbed = 0
         self._read_arena: HostArena | None = None
         self._chunks = ReadChunks(None)  # borrowed records' buffers; the read arena's once it exists
+        self.index.on_touch = self._note_touched
 
     # ----- environment ------------------------------------------------------------------------
     def _env(self) -> tuple[lmdb.Environment, lmdb._Database, lmdb._Database, lmdb._Database]:
@@ -310,6 +315,13 @@ class DiskTier(Tier):
         txn.put(_SEQ.pack(s), key, db=orderdb)
         txn.put(key, _SEQ.pack(s), db=seqdb)
         self._seq[key] = s
+
+    def _note_touched(self, keys: list[bytes]) -> None:
+        """Read hits the index has just applied (its lock held): their positions are to be stamped."""
+        touched = self._touched
+        for k in keys:
+            touched.pop(k, None)
+            touched[k] = None
 
     def _stamp_touched(self, txn: lmdb.Transaction) -> None:
         """Persist the LRU positions of read hits (deferred so a read never needs a write txn)."""
@@ -485,9 +497,10 @@ class DiskTier(Tier):
     # for the copy itself (BENCHMARKS.md, fix 6).
     def _open_env(self) -> tuple[lmdb.Environment, lmdb._Database]:
         """The environment and records database, without the index lock once open (the data path);
-        :meth:`_env` opens it (and fails across fork) the first time."""
+        :meth:`_env` opens it (and fails across fork) the first time. The process id is the one
+        :data:`_PROCESS` keeps (``os.getpid()`` is a system call: ~0.7 us a read here)."""
         env = self._env_obj
-        if env is None or self._pid != os.getpid():
+        if env is None or self._pid != _PROCESS[0]:
             env = self._env()[0]
         return env, self._dbs[0]
 
@@ -549,11 +562,7 @@ class DiskTier(Tier):
         hits = [k for k, n in zip(keys, sizes) if n]
         self._count_reads(len(hits), n_keys - len(hits), len(damaged), sum(sizes))
         if hits:
-            touched = self._touched
-            with self.index.lock:
-                for k in self.index.touch_many(hits):
-                    touched.pop(k, None)
-                    touched[k] = None
+            self.index.touch_later(hits)  # no lock here: applied before the LRU order is next used
         if damaged:
             self.remove([keys[i] for i in damaged])
         return sizes, bufs
@@ -639,6 +648,7 @@ class DiskTier(Tier):
         with self.index.lock:
             if self._env_obj is not None and self._pid == os.getpid():
                 try:
+                    self.index.apply_touches()
                     if self._touched or self._tombstones:
                         with self._write_txn(self._env_obj) as txn:
                             for k in self._tombstones:
