@@ -236,6 +236,6 @@ class Tier(ABC):
         if len(outs) != len(keys):
             raise ValueError(f"read_into got {len(keys)} keys but {len(outs)} buffers")
         for o in outs:
-            if not isinstance(o, torch.Tensor) or o.dtype != torch.uint8 or o.dim() != 1 or o.device.type != "cpu" \
+            if not isinstance(o, torch.Tensor) or o.dtype != torch.uint8 or o.dim() != 1 or not o.is_cpu \
                     or not o.is_contiguous():
                 raise ValueError("read_into buffers must be contiguous 1-D uint8 host tensors")

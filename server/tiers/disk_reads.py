@@ -27,11 +27,24 @@ from kvtier.server.hostmem import HostArena
 RECORD_ALIGN = 4096
 
 
+#: Writable views of callers' buffers by (address, bytes): a reused buffer's view is made once.
+_VIEWS: dict[tuple[int, int], memoryview] = {}
+_VIEWS_MAX = 256
+
+
 def writable_bytes(t: torch.Tensor, nbytes: int) -> memoryview:
     """The first ``nbytes`` of a contiguous uint8 host tensor as a writable ``B`` memoryview (a ctypes
     array over its memory: no copy, about 0.8 us against 3 us for ``memoryview(t.numpy())``; valid
-    while ``t`` is alive)."""
-    return memoryview((ctypes.c_char * nbytes).from_address(t.data_ptr())).cast("B")
+    while ``t`` is alive). The view of an (address, size) is kept and handed out again: a caller
+    that reads into one reused buffer pays for it once (a view is only ever used for the tensor
+    that lives at its address now, whose bytes it covers)."""
+    key = (t.data_ptr(), nbytes)
+    mv = _VIEWS.get(key)
+    if mv is None:
+        if len(_VIEWS) >= _VIEWS_MAX:
+            _VIEWS.clear()
+        mv = _VIEWS[key] = memoryview((ctypes.c_char * nbytes).from_address(key[0])).cast("B")
+    return mv
 
 
 class _Chunk:

@@ -22,6 +22,10 @@ def test_writable_bytes_views_a_tensor_without_copying():
     assert int(np.frombuffer(buf, dtype=np.uint8).ctypes.data) == t.data_ptr()
     buf[10:13] = b"abc"
     assert t[10:13].tolist() == [97, 98, 99] and t[600:].sum() == 0
+    assert writable_bytes(t, 600) is buf  # a reused buffer's view is made once
+    other = torch.zeros(1000, dtype=torch.uint8)  # a buffer at another address gets its own view
+    writable_bytes(other, 600)[0:2] = b"xy"
+    assert other[:2].tolist() == [120, 121] and t[:2].tolist() == [0, 0]
 
 
 def test_read_chunks_share_a_chunk_and_give_it_back_when_its_records_are_gone():
