@@ -223,6 +223,8 @@ class TierIndex:
             self._apply_later()
             if charge > self.capacity:
                 raise TierFullError(f"a record of {charge} bytes exceeds the tier's budget of {self.capacity} bytes")
+            if self._group_of is None and self.used + charge <= self.capacity:
+                return []  # it fits: no victims (the common case of a tier that is not full)
             held = set(exclude)
 
             def free(k: Key) -> bool:
