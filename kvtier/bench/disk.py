@@ -16,7 +16,8 @@ interleaved (each phase starts at the next function every round, so none always 
 * restore, checksum verified: ``DiskTier.borrow`` as the prefix cache calls it (a request's pages
   ``DiskTier.borrow_batch`` (4) at a time) and one record a call (``Restore``, ``spill_down``), and
   ``read_into`` one reused buffer; vs ``readinto`` of the same bytes from the plain file into one
-  reused buffer. Both read from the page cache (the files were just written);
+  reused buffer. Both read from the page cache (the files were just written). The LRU updates a
+  read defers (``TierIndex.touch_later``) are applied inside the timed run;
 * LMDB's ``writemap`` (examined, not used): raw LMDB put+commit of the same records, no kvtier code,
   into a warm environment whose pages were written back to disk (``fsync`` in the setup, as the
   pages of records evicted minutes ago are), with ``writemap=True`` (one copy, into the map) against
@@ -118,6 +119,7 @@ class DiskRound:
                 if any(r is None for r in recs):
                     raise RuntimeError("disk tier lost a record")
             del recs
+        self.disk.index.apply_touches()  # the reads' deferred LRU updates, timed here (a daemon's next write applies them)
 
     def lmdb_borrow_one(self) -> None:
         for k in self.keys:
@@ -125,11 +127,13 @@ class DiskRound:
                 if rec is None:
                     raise RuntimeError(f"disk tier lost record {k!r}")
             del rec
+        self.disk.index.apply_touches()
 
     def lmdb_read_into(self) -> None:
         for k in self.keys:
             if not self.disk.read_into([k], [self.buf])[0]:
                 raise RuntimeError(f"disk tier lost record {k!r}")
+        self.disk.index.apply_touches()
 
     def file_read(self) -> None:
         mv = memoryview(self.buf.numpy())

@@ -97,7 +97,8 @@ class ReadChunks:
         if size <= self.chunk_bytes:
             for _ in range(2):
                 with self._lock:
-                    self._apply_drops()
+                    if self._dropped:
+                        self._apply_drops()
                     c = self._chunk
                     if c is not None and c.top + size <= c.arr.size:
                         off = c.top
