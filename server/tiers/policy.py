@@ -85,6 +85,10 @@ class LRUPolicy(CachePolicy):
         return list(self._entries)
 
 
+#: Uses :meth:`TierIndex.touch_later` keeps before a call applies them itself (bounded memory).
+TOUCH_LATER_MAX = 4096
+
+
 class TierIndex:
     """What a tier holds, its byte budget, its policy and its pins.
 
@@ -145,8 +149,13 @@ class TierIndex:
         ~40 us disk read under load; BENCHMARKS.md, fix 7). The uses are applied, in order, by the
         next method that reads or changes the order (:meth:`keys`, :meth:`plan_insert`, inserts,
         touches, removals) or :meth:`apply_touches`; a key gone by then is skipped. ``policy``
-        read directly sees them only after :meth:`apply_touches`."""
-        self._later.extend(keys)
+        read directly sees them only after :meth:`apply_touches`. At most :data:`TOUCH_LATER_MAX` wait:
+        past that (a stretch of reads with no write) this call applies them under the lock."""
+        q = self._later
+        q.extend(keys)
+        if len(q) > TOUCH_LATER_MAX:
+            with self.lock:
+                self._apply_later()
 
     def apply_touches(self) -> None:
         """Apply the uses :meth:`touch_later` recorded."""

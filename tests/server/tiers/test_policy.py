@@ -115,3 +115,18 @@ def test_deferred_touches_are_applied_in_order_before_the_order_is_used():
     ix.remove("d")
     ix.apply_touches()
     assert ix.keys() == ["a", "b", "c"] and told == [["a", "b"], ["c"], ["d"]]  # d used, then removed
+
+
+def test_deferred_touches_stay_bounded_without_writes(monkeypatch):
+    """A stretch of reads with no write never lets the deferred uses pile up: past TOUCH_LATER_MAX
+    the recording call applies them itself."""
+    from kvtier.server.tiers import policy
+    monkeypatch.setattr(policy, "TOUCH_LATER_MAX", 3)
+    ix = TierIndex(30)
+    for k in "abc":
+        ix.commit_insert(k, 10)
+    ix.touch_later(["a", "b"])
+    ix.touch_later(["a"])
+    assert ix.policy.order() == ["a", "b", "c"]  # three waiting: not past the bound yet
+    ix.touch_later(["b"])  # four: applied now, in order a b a b
+    assert ix.policy.order() == ["c", "a", "b"] and len(ix._later) == 0
