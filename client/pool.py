@@ -17,7 +17,7 @@ import torch
 
 from kvtier.client.base import BaseClient
 from kvtier.client.errors import FailedPreconditionError
-from kvtier.client.wire import decode_read_chunk
+from kvtier.client.wire import ReceiveBuffers, decode_read_chunk
 from kvtier.v1 import pool_pb2, pool_pb2_grpc
 
 Slots = Any  # (n,) int torch.Tensor, numpy array or sequence of ints
@@ -240,31 +240,41 @@ class PoolMixin(BaseClient):
         n = len(slot_ids)
         header = pool_pb2.KVHeader(pool_id=pool_id, slots=slot_ids, latent_layers=latent_layers, index_layers=index_layers,
                                    layout_digest=lay.fingerprint_digest)
-        req = pool_pb2.ReadKVRequest(header=header, chunk_bytes=self.chunk_bytes)
+        req = pool_pb2.ReadKVRequest(header=header, chunk_bytes=self.chunk_bytes, packed=True)
         scale_per_token = lay.index_head_dim // 128
         sizes = {_LATENT: lay.latent_row_bytes, _INDEX_K: lay.index_head_dim, _INDEX_SCALE: 4 * scale_per_token}
+        # the stream order of KVHeader: where each segment starts in the whole stream
+        order = [(x, _LATENT) for x in latent_layers] + [(x, c) for x in index_layers for c in (_INDEX_K, _INDEX_SCALE)]
+        starts: dict[tuple[int, int], int] = {}
+        total = 0
+        for key in order:
+            starts[key] = total
+            total += n * sizes[key[1]]
 
         def consume(stream: Iterator[bytes]) -> KVData:
-            bufs: dict[tuple[int, int], np.ndarray] = {}
-            filled: dict[tuple[int, int], int] = {}
-            for raw in stream:  # serialized ReadKVResponse: the data is copied once, into its buffer
+            recv = self.__dict__.get("_receive_buffers")
+            if recv is None:
+                recv = self.__dict__["_receive_buffers"] = ReceiveBuffers()
+            whole = recv.take(total)  # every segment, back to back: one copy of each byte
+            buf = whole.numpy()
+            filled = 0
+            for raw in stream:  # serialized ReadKVResponse, packed (component 0) or one segment's piece
                 layer_id, comp, offset, data = decode_read_chunk(raw)
-                key = (layer_id, comp)
-                if key not in bufs:
-                    if comp not in sizes:
-                        raise RuntimeError(f"daemon sent unknown component {comp}")
-                    bufs[key] = np.empty(n * sizes[comp], dtype=np.uint8)
-                    filled[key] = 0
-                if offset != filled[key] or offset + len(data) > bufs[key].size:
-                    raise RuntimeError(f"daemon sent layer {layer_id} component {comp} out of order")
-                bufs[key][offset:offset + len(data)] = np.frombuffer(data, dtype=np.uint8)
-                filled[key] += len(data)
+                if comp:
+                    start = starts.get((layer_id, comp))
+                    if start is None:
+                        raise RuntimeError(f"daemon sent layer {layer_id} component {comp}, which this read did not ask for")
+                    offset += start
+                if offset != filled or offset + len(data) > total:
+                    raise RuntimeError(f"daemon sent bytes {offset}..{offset + len(data)} of {total} out of order")
+                buf[offset:offset + len(data)] = np.frombuffer(data, dtype=np.uint8)
+                filled += len(data)
+            if filled != total:
+                raise RuntimeError(f"daemon sent {filled} of {total} bytes")
             out = KVData()
             store_dtype = torch.bfloat16 if lay.kv_cache_dtype == "bf16" else torch.uint8
-            for (layer, comp), buf in bufs.items():
-                if filled[(layer, comp)] != buf.size:
-                    raise RuntimeError(f"daemon sent {filled[(layer, comp)]} of {buf.size} bytes of layer {layer}")
-                t = torch.from_numpy(buf)
+            for (layer, comp), start in starts.items():
+                t = whole[start:start + n * sizes[comp]]
                 if comp == _LATENT:
                     out.latent[layer] = t.view(store_dtype).view(n, lay.kv_cache_dim)
                 elif comp == _INDEX_K:

@@ -72,9 +72,12 @@ class TransferMixin(BaseClient):
     def _transfer(self) -> transfer_pb2_grpc.TransferServiceStub:
         return self.stub(transfer_pb2_grpc.TransferServiceStub)
 
-    def transfer_layout(self, pool_id: str, *, check_pages: Sequence[int] = (), timeout: float | None = None) -> transfer_pb2.TransferLayout:
-        """The pool's TransferLayout: layout, latent/indexer buffer infos with layer ids, engine endpoint."""
-        req = transfer_pb2.TransferLayoutRequest(pool_id=pool_id, check_pages=_ids(check_pages))
+    def transfer_layout(self, pool_id: str, *, check_pages: Sequence[int] = (), known_digest: str = "",
+                        timeout: float | None = None) -> transfer_pb2.TransferLayout:
+        """The pool's TransferLayout: layout, latent/indexer buffer infos with layer ids, engine endpoint,
+        ``layout_digest``. With ``known_digest`` (the digest of a layout held from an earlier call)
+        that still holds, only ``layout_digest`` and ``unchanged=True`` come back."""
+        req = transfer_pb2.TransferLayoutRequest(pool_id=pool_id, check_pages=_ids(check_pages), known_digest=known_digest)
         return self.unary(self._transfer.GetTransferLayout, req, idempotent=True, timeout=timeout)
 
     def pull_kv(

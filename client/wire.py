@@ -1,4 +1,5 @@
-"""ReadKV responses read without protobuf's message objects: the chunk's bytes are copied once.
+"""ReadKV responses read without protobuf's message objects: the chunk's bytes are copied once,
+into a receive buffer that is used again once the caller drops the result (:class:`ReceiveBuffers`).
 
 protobuf's Python runtime copies a ``bytes`` field out of the parsed message on every read of it, on
 top of the parse (per MiB: 71 + 75 us here; BENCHMARKS.md). ReadKV's responses are four scalar
@@ -8,6 +9,12 @@ skipped as protobuf would; a malformed message raises ValueError.
 """
 
 from __future__ import annotations
+
+import weakref
+from collections import deque
+
+import numpy as np
+import torch
 
 
 def _varint(buf: bytes, i: int) -> tuple[int, int]:
@@ -61,3 +68,45 @@ def decode_read_chunk(buf: bytes) -> tuple[int, int, int, memoryview]:
     if i != n:
         raise ValueError("ReadKVResponse: truncated fixed-width field")
     return layer, comp, offset, data
+
+
+class ReceiveBuffers:
+    """Host buffers ReadKV results are received into, used again once a result is dropped.
+
+    A fresh buffer of a 100 MB read is page-faulted as the bytes arrive (~27 ms of a 110 MB read
+    here, 15% of it; BENCHMARKS.md, fix 7); a result's tensors are views of one buffer, and when the
+    caller has dropped all of them the buffer is kept for the next read of the same size (a
+    finalizer on the array the tensors' storage holds). At most ``keep`` buffers and ``max_bytes`` are kept;
+    a buffer is never handed out while any view of it is alive.
+
+    Thread safety: frees come from whichever thread drops the last view; the free list is a deque
+    (atomic appends and pops) and a read takes a buffer with one pop, so no lock is needed.
+    """
+
+    def __init__(self, keep: int = 2, max_bytes: int = 1 << 30) -> None:
+        self.keep, self.max_bytes = keep, max_bytes
+        self._free: deque[np.ndarray] = deque()
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """A ``(nbytes,)`` uint8 host tensor: a kept buffer of exactly that size, or a new one. Every
+        view of it -- torch views, ``.numpy()`` and numpy views of that -- keeps it from reuse."""
+        base = None
+        for _ in range(len(self._free)):
+            try:
+                cand = self._free.popleft()
+            except IndexError:
+                break
+            if cand.size == nbytes:
+                base = cand
+                break
+            self._free.append(cand)  # another size: kept for its own reads
+        if base is None:
+            base = np.empty(nbytes, dtype=np.uint8)
+        view = base[:]  # held only by the tensor's storage; the base is reachable only from the finalizer
+        weakref.finalize(view, self._give_back, base)
+        return torch.from_numpy(view)
+
+    def _give_back(self, base: np.ndarray) -> None:
+        if base.size <= self.max_bytes and len(self._free) < self.keep and \
+                sum(b.size for b in list(self._free)) + base.size <= self.max_bytes:
+            self._free.append(base)

@@ -19,12 +19,13 @@ def all_cases() -> list[Case]:
     from kvtier.bench.copies import CopiesCase
     from kvtier.bench.daemon_io import DaemonIOCase
     from kvtier.bench.disk import DiskCase
+    from kvtier.bench.mooncake import MooncakeCase
     from kvtier.bench.pd_transfer import PDTransferCase
     from kvtier.bench.replay import ReplayCase
     from kvtier.bench.sglang_storage import StorageCase
 
-    return [CapacityCase(), CopiesCase(), DiskCase(), DaemonIOCase(), AttachCase(), PDTransferCase(), ReplayCase(),
-            StorageCase()]
+    return [CapacityCase(), CopiesCase(), DiskCase(), DaemonIOCase(), AttachCase(), PDTransferCase(), MooncakeCase(),
+            ReplayCase(), StorageCase()]
 
 
 class BenchCaseError(RuntimeError):

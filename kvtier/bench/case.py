@@ -148,30 +148,42 @@ class Case(ABC):
         """Measure; return the comparisons. Raise only for a real failure (a wrong byte, a dead daemon)."""
 
 
-def interleaved(fns: dict[str, Callable[[], Any]], reps: int, *, warmup: int = 1,
-                tick: Callable[[], None] | None = None, setup: Callable[[], None] | None = None) -> dict[str, list[float]]:
+def interleaved(fns: dict[str, Callable[[], Any]] | list[dict[str, Callable[[], Any]]], reps: int, *, warmup: int = 1,
+                tick: Callable[[], None] | None = None, setup: Callable[[], None] | None = None,
+                rotate: bool = False) -> dict[str, list[float]]:
     """Seconds of each call of each function, repetitions interleaved (a, b, c, a, b, c, ...) so that
     load from other processes hits every path alike; ``warmup`` untimed rounds first.
 
     Args:
-        fns: name -> a call to time (its result is dropped at once, as a caller would drop it).
+        fns: name -> a call to time (its result is dropped at once, as a caller would drop it); or a
+            list of such dicts, *phases* run one after another each round (e.g. writes, then the
+            reads of what they wrote).
         reps: timed rounds.
         tick: called after each round (warm-up rounds included), e.g. to advance a progress bar.
         setup: called, untimed, before each round (e.g. fresh files for the round).
+        rotate: start each phase at the next function each round (a, b, c / b, c, a / c, a, b ...),
+            so no function always runs first after the setup or a write (the first reader of
+            freshly written pages, say, pays for mapping them).
 
     Returns:
         name -> ``reps`` durations in seconds.
     """
-    times: dict[str, list[float]] = {name: [] for name in fns}
+    phases = [fns] if isinstance(fns, dict) else list(fns)
+    times: dict[str, list[float]] = {name: [] for phase in phases for name in phase}
     for rnd in range(warmup + reps):
         if setup is not None:
             setup()
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            dt = time.perf_counter() - t0
-            if rnd >= warmup:
-                times[name].append(dt)
+        for phase in phases:
+            order = list(phase.items())
+            if rotate and order:
+                k = rnd % len(order)
+                order = order[k:] + order[:k]
+            for name, fn in order:
+                t0 = time.perf_counter()
+                fn()
+                dt = time.perf_counter() - t0
+                if rnd >= warmup:
+                    times[name].append(dt)
         if tick is not None:
             tick()
     return times

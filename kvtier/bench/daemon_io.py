@@ -41,7 +41,7 @@ class DaemonIOCase(Case):
         res = CaseResult(self.name, self.title, s)
         chunk, n = s["chunk_bytes"], s["tokens"]
         g = torch.Generator().manual_seed(0)
-        args = ["--device", "cpu", "--log-level", "WARNING", "--max-message-bytes", "8MiB", "--host-memory", "64MiB"]
+        args = ["--device", "cpu", "--log-level", "WARNING", "--max-message-bytes", "8MiB", "--host-memory", "1GiB"]
         with DaemonProcess(extra_args=args) as d, \
                 KVTierClient(d.address, timeout=600, max_message_bytes=8 << 20, chunk_bytes=chunk) as c:
             info = c.create_pool("glm-5.2", num_layers=s["layers"], size_tokens=-(-n // 64) * 64 + 64, pool_id="bench")

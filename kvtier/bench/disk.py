@@ -1,18 +1,27 @@
 """Case ``disk``: the LMDB disk tier's spill and restore against a plain file of the same records.
 
 Page records as the replay's default scale makes them (GLM-5.2 layers 0-3: 194,048 bytes each, three
-indexer layers and one skip layer). Each round, interleaved, on the file system of ``--out``:
+indexer layers and one skip layer), on the file system of ``--out``. What is measured, each round,
+interleaved (each phase starts at the next function every round, so none always runs first):
 
-* spill: each record written by its own ``DiskTier.write([(key, record)])`` call (one transaction per
-  record, as the host tier's write-back cascade writes them) vs ``write()`` of the same bytes to a
-  plain file; with fsync (``sync=True``: LMDB syncs every commit; the file is fsynced after every
-  record) and without; and, without fsync, 8 records a ``write`` (what a cascade handing a request's
-  victims down together would cost);
-* restore: each record read back the way kvtier's callers read it -- ``DiskTier.borrow([key])`` (what
-  ``Restore`` and the prefix cache's load call: a verified copy in a host buffer), ``borrow`` of 8
-  keys a call (one read transaction) and ``read_into`` a reused buffer -- checksum verified, vs
-  ``readinto`` of the same bytes from the plain file into a reused buffer. Both read from the page
-  cache (the files were just written).
+* **the environment is warm, as a running daemon's is**: one LMDB environment serves every round;
+  the round's setup (untimed) removes the last round's records, so the spill writes into pages LMDB
+  freed and reuses (a daemon's disk tier fills once, then every write recycles an evicted record's
+  pages). The first fill of a new environment (a fresh one each round, its file growing) is
+  measured too, as ``spill_fresh``;
+* spill: each record by its own ``DiskTier.write([(key, record)])`` call (one transaction a record,
+  as the host tier's write-back cascade writes them) and 8 a call, vs ``write()`` of the same bytes
+  to a new plain file; with fsync (``sync=True``: LMDB syncs every commit; the file is fsynced after
+  every record) and without;
+* restore, checksum verified: ``DiskTier.borrow`` as the prefix cache calls it (a request's pages
+  ``DiskTier.borrow_batch`` (4) at a time) and one record a call (``Restore``, ``spill_down``), and
+  ``read_into`` one reused buffer; vs ``readinto`` of the same bytes from the plain file into one
+  reused buffer. Both read from the page cache (the files were just written). The LRU updates a
+  read defers (``TierIndex.touch_later``) are applied inside the timed run;
+* LMDB's ``writemap`` (examined, not used): raw LMDB put+commit of the same records, no kvtier code,
+  into a warm environment whose pages were written back to disk (``fsync`` in the setup, as the
+  pages of records evicted minutes ago are), with ``writemap=True`` (one copy, into the map) against
+  the default (a copy into LMDB's dirty page, then ``pwrite``).
 """
 
 from __future__ import annotations
@@ -22,12 +31,14 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import lmdb
 import torch
 
 from kvtier.bench.case import BenchContext, Case, CaseResult, Comparison, interleaved, throughput
 from kvtier.server.pool import create_pool, slots_of_pages
 from kvtier.server.replay.scale import ReplayScale
 from kvtier.server.tiers import DiskTier, DiskTierConfig, RecordCodec
+from kvtier.server.tiers.disk import BORROW_BATCH
 
 
 def page_records(n: int, seed: int = 0) -> list[torch.Tensor]:
@@ -46,45 +57,51 @@ def page_records(n: int, seed: int = 0) -> list[torch.Tensor]:
 
 
 class DiskRound:
-    """One round's files: a fresh LMDB environment and a fresh plain file under ``workdir``."""
+    """The environments and files of the case under ``workdir``: a warm LMDB environment kept across
+    rounds, a fresh one and a new plain file each round."""
 
     def __init__(self, records: list[torch.Tensor], workdir: Path, sync: bool) -> None:
         self.records, self.workdir, self.sync = records, workdir, sync
         self.keys = [b"page-%06d" % i for i in range(len(records))]
+        self.batch_keys = [b"batch-" + k for k in self.keys]
         self.total = sum(int(r.numel()) for r in records)
         self.buf = torch.zeros(max(int(r.numel()) for r in records), dtype=torch.uint8)
         self.rounds = 0
-        self.disk: DiskTier | None = None
-        self.path: Path | None = None
+        cap = 4 * self.total + (64 << 20)
+        self.disk = DiskTier(DiskTierConfig(path=str(workdir / f"lmdb-warm-{sync}"), capacity_bytes=cap, sync=sync))
+        self.disk.open()
+        self.fresh: DiskTier | None = None
+        self.capacity = cap
+        self.path = workdir / f"plain-{sync}.bin"
         self.offsets: list[tuple[int, int]] = []
 
     def setup(self) -> None:
-        """Untimed, before each round: the last round's files removed, a fresh environment opened
-        (the batch spill writes into a second fresh one)."""
+        """Untimed, before each round: the last round's records removed from the warm environment
+        (their pages are freed for this round's spill), a new fresh environment, the plain file gone."""
         self.rounds += 1
-        self.close()
-        if self.path is not None:
-            self.path.unlink(missing_ok=True)
-        d = self.workdir / f"lmdb-{self.sync}-{self.rounds}"
-        self.disk = DiskTier(DiskTierConfig(path=str(d), capacity_bytes=3 * self.total + (64 << 20), sync=self.sync))
-        self.disk.open()
-        self.path = self.workdir / f"plain-{self.sync}-{self.rounds}.bin"
+        self.disk.remove(self.keys + self.batch_keys)
+        self._close_fresh()
+        self.fresh = DiskTier(DiskTierConfig(path=str(self.workdir / f"lmdb-fresh-{self.sync}-{self.rounds}"),
+                                             capacity_bytes=self.capacity, sync=self.sync))
+        self.fresh.open()
+        self.path.unlink(missing_ok=True)
 
     def lmdb_spill(self) -> None:
-        assert self.disk is not None
         for k, r in zip(self.keys, self.records):
             self.disk.write([(k, r)])
 
+    def lmdb_spill_fresh(self) -> None:
+        assert self.fresh is not None
+        for k, r in zip(self.keys, self.records):
+            self.fresh.write([(k, r)])
+
     def lmdb_spill_batch(self, per_call: int = 8) -> None:
-        """The same records, ``per_call`` a ``write`` (one transaction each batch): what a cascade that
-        hands a request's victims down together would cost."""
-        assert self.disk is not None
-        items = [(b"batch-" + k, r) for k, r in zip(self.keys, self.records)]  # not the keys lmdb_spill wrote
+        """The same records, ``per_call`` a ``write`` (one transaction each batch)."""
+        items = list(zip(self.batch_keys, self.records))
         for i in range(0, len(items), per_call):
             self.disk.write(items[i:i + per_call])
 
     def file_spill(self) -> None:
-        assert self.path is not None
         self.offsets = []
         with open(self.path, "wb", buffering=0) as f:
             pos = 0
@@ -96,29 +113,29 @@ class DiskRound:
                 pos += int(r.numel())
 
     def lmdb_borrow(self) -> None:
-        assert self.disk is not None
+        """As the prefix cache loads a request's disk pages: ``BORROW_BATCH`` keys a call."""
+        for i in range(0, len(self.keys), BORROW_BATCH):
+            with self.disk.borrow(self.keys[i:i + BORROW_BATCH]) as recs:
+                if any(r is None for r in recs):
+                    raise RuntimeError("disk tier lost a record")
+            del recs
+        self.disk.index.apply_touches()  # the reads' deferred LRU updates, timed here (a daemon's next write applies them)
+
+    def lmdb_borrow_one(self) -> None:
         for k in self.keys:
             with self.disk.borrow([k]) as (rec,):
                 if rec is None:
                     raise RuntimeError(f"disk tier lost record {k!r}")
             del rec
-
-    def lmdb_borrow_batch(self, per_call: int = 8) -> None:
-        assert self.disk is not None
-        for i in range(0, len(self.keys), per_call):
-            with self.disk.borrow(self.keys[i:i + per_call]) as recs:
-                if any(r is None for r in recs):
-                    raise RuntimeError("disk tier lost a record")
-            del recs
+        self.disk.index.apply_touches()
 
     def lmdb_read_into(self) -> None:
-        assert self.disk is not None
         for k in self.keys:
             if not self.disk.read_into([k], [self.buf])[0]:
                 raise RuntimeError(f"disk tier lost record {k!r}")
+        self.disk.index.apply_touches()
 
     def file_read(self) -> None:
-        assert self.path is not None
         mv = memoryview(self.buf.numpy())
         with open(self.path, "rb", buffering=0) as f:
             for off, n in self.offsets:
@@ -127,23 +144,64 @@ class DiskRound:
 
     def verify(self) -> None:
         """Every record comes back byte for byte, from LMDB and from the file."""
-        assert self.disk is not None and self.path is not None
-        for k, r in zip(self.keys, self.records):
-            with self.disk.borrow([k]) as (rec,):
-                if rec is None or not torch.equal(rec, r):
-                    raise RuntimeError(f"disk tier returned other bytes for {k!r}")
+        for tier in (self.disk, self.fresh):
+            assert tier is not None
+            for k, r in zip(self.keys, self.records):
+                with tier.borrow([k]) as (rec,):
+                    if rec is None or not torch.equal(rec, r):
+                        raise RuntimeError(f"disk tier returned other bytes for {k!r}")
         data = self.path.read_bytes()
         for (off, n), r in zip(self.offsets, self.records):
             if data[off:off + n] != r.numpy().tobytes():
                 raise RuntimeError("the plain file returned other bytes")
 
+    def _close_fresh(self) -> None:
+        if self.fresh is not None:
+            self.fresh.close()
+            shutil.rmtree(self.fresh.config.path, ignore_errors=True)
+            self.fresh = None
+
     def close(self) -> None:
-        if self.disk is not None:
-            self.disk.close()
-            shutil.rmtree(self.disk.config.path, ignore_errors=True)
-            self.disk = None
-        if self.path is not None:
-            self.path.unlink(missing_ok=True)
+        self._close_fresh()
+        self.disk.close()
+        shutil.rmtree(self.disk.config.path, ignore_errors=True)
+        self.path.unlink(missing_ok=True)
+
+
+class RawLMDB:
+    """Raw LMDB (no kvtier code), one warm environment per ``writemap`` setting: the records put one
+    transaction each; the setup deletes them and writes the freed pages back to disk (``fsync``)."""
+
+    def __init__(self, records: list[torch.Tensor], workdir: Path) -> None:
+        self.values = [memoryview(r.numpy()) for r in records]
+        self.keys = [b"raw-%06d" % i for i in range(len(records))]
+        size = 4 * sum(len(v) for v in self.values) + (64 << 20)
+        self.envs = {wm: lmdb.open(str(workdir / f"raw-writemap-{wm}"), map_size=size, writemap=wm, sync=False,
+                                   metasync=False, readahead=False, meminit=False) for wm in (False, True)}
+        for wm in self.envs:
+            self.put(wm)
+
+    def put(self, writemap: bool) -> None:
+        env = self.envs[writemap]
+        for k, v in zip(self.keys, self.values):
+            with env.begin(write=True) as txn:
+                txn.put(k, v)
+
+    def setup(self) -> None:
+        for env in self.envs.values():
+            with env.begin(write=True) as txn:
+                for k in self.keys:
+                    txn.delete(k)
+            for _ in range(2):  # LMDB reuses freed pages two transactions later
+                with env.begin(write=True) as txn:
+                    txn.put(b"tick", b"x")
+            env.sync(True)  # written back: the next write to a page of the map is a write fault
+
+    def close(self) -> None:
+        for env in self.envs.values():
+            path = env.path()
+            env.close()
+            shutil.rmtree(path, ignore_errors=True)
 
 
 class DiskCase(Case):
@@ -151,12 +209,13 @@ class DiskCase(Case):
     title = "LMDB disk tier: spill and restore of page records vs a plain file"
 
     def settings(self, ctx: BenchContext) -> dict[str, Any]:
-        return {"records": 256 if ctx.quick else 512, "record_bytes": 194_048, "reps": 3 if ctx.quick else 7,
-                "sync_reps": 2 if ctx.quick else 5, "warmup": 1, "workdir_fs": "the file system of --out"}
+        return {"records": 256 if ctx.quick else 512, "record_bytes": 194_048, "reps": 5 if ctx.quick else 9,
+                "sync_reps": 3 if ctx.quick else 5, "warmup": 1, "restore_batch": BORROW_BATCH,
+                "workdir_fs": "the file system of --out", "environment": "warm (one environment, records removed between rounds)"}
 
     def steps(self, ctx: BenchContext) -> int:
         s = self.settings(ctx)
-        return 1 + s["reps"] + s["sync_reps"] + 2 * s["warmup"]
+        return 1 + 2 * s["reps"] + s["sync_reps"] + 3 * s["warmup"]
 
     def run(self, ctx: BenchContext) -> CaseResult:
         s = self.settings(ctx)
@@ -165,39 +224,48 @@ class DiskCase(Case):
         total = sum(int(r.numel()) for r in records)
         s["record_bytes"], s["total_bytes"] = int(records[0].numel()), total
         ctx.advance(1)
+        tick = lambda: ctx.advance(1)  # noqa: E731
         nosync = DiskRound(records, ctx.workdir, sync=False)
         try:
-            t = interleaved({"lmdb_spill": nosync.lmdb_spill, "file_spill": nosync.file_spill,
-                             "lmdb_spill_batch": nosync.lmdb_spill_batch,
-                             "lmdb_borrow": nosync.lmdb_borrow, "lmdb_borrow_batch": nosync.lmdb_borrow_batch,
-                             "lmdb_read_into": nosync.lmdb_read_into,
-                             "file_read": nosync.file_read}, s["reps"], warmup=s["warmup"], tick=lambda: ctx.advance(1),
-                            setup=nosync.setup)
+            t = interleaved([{"lmdb_spill": nosync.lmdb_spill, "file_spill": nosync.file_spill,
+                              "lmdb_spill_batch": nosync.lmdb_spill_batch, "lmdb_spill_fresh": nosync.lmdb_spill_fresh},
+                             {"lmdb_borrow": nosync.lmdb_borrow, "lmdb_borrow_one": nosync.lmdb_borrow_one,
+                              "lmdb_read_into": nosync.lmdb_read_into, "file_read": nosync.file_read}],
+                            s["reps"], warmup=s["warmup"], tick=tick, setup=nosync.setup, rotate=True)
             nosync.verify()
         finally:
             nosync.close()
         synced = DiskRound(records, ctx.workdir, sync=True)
         try:
             ts = interleaved({"lmdb_spill": synced.lmdb_spill, "file_spill": synced.file_spill},
-                             s["sync_reps"], warmup=s["warmup"], tick=lambda: ctx.advance(1), setup=synced.setup)
+                             s["sync_reps"], warmup=s["warmup"], tick=tick, setup=synced.setup, rotate=True)
         finally:
             synced.close()
+        raw = RawLMDB(records, ctx.workdir)
+        try:
+            tw = interleaved({"writemap": lambda: raw.put(True), "pwrite": lambda: raw.put(False)},
+                             s["reps"], warmup=s["warmup"], tick=tick, setup=raw.setup, rotate=True)
+        finally:
+            raw.close()
         gb = lambda label, secs: throughput(label, total, secs)  # noqa: E731
+        file_w, file_r = gb("plain file write()", t["file_spill"]), gb("plain file readinto()", t["file_read"])
         c = res.comparisons
-        c.append(Comparison("disk.spill_vs_file", "spill host->disk, one transaction a record, no fsync, vs plain file write()",
-                            "GB/s", gb("LMDB tier write()", t["lmdb_spill"]), gb("plain file write()", t["file_spill"]), target=0.8))
+        c.append(Comparison("disk.spill_vs_file", "spill host->disk into a warm environment, one transaction a record, no fsync, vs plain file write()",
+                            "GB/s", gb("LMDB tier write()", t["lmdb_spill"]), file_w, target=0.8))
         c.append(Comparison("disk.spill_batch_vs_file", "spill 8 records a write (one transaction a batch), no fsync, vs plain file write()",
-                            "GB/s", gb("LMDB tier write(8 records)", t["lmdb_spill_batch"]), gb("plain file write()", t["file_spill"])))
-        c.append(Comparison("disk.spill_fsync_vs_file", "spill with fsync (LMDB sync every commit) vs plain file write()+fsync a record",
+                            "GB/s", gb("LMDB tier write(8 records)", t["lmdb_spill_batch"]), file_w))
+        c.append(Comparison("disk.spill_fresh_vs_file", "first fill: spill into a new environment (its file growing), no fsync, vs plain file write()",
+                            "GB/s", gb("LMDB tier write(), new environment", t["lmdb_spill_fresh"]), file_w))
+        c.append(Comparison("disk.spill_fsync_vs_file", "spill with fsync (LMDB syncs every commit), warm environment, vs plain file write()+fsync a record",
                             "GB/s", gb("LMDB tier write(), sync", ts["lmdb_spill"]), gb("plain file write()+fsync", ts["file_spill"]),
                             target=0.9))
-        c.append(Comparison("disk.restore_borrow_vs_file", "restore disk->host as the prefix cache reads (borrow, checksum verified) vs plain file readinto",
-                            "GB/s", gb("LMDB tier borrow()", t["lmdb_borrow"]), gb("plain file readinto()", t["file_read"]), target=0.8))
-        c.append(Comparison("disk.restore_borrow_batch_vs_file", "restore 8 records a call (one read transaction, checksums verified) vs plain file readinto",
-                            "GB/s", gb("LMDB tier borrow(8 keys)", t["lmdb_borrow_batch"]), gb("plain file readinto()", t["file_read"]),
-                            target=0.8))
+        c.append(Comparison("disk.restore_borrow_vs_file", f"restore as the prefix cache reads (borrow, {BORROW_BATCH} pages a call, checksum verified) vs plain file readinto",
+                            "GB/s", gb(f"LMDB tier borrow({BORROW_BATCH} keys)", t["lmdb_borrow"]), file_r, target=0.8))
+        c.append(Comparison("disk.restore_borrow_one_vs_file", "restore one record a call (borrow, checksum verified) vs plain file readinto",
+                            "GB/s", gb("LMDB tier borrow(1 key)", t["lmdb_borrow_one"]), file_r, target=0.8))
         c.append(Comparison("disk.restore_read_into_vs_file", "restore into a reused buffer (read_into, checksum verified) vs plain file readinto",
-                            "GB/s", gb("LMDB tier read_into()", t["lmdb_read_into"]), gb("plain file readinto()", t["file_read"]),
-                            target=0.8))
-        res.figures["seconds"] = {"no_fsync": t, "fsync": ts}
+                            "GB/s", gb("LMDB tier read_into()", t["lmdb_read_into"]), file_r, target=0.8))
+        c.append(Comparison("disk.lmdb_writemap_vs_pwrite", "raw LMDB put+commit, warm map written back: writemap=True vs the default (pwrite), not used by kvtier",
+                            "GB/s", gb("raw LMDB, writemap=True", tw["writemap"]), gb("raw LMDB, default", tw["pwrite"])))
+        res.figures["seconds"] = {"no_fsync": t, "fsync": ts, "raw_lmdb": tw}
         return res

@@ -14,7 +14,7 @@ import click
 
 
 def _case_names() -> list[str]:
-    return ["capacity", "copies", "disk", "daemon", "attach", "pd", "replay", "storage"]
+    return ["capacity", "copies", "disk", "daemon", "attach", "pd", "mooncake", "replay", "storage"]
 
 
 @click.command()

@@ -19,7 +19,9 @@ by another session are never freed, written, moved onto or restored into (FAILED
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import queue
+import threading
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -234,26 +236,90 @@ def read_kv(registry: PoolRegistry, caller: Caller, sel: KVSelection) -> list[tu
         NotFound, InvalidArgument, FailedPrecondition: see :func:`plan_segments`, :meth:`PoolEntry.slots`.
     """
     with registry.locked(caller, sel.pool_id, exclusive=False) as entry:
-        slots = entry.slots(sel.slots)
-        if slots.numel() == 0:
-            raise InvalidArgument("a KV read needs at least one slot")
-        segs = plan_segments(entry, sel, slots.numel())
-        pool = entry.pool
-        out: list[tuple[Segment, np.ndarray]] = []
-        index_data: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        lat_bytes = slots.numel() * pool.row_bytes
-        lat_flat = pool.host_block(lat_bytes * len(sel.latent_layers))  # one block, faulted in already
-        for seg in segs:
-            if seg.component == LATENT:
-                start = len(out) * lat_bytes  # latent segments come first, in order
-                t = pool.get_kv_buffer_rows(seg.layer_id, slots, out=lat_flat[start:start + lat_bytes])
+        slots, segs = _plan_read(entry, sel)
+        return list(_gather(entry, sel, slots, segs))
+
+
+@dataclass
+class StreamedRead:
+    """A :func:`read_kv_streamed` read: ``nbytes`` in all; iterate for ``(segment, bytes)`` in stream order."""
+
+    nbytes: int
+    segments: Iterator[tuple[Segment, np.ndarray]]
+
+    def __iter__(self) -> Iterator[tuple[Segment, np.ndarray]]:
+        return self.segments
+
+
+def read_kv_streamed(registry: PoolRegistry, caller: Caller, sel: KVSelection) -> StreamedRead:
+    """:func:`read_kv` whose segments come out as they are gathered, so a stream sends the first
+    ones while the rest are still being copied (ReadKV: the gather is ~20% of a read's time; here it
+    runs alongside gRPC's sending instead of before it). A worker thread holds the pool's shared lock
+    for the whole gather (the same consistent snapshot: a write waits until every segment is copied,
+    not until the stream is sent) and releases it when done, also when the caller stops reading.
+
+    Returns:
+        :class:`StreamedRead`; the checks have passed when it is returned.
+
+    Raises:
+        NotFound, InvalidArgument, FailedPrecondition: as :func:`read_kv`, before returning.
+    """
+    q: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+
+    def work() -> None:
+        try:
+            with registry.locked(caller, sel.pool_id, exclusive=False) as entry:
+                slots, segs = _plan_read(entry, sel)
+                q.put(("planned", sum(seg.nbytes for seg in segs)))
+                for item in _gather(entry, sel, slots, segs):
+                    q.put(("segment", item))
+            q.put(("done", None))
+        except BaseException as e:  # noqa: BLE001 - handed to the reading thread
+            q.put(("error", e))
+
+    threading.Thread(target=work, name="kvtier-readkv-gather", daemon=True).start()
+    kind, value = q.get()
+    if kind == "error":
+        raise value
+
+    def segments() -> Iterator[tuple[Segment, np.ndarray]]:
+        while True:
+            kind, value = q.get()
+            if kind == "segment":
+                yield value
+            elif kind == "done":
+                return
             else:
-                if seg.layer_id not in index_data:
-                    index_data[seg.layer_id] = pool.get_index_k_scale(seg.layer_id, slots)
-                keys, scales = index_data[seg.layer_id]
-                t = keys if seg.component == INDEX_K else scales
-            out.append((seg, t.cpu().contiguous().view(torch.uint8).reshape(-1).numpy()))
-        return out
+                raise value
+
+    return StreamedRead(value, segments())
+
+
+def _plan_read(entry: PoolEntry, sel: KVSelection) -> tuple[torch.Tensor, list[Segment]]:
+    slots = entry.slots(sel.slots)
+    if slots.numel() == 0:
+        raise InvalidArgument("a KV read needs at least one slot")
+    return slots, plan_segments(entry, sel, slots.numel())
+
+
+def _gather(entry: PoolEntry, sel: KVSelection, slots: torch.Tensor, segs: list[Segment]) -> Iterator[tuple[Segment, np.ndarray]]:
+    """Each segment's bytes, gathered in stream order (the pool's lock is held by the caller)."""
+    pool = entry.pool
+    index_data: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    lat_bytes = slots.numel() * pool.row_bytes
+    lat_flat = pool.host_block(lat_bytes * len(sel.latent_layers))  # one block, faulted in already
+    done = 0
+    for seg in segs:
+        if seg.component == LATENT:
+            start = done * lat_bytes  # latent segments come first, in order
+            done += 1
+            t = pool.get_kv_buffer_rows(seg.layer_id, slots, out=lat_flat[start:start + lat_bytes])
+        else:
+            if seg.layer_id not in index_data:
+                index_data[seg.layer_id] = pool.get_index_k_scale(seg.layer_id, slots)
+            keys, scales = index_data[seg.layer_id]
+            t = keys if seg.component == INDEX_K else scales
+        yield seg, t.cpu().contiguous().view(torch.uint8).reshape(-1).numpy()
 
 
 def move_kv(registry: PoolRegistry, caller: Caller, pool_id: str, tgt: Any, src: Any) -> int:

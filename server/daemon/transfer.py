@@ -1,6 +1,9 @@
 """PD transfer on a daemon, the domain half: the engine and its registrations, layouts, PullKV, ReadPages.
 
-One :class:`TransferState` per daemon (``Daemon.transfer``). The peer daemon is reached through a
+One :class:`TransferState` per daemon (``Daemon.transfer``). With an engine, the daemon's host arena is
+registered once as one range (:attr:`TransferState.host_range`: host-tier records and pools' host
+copies live there), so a peer's engine can read a record held in the host tier by its address. The
+peer daemon is reached through a
 :class:`PeerConnector` the caller passes in (the gRPC one lives in ``kvtier.server.service.transfer_peer``),
 so nothing here imports grpc. With
 ``transfer_engine = "mooncake"`` it starts a Mooncake Transfer Engine on ``transfer_host`` and
@@ -53,6 +56,7 @@ log = logging.getLogger("kvtier.transfer")
 
 PEER_LAYOUT_TIMEOUT_S = 30.0
 PEER_STREAM_TIMEOUT_S = 600.0
+MAX_PEER_LAYOUTS = 1024  # peers' pool layouts kept (the oldest goes first)
 
 
 @dataclass(frozen=True)
@@ -112,8 +116,11 @@ def _check_allocated(entry: PoolEntry, pages: np.ndarray, what: str) -> None:
 class PeerLink(Protocol):
     """One open connection to a peer daemon (a PullKV's source)."""
 
-    def layout(self, pool_id: str, check_pages: list[int], spec: PullSpec) -> PoolLayout:
-        """The peer pool's layout; ``check_pages`` must be allocated there. Bounded by ``spec.remaining``.
+    def layout(self, pool_id: str, check_pages: list[int], spec: PullSpec, known_digest: str = "") -> tuple[str, PoolLayout | None]:
+        """The peer pool's layout digest and layout; ``check_pages`` must be allocated there. Bounded
+        by ``spec.remaining``. When ``known_digest`` (the digest of a layout the caller holds) still
+        holds, the layout is None (the peer did not send it again). The digest is ``""`` from a peer
+        that predates digests.
 
         Raises:
             NotFound / InvalidArgument: the peer's answer (unknown pool, unallocated pages).
@@ -152,6 +159,19 @@ class TransferState:
             log.info("Mooncake Transfer Engine at %s", self.engine.endpoint)
         self._registered: dict[tuple[str, str], tuple[PoolEntry, list[tuple[int, int]]]] = {}  # (tenant, pool id)
         self._lock = threading.Lock()
+        # Layouts, so a pull does not build (here) or send (by the peer) a layout that has not changed:
+        # this daemon's pools by (tenant, pool id), with the entry they describe (a re-created pool is
+        # another entry); peers' pools by (peer address, tenant, peer pool id), checked against the
+        # peer's digest on every pull. Plain dict operations (atomic), nothing held around them.
+        self._layouts: dict[tuple[str, str], tuple[PoolEntry, PoolLayout, str]] = {}
+        self._peer_layouts: dict[tuple[str, str, str], tuple[str, PoolLayout]] = {}
+        # The daemon's host arena (host-tier records, pools' host copies) as one registered range, so a
+        # peer's engine can read pages held in the host tier as it reads pool pages.
+        self.host_range: tuple[int, int] | None = None
+        arena = state.pools.host_arena
+        if self.engine is not None and arena is not None:
+            self.host_range = arena.registration_range()
+            self.engine.register([self.host_range])
 
     # ----- registrations and layouts ------------------------------------------------------------
     def _registration(self, entry: PoolEntry) -> list[tuple[int, int]]:
@@ -175,14 +195,31 @@ class TransferState:
 
     def layout(self, entry: PoolEntry) -> PoolLayout:
         """``entry``'s layout, naming the engine endpoint and registered ranges when there is an engine."""
-        layout = pool_layout(entry.pool, entry.model.fingerprint())
-        if self.engine is None:
-            return layout
-        return layout.with_engine(self.engine.endpoint, self._registration(entry))
+        return self._layout_of(entry)[0]
 
-    def transfer_layout(self, caller: Caller, pool_id: str, check_pages: Sequence[int]) -> tuple[PoolEntry, PoolLayout]:
+    def _layout_of(self, entry: PoolEntry) -> tuple[PoolLayout, str]:
+        """``entry``'s layout and its digest, built once per pool (buffers and registrations do not
+        change while a pool lives); layouts of deleted pools are dropped on the way."""
+        ranges = self._registration(entry) if self.engine is not None else None  # also drops deleted pools' ones
+        for k, (old, _, _) in list(self._layouts.items()):
+            if old.deleted:
+                self._layouts.pop(k, None)
+        key = (entry.tenant, entry.pool_id)
+        got = self._layouts.get(key)
+        if got is not None and got[0] is entry:
+            return got[1], got[2]
+        layout = pool_layout(entry.pool, entry.model.fingerprint())
+        if ranges is not None:
+            layout = layout.with_engine(self.engine.endpoint, ranges)  # type: ignore[union-attr]
+        digest = layout.digest()
+        self._layouts[key] = (entry, layout, digest)
+        return layout, digest
+
+    def transfer_layout(self, caller: Caller, pool_id: str, check_pages: Sequence[int],
+                        known_digest: str = "") -> tuple[PoolEntry, PoolLayout | None, str]:
         """GetTransferLayout: ``caller``'s pool's layout (raw addresses: the owner only; another
-        tenant's pool is NOT_FOUND); ``check_pages`` must be allocated (InvalidArgument)."""
+        tenant's pool is NOT_FOUND) and its digest; the layout is None when it is ``known_digest``
+        (the caller holds it). ``check_pages`` must be allocated (InvalidArgument), every call."""
         with self.pools.locked(caller, pool_id, exclusive=False) as entry:
             if len(check_pages):
                 try:
@@ -190,7 +227,24 @@ class TransferState:
                 except (TypeError, ValueError) as e:
                     raise InvalidArgument(f"check_pages: {e}") from None
                 _check_allocated(entry, pages, "check_pages")
-            return entry, self.layout(entry)
+            layout, digest = self._layout_of(entry)
+            return entry, (None if known_digest and known_digest == digest else layout), digest
+
+    def _peer_layout(self, peer: PeerLink, address: str, caller: Caller, spec: PullSpec, src: np.ndarray) -> PoolLayout:
+        """The peer pool's layout for a pull: the one held from an earlier pull when the peer's digest
+        says it still holds (the peer checks ``src`` and the caller's token either way)."""
+        key = (address, caller.tenant, spec.peer_pool_id)
+        known = self._peer_layouts.get(key)
+        digest, remote = peer.layout(spec.peer_pool_id, src.tolist(), spec, known[0] if known else "")
+        if remote is None:
+            if known is None or digest != known[0]:
+                raise TransferError(f"peer {address} answered 'unchanged' for a layout this daemon does not hold")
+            return known[1]
+        if digest:
+            if len(self._peer_layouts) >= MAX_PEER_LAYOUTS:
+                self._peer_layouts.pop(next(iter(self._peer_layouts)), None)
+            self._peer_layouts[key] = (digest, remote)
+        return remote
 
     # ----- pull (decode side) -------------------------------------------------------------------
     def _mapping(self, spec: PullSpec, page_size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -224,7 +278,7 @@ class TransferState:
         except ValueError as e:
             raise InvalidArgument(f"peer_address: {e}") from None
         with peers.connect(address, caller) as peer:
-            remote = peer.layout(spec.peer_pool_id, src.tolist(), spec)
+            remote = self._peer_layout(peer, address, caller, spec, src)
             if spec.transport == "mooncake" and not remote.endpoint:
                 raise FailedPrecondition(f"peer {address} runs without a transfer engine; use transport 'grpc'")
             with self.pools.locked(caller, spec.pool_id, exclusive=True) as entry:
@@ -280,6 +334,12 @@ class TransferState:
         """Drop every registration (at shutdown)."""
         if self.engine is None:
             return
+        if self.host_range is not None:
+            try:
+                self.engine.unregister([self.host_range])
+            except TransferError:
+                log.warning("could not unregister the host arena at shutdown", exc_info=True)
+            self.host_range = None
         with self._lock:
             for pid, (_, ranges) in self._registered.items():
                 try:

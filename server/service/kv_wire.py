@@ -12,7 +12,7 @@ protobuf's own parser included -- reads them unchanged.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import grpc
@@ -27,8 +27,11 @@ def _varint(n: int) -> bytes:
     return bytes(out)
 
 
-def encode_read_chunk(layer_id: int, component: int, offset: int, data: memoryview | bytes) -> bytes:
-    """The wire bytes of ``ReadKVResponse(layer_id, component, offset, data)`` (fields 1-4)."""
+def encode_read_chunk(layer_id: int, component: int, offset: int, data: memoryview | bytes | Sequence[memoryview]) -> bytes:
+    """The wire bytes of ``ReadKVResponse(layer_id, component, offset, data)`` (fields 1-4); ``data``
+    may be several buffers, joined into the one field (a packed piece that crosses segments)."""
+    parts = (data,) if isinstance(data, (memoryview, bytes, bytearray)) else tuple(data)
+    nbytes = sum(len(p) for p in parts)
     head = bytearray()
     if layer_id:
         head += b"\x08" + _varint(layer_id)
@@ -36,9 +39,50 @@ def encode_read_chunk(layer_id: int, component: int, offset: int, data: memoryvi
         head += b"\x10" + _varint(component)
     if offset:
         head += b"\x18" + _varint(offset)
-    if len(data):
-        head += b"\x22" + _varint(len(data))
-    return b"".join((head, data))  # the one copy of the chunk
+    if nbytes:
+        head += b"\x22" + _varint(nbytes)
+    return b"".join((head, *parts))  # the one copy of the chunk
+
+
+def segment_pieces(segments: Iterable[tuple[int, int, memoryview]], chunk: int) -> Iterator[tuple[int, int, int, memoryview]]:
+    """ReadKV's first form: ``(layer_id, component, offset in segment, data)`` of each message, each
+    segment ``(layer_id, component, bytes)`` cut into pieces of at most ``chunk`` bytes."""
+    for layer_id, comp, view in segments:
+        for off in range(0, len(view), chunk):
+            yield layer_id, comp, off, view[off:off + chunk]
+
+
+def packed_pieces(segments: Iterable[memoryview], chunk: int) -> Iterator[tuple[int, list[memoryview]]]:
+    """ReadKV's packed form: ``(offset in the whole stream, data parts)`` of each message, the
+    segments' bytes in order cut into full ``chunk``-byte messages (the last one shorter) that run
+    across segment boundaries."""
+    parts: list[memoryview] = []
+    have = start = 0
+    for view in segments:
+        pos = 0
+        while pos < len(view):
+            take = min(chunk - have, len(view) - pos)
+            parts.append(view[pos:pos + take])
+            have += take
+            pos += take
+            if have == chunk:
+                yield start, parts
+                start += have
+                parts, have = [], 0
+    if have:
+        yield start, parts
+
+
+def read_responses(segments: Iterable[tuple[int, int, memoryview]], chunk: int, *, packed: bool) -> Iterator[bytes]:
+    """The wire bytes of each ``ReadKVResponse`` of a read of ``segments`` (``(layer_id, component,
+    bytes)`` in stream order), ``chunk`` data bytes a message: one message sequence a segment, or
+    ``packed``: the segments as one stream of full messages (see ``ReadKVResponse`` in pool.proto)."""
+    if packed:
+        for off, parts in packed_pieces((v for _, _, v in segments), chunk):
+            yield encode_read_chunk(0, 0, off, parts)
+    else:
+        for layer_id, comp, off, piece in segment_pieces(segments, chunk):
+            yield encode_read_chunk(layer_id, comp, off, piece)
 
 
 def with_raw_responses(add_to_server: Callable[[Any, grpc.Server], None], methods: Iterable[str]) -> Callable[[Any, grpc.Server], None]:

@@ -99,14 +99,13 @@ class PoolServicer(pool_pb2_grpc.PoolServiceServicer):
         caller, cfg = caller_of(context), self.state.config
         chunk = kv_ops.chunk_size(request.chunk_bytes, cfg.chunk_bytes, cfg.max_chunk_bytes)
         with self.streams.stream(context, "ReadKV") as touch:
-            segments = kv_ops.read_kv(self.pools, caller, _selection(request.header))
+            read = kv_ops.read_kv_streamed(self.pools, caller, _selection(request.header))
             self.state.counters.add(caller, "kv_reads")
-            for seg, data in segments:  # ReadKVResponse wire bytes (registered with a raw serializer: kv_wire)
-                view, comp = memoryview(data), messages.COMPONENT_TO_PROTO[seg.component]
-                for off in range(0, seg.nbytes, chunk):
-                    touch()
-                    yield kv_wire.encode_read_chunk(seg.layer_id, comp, off, view[off:off + chunk])
-                self.state.counters.add(caller, "kv_bytes_read", seg.nbytes)
+            views = ((seg.layer_id, messages.COMPONENT_TO_PROTO[seg.component], memoryview(data)) for seg, data in read)
+            for msg in kv_wire.read_responses(views, chunk, packed=request.packed):  # wire bytes: a raw serializer
+                touch()
+                yield msg
+            self.state.counters.add(caller, "kv_bytes_read", read.nbytes)
 
     def MoveKV(self, request: pool_pb2.MoveKVRequest, context: grpc.ServicerContext) -> pool_pb2.MoveKVResponse:
         caller = caller_of(context)

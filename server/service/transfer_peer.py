@@ -91,8 +91,8 @@ class GrpcPeerLink:
         self.address = address
         self.metadata = tuple(metadata)
 
-    def layout(self, pool_id: str, check_pages: list[int], spec: PullSpec) -> PoolLayout:
-        request = transfer_pb2.TransferLayoutRequest(pool_id=pool_id, check_pages=check_pages)
+    def layout(self, pool_id: str, check_pages: list[int], spec: PullSpec, known_digest: str = "") -> tuple[str, PoolLayout | None]:
+        request = transfer_pb2.TransferLayoutRequest(pool_id=pool_id, check_pages=check_pages, known_digest=known_digest)
         try:
             msg = self.stub.GetTransferLayout(request, timeout=spec.remaining(PEER_LAYOUT_TIMEOUT_S), metadata=self.metadata)
         except grpc.RpcError as e:
@@ -102,7 +102,7 @@ class GrpcPeerLink:
             if code == grpc.StatusCode.INVALID_ARGUMENT:
                 raise InvalidArgument(f"peer {self.address}: {details}") from None
             raise TransferError(f"peer {self.address} GetTransferLayout failed: {code.name}: {details}") from None
-        return peer_layout(msg)
+        return msg.layout_digest, (None if msg.unchanged else peer_layout(msg))
 
     def page_transport(self, entry: PoolEntry, chunk_bytes: int, fail_batch: int | None, spec: PullSpec) -> PageTransport:
         return GrpcPageTransport(self.stub, self.address, entry, chunk_bytes, fail_batch, spec, self.metadata)

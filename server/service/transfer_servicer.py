@@ -33,8 +33,13 @@ class TransferServicer(transfer_pb2_grpc.TransferServiceServicer):
         self.streams = streams
 
     def GetTransferLayout(self, request: transfer_pb2.TransferLayoutRequest, context: grpc.ServicerContext) -> transfer_pb2.TransferLayout:
-        entry, layout = self.transfer.transfer_layout(caller_of(context), request.pool_id, list(request.check_pages))
-        return transfer_layout(entry, layout)
+        entry, layout, digest = self.transfer.transfer_layout(caller_of(context), request.pool_id, list(request.check_pages),
+                                                              request.known_digest)
+        if layout is None:  # the caller holds it already
+            return transfer_pb2.TransferLayout(layout_digest=digest, unchanged=True)
+        msg = transfer_layout(entry, layout)
+        msg.layout_digest = digest
+        return msg
 
     def PullKV(self, request: transfer_pb2.PullKVRequest, context: grpc.ServicerContext) -> transfer_pb2.PullKVResponse:
         if request.transport not in TRANSPORTS:

@@ -91,10 +91,13 @@ class Tier(ABC):
             :meth:`held_while_unhealthy`).
         persistent: records written here outlive the process (the disk tier): a copy the stack put
             here is "durable" in the sense of an Offload's OK.
+        verifies_reads: every record :meth:`borrow` and :meth:`read_into` hand out has just passed
+            its checksum (the disk tier), so a reader need not hash it again.
     """
 
     name: str = ""
     persistent: bool = False
+    verifies_reads: bool = False
 
     def __init__(self, index: TierIndex) -> None:
         self.index = index
@@ -216,6 +219,15 @@ class Tier(ABC):
             for k, v in deltas.items():
                 setattr(self._stats, k, getattr(self._stats, k) + v)
 
+    def _count_reads(self, hits: int, misses: int, damaged: int, nbytes: int) -> None:
+        """:meth:`_count` of one read call, without the keyword plumbing (the disk read path)."""
+        with self._stats_lock:
+            st = self._stats
+            st.hits += hits
+            st.misses += misses
+            st.damaged += damaged
+            st.bytes_read += nbytes
+
     def close(self) -> None:
         """Release resources (files, environments). The tier is unusable afterwards."""
 
@@ -224,6 +236,6 @@ class Tier(ABC):
         if len(outs) != len(keys):
             raise ValueError(f"read_into got {len(keys)} keys but {len(outs)} buffers")
         for o in outs:
-            if not isinstance(o, torch.Tensor) or o.dtype != torch.uint8 or o.dim() != 1 or o.device.type != "cpu" \
+            if not isinstance(o, torch.Tensor) or o.dtype != torch.uint8 or o.dim() != 1 or not o.is_cpu \
                     or not o.is_contiguous():
                 raise ValueError("read_into buffers must be contiguous 1-D uint8 host tensors")

@@ -373,7 +373,7 @@ class PrefixCache:
                 if self.pool is not None:
                     assert isinstance(rec, torch.Tensor)
                     try:
-                        self.codec.load_page(self.pool, rec, page)
+                        self.codec.load_page(self.pool, rec, page, verified=tier.verifies_reads)  # hashed once
                     except RecordError as e:
                         tier.report_damaged(tkey, e)
                         out.append(0)

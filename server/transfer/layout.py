@@ -12,6 +12,8 @@ it alone, so a peer whose buffers have SGLang's shapes interoperates by page ids
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -104,6 +106,14 @@ class PoolLayout:
         if component == "index_k":
             return self.index
         raise ValueError(f"component must be one of {COMPONENTS}, got {component!r}")
+
+    def digest(self) -> str:
+        """A digest of every field (32 hex characters): two layouts with equal digests are equal, so a
+        peer that still publishes the digest a caller holds need not send the layout again."""
+        canon = json.dumps([self.page_size, self.latent_row_bytes, self.index_page_bytes, self.skip_mask,
+                            self.latent, self.index, sorted(self.fingerprint.items()), self.endpoint,
+                            self.registered], separators=(",", ":"), default=str)
+        return hashlib.sha256(canon.encode()).hexdigest()[:32]
 
     def with_engine(self, endpoint: str, registered: Sequence[tuple[int, int]]) -> PoolLayout:
         """A copy naming the engine endpoint and the ranges it registered."""

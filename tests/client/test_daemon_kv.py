@@ -143,3 +143,27 @@ def test_reads_follow_a_recreated_pool(daemon, client):
         kv = other.read_kv("recreated", slots)
         assert sorted(kv.latent) == [0, 1, 2, 3] and bool((kv.latent[0] == 0).all())
     client.delete_pool("recreated", force=True)
+
+
+def test_reads_are_packed_into_full_messages_and_the_client_reads_either_form(client, pool, monkeypatch):
+    """The client asks for packed reads: the 14 segments of 150 tokens run together in
+    ceil(total / 8 KiB) full messages instead of one message sequence a segment. It reads the older
+    form too (a daemon that predates `packed` sends one message sequence a segment)."""
+    from kvtier.client import pool as client_pool
+    from kvtier.v1 import pool_pb2
+
+    slots = client.allocate_slots(pool, 150)
+    latent, index = random_kv(150, seed=21)
+    total = client.write_kv(pool, slots, latent=latent, index=index)
+    lay = client.layout(pool)
+    header = pool_pb2.KVHeader(pool_id=pool, slots=slots.tolist(), latent_layers=list(range(NUM_LAYERS)),
+                               index_layers=list(LIVE_LAYERS), layout_digest=lay.fingerprint_digest)
+    chunk = 8192
+    packed = list(client._read_kv_raw(pool_pb2.ReadKVRequest(header=header, chunk_bytes=chunk, packed=True), timeout=30))
+    unpacked = list(client._read_kv_raw(pool_pb2.ReadKVRequest(header=header, chunk_bytes=chunk), timeout=30))
+    assert len(packed) == -(-total // chunk)
+    assert len(unpacked) == NUM_LAYERS * -(-150 * ROW_BYTES // chunk) + len(LIVE_LAYERS) * (-(-150 * 128 // chunk) + 1) > len(packed)
+    verify_kv(client.read_kv(pool, slots), latent, index)
+    real = pool_pb2.ReadKVRequest
+    monkeypatch.setattr(client_pool.pool_pb2, "ReadKVRequest", lambda **kw: real(**{**kw, "packed": False}))
+    verify_kv(client.read_kv(pool, slots), latent, index)

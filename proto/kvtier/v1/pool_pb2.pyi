@@ -680,8 +680,11 @@ class ReadKVRequest(_message.Message):
 
     HEADER_FIELD_NUMBER: _builtins.int
     CHUNK_BYTES_FIELD_NUMBER: _builtins.int
+    PACKED_FIELD_NUMBER: _builtins.int
     chunk_bytes: _builtins.int
     """data bytes a message; 0 = the daemon's default"""
+    packed: _builtins.bool
+    """true: the segments as one stream of full messages (see ReadKVResponse)"""
     @_builtins.property
     def header(self) -> Global___KVHeader: ...
     def __init__(
@@ -689,10 +692,11 @@ class ReadKVRequest(_message.Message):
         *,
         header: Global___KVHeader | None = ...,
         chunk_bytes: _builtins.int = ...,
+        packed: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["header", b"header"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_bytes", b"chunk_bytes", "header", b"header"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_bytes", b"chunk_bytes", "header", b"header", "packed", b"packed"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -700,7 +704,14 @@ Global___ReadKVRequest: _TypeAlias = ReadKVRequest  # noqa: Y015
 
 @_typing.final
 class ReadKVResponse(_message.Message):
-    """A piece of one segment, in stream order (see KVHeader)."""
+    """Either a piece of one segment, in stream order (see KVHeader): layer_id and component name the
+    segment, offset is the piece's byte in it -- or, when the request asked for `packed`, a piece of
+    the concatenation of every segment in stream order: component is COMPONENT_UNSPECIFIED (left
+    out), offset is the piece's byte in the whole stream, and every message but the last carries
+    chunk_bytes of data, running across segment boundaries (fewer, fuller messages: gRPC's cost is
+    per message). A daemon that predates `packed` ignores it and sends the first form; a client
+    tells the forms apart by the component.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -81,7 +81,10 @@ class TransferLayoutRequest(_message.Message):
 
     POOL_ID_FIELD_NUMBER: _builtins.int
     CHECK_PAGES_FIELD_NUMBER: _builtins.int
+    KNOWN_DIGEST_FIELD_NUMBER: _builtins.int
     pool_id: _builtins.str
+    known_digest: _builtins.str
+    """layout_digest of a layout the caller holds for this pool: if it still holds,"""
     @_builtins.property
     def check_pages(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """pages the caller will read: each must be allocated (else INVALID_ARGUMENT)"""
@@ -91,10 +94,11 @@ class TransferLayoutRequest(_message.Message):
         *,
         pool_id: _builtins.str = ...,
         check_pages: _abc.Iterable[_builtins.int] | None = ...,
+        known_digest: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["check_pages", b"check_pages", "pool_id", b"pool_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["check_pages", b"check_pages", "known_digest", b"known_digest", "pool_id", b"pool_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -137,8 +141,16 @@ class TransferLayout(_message.Message):
     INDEX_FIELD_NUMBER: _builtins.int
     ENGINE_ENDPOINT_FIELD_NUMBER: _builtins.int
     REGISTERED_FIELD_NUMBER: _builtins.int
+    LAYOUT_DIGEST_FIELD_NUMBER: _builtins.int
+    UNCHANGED_FIELD_NUMBER: _builtins.int
     engine_endpoint: _builtins.str
     """"host:port" of the Mooncake Transfer Engine; "" without one"""
+    layout_digest: _builtins.str
+    """a digest of everything above (the pool's buffers, engine, ranges): equal"""
+    unchanged: _builtins.bool
+    """digests, equal layouts; "" from a daemon that predates it (never cached)
+    the request's known_digest still holds: fields 1-5 are left out
+    """
     @_builtins.property
     def layout(self) -> _pool_pb2.PoolLayout:
         """fingerprint, page size, row bytes, skip mask"""
@@ -159,10 +171,12 @@ class TransferLayout(_message.Message):
         index: _abc.Iterable[_pool_pb2.BufferInfo] | None = ...,
         engine_endpoint: _builtins.str = ...,
         registered: _abc.Iterable[Global___RegisteredRange] | None = ...,
+        layout_digest: _builtins.str = ...,
+        unchanged: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["layout", b"layout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_endpoint", b"engine_endpoint", "index", b"index", "latent", b"latent", "layout", b"layout", "registered", b"registered"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_endpoint", b"engine_endpoint", "index", b"index", "latent", b"latent", "layout", b"layout", "layout_digest", b"layout_digest", "registered", b"registered", "unchanged", b"unchanged"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -15,7 +15,7 @@ import pytest
 
 from kvtier.bench.report import plot_name
 
-CASES = {"capacity", "copies", "disk", "daemon", "attach", "pd", "replay", "storage"}
+CASES = {"capacity", "copies", "disk", "daemon", "attach", "pd", "mooncake", "replay", "storage"}
 NEEDS_SGLANG = {"storage"}  # run here without KVTIER_SGLANG_PYTHON: reports why it measured nothing
 
 

@@ -190,6 +190,31 @@ def test_unallocated_pages_are_refused(daemons):
         pre.free_slots("default", src)
 
 
+def test_a_layout_the_caller_holds_is_not_sent_again_and_pages_are_still_checked(daemons):
+    """GetTransferLayout with the digest of the layout the caller holds answers `unchanged` without the
+    layout's body (what a second PullKV from the same peer pool gets); another digest gets the whole
+    layout; the source pages are checked either way, also on a pull after one that cached the layout."""
+    with KVTierClient(daemons["prefill"].address) as pre, KVTierClient(daemons["decode"].address) as dec:
+        full = pre.transfer_layout("default")
+        assert len(full.layout_digest) == 32 and not full.unchanged and len(full.latent) == 8
+        same = pre.transfer_layout("default", known_digest=full.layout_digest)
+        assert same.unchanged and same.layout_digest == full.layout_digest
+        assert not same.latent and not same.index and not same.registered and not same.engine_endpoint
+        other = pre.transfer_layout("default", known_digest="0" * 32)
+        assert not other.unchanged and other == full
+        with pytest.raises(InvalidArgumentError, match="not allocated"):
+            pre.transfer_layout("default", check_pages=[29], known_digest=full.layout_digest)
+        src, latent, index = written_request(pre, 2, seed=41)
+        dst = dec.allocate_slots("default", 2 * PS)
+        for _ in range(2):  # the second pull uses the layout the first one fetched
+            dec.pull_kv("default", daemons["prefill"].address, "default", src_slots=src, dst_slots=dst)
+            verify_same_kv(dec, dst, latent, index)
+        with pytest.raises(InvalidArgumentError, match="not allocated"):
+            dec.pull_kv("default", daemons["prefill"].address, "default", src_pages=[29, 30], dst_pages=pages_of(dst))
+        pre.free_slots("default", src)
+        dec.free_slots("default", dst)
+
+
 def test_concurrent_pulls_are_each_byte_identical(daemons):
     """Four pulls at once into one decode pool (serialised on its lock), over both transports."""
     from concurrent.futures import ThreadPoolExecutor

@@ -4,12 +4,14 @@ startup scrub, damaged records, map-full writes that leave nothing behind, one e
 from __future__ import annotations
 
 import multiprocessing
+import os
 import lmdb
 import pytest
 import torch
 
 from kvtier.server.tiers import DiskTier, DiskTierConfig, EnvironmentInUseError, TierFullError, disk_charge
 from kvtier.server.tiers.errors import TierUnavailableError
+from kvtier.server.tiers import disk as disk_module
 from tierkit import record_of
 
 MiB = 1 << 20
@@ -149,16 +151,16 @@ def test_a_write_failing_half_way_through_a_batch_is_invisible(tmp_path, records
     keys = list(records)
     disk = disk_at(tmp_path)
     disk.write([(keys[0], records[keys[0]])])
-    stamps = {"n": 0}
-    real_stamp = DiskTier._stamp
+    views = {"n": 0}
+    real_view = disk_module._bytes_view
 
-    def failing_stamp(self, txn, key):  # runs inside the put transaction, after each record's put
-        stamps["n"] += 1
-        if stamps["n"] == 3:
+    def failing_view(rec):  # runs inside the put transaction, before each record's put
+        views["n"] += 1
+        if views["n"] == 3:
             raise OSError("injected: disk failed half way through the batch")
-        return real_stamp(self, txn, key)
+        return real_view(rec)
 
-    monkeypatch.setattr(DiskTier, "_stamp", failing_stamp)
+    monkeypatch.setattr(disk_module, "_bytes_view", failing_view)
     with pytest.raises(TierUnavailableError, match="injected"):
         disk.write([(k, records[k]) for k in keys[1:5]])
     monkeypatch.undo()
@@ -287,12 +289,52 @@ def test_borrow_reads_a_batch_in_one_transaction_into_the_read_arena(tmp_path, r
     disk.close()
 
 
-def test_reads_copy_the_records_bytes_from_the_data_file_inside_the_transaction(tmp_path, records):
-    """The copy goes through the data file at the value's offset in LMDB's map (no page faults on the
-    map): the offset rule must hold for every record, or reads would return other bytes."""
+def test_reads_return_each_records_own_bytes_into_larger_buffers(tmp_path, records):
+    """Every record read into a buffer larger than it: its own bytes, the rest of the buffer untouched."""
     disk = disk_at(tmp_path)
     disk.write(list(records.items()))
-    assert disk._map_addr and disk._data_fd >= 0
     for k, rec in records.items():
-        assert torch.equal(read(disk, k, rec.numel() + 10), rec)
+        out = torch.full((rec.numel() + 10,), 7, dtype=torch.uint8)
+        assert disk.read_into([k], [out]) == [rec.numel()]
+        assert torch.equal(out[:rec.numel()], rec) and bool((out[rec.numel():] == 7).all())
     disk.close()
+
+
+def _child_spills_then_dies(path: str, items: list[tuple[bytes, torch.Tensor]], read_key: bytes, last: tuple[bytes, torch.Tensor],
+                            clean: bool) -> None:
+    disk_module.STAMP_BATCH = 3  # this child's tier stamps LRU positions three at a time
+    disk = disk_at(path)
+    for item in items:
+        disk.write([item])  # the third write stamps the three positions
+    out = torch.empty(int(items[0][1].numel()), dtype=torch.uint8)
+    disk.read_into([read_key], [out])  # a read hit: its new position is pending
+    disk.write([last])  # pending: the read hit and this record (two, under the batch of three)
+    if clean:
+        disk.close()  # flush: the pending positions are written
+    os._exit(0)  # no interpreter shutdown: what a killed daemon leaves behind
+
+
+@pytest.mark.parametrize("clean", [True, False], ids=["closed", "killed"])
+def test_lru_positions_are_stamped_in_batches_and_a_crash_loses_only_the_pending_ones(tmp_path, records, clean):
+    """Spills stamp their LRU positions in batches (STAMP_BATCH) instead of in each put transaction.
+    A daemon killed before the pending positions were written loses only those: every record is
+    there, the pending new record loads as the newest, the pending read hit keeps its last stamped
+    position. A clean close writes them (order as in memory)."""
+    k = list(records)
+    ctx = multiprocessing.get_context("fork")
+    p = ctx.Process(target=_child_spills_then_dies,
+                    args=(str(tmp_path), [(key, records[key]) for key in k[:3]], k[0], (k[3], records[k[3]]), clean))
+    p.start()
+    p.join(60)
+    assert p.exitcode == 0
+    disk = disk_at(tmp_path)
+    disk.open()
+    assert disk.index.keys() == ([k[1], k[2], k[0], k[3]] if clean else [k[0], k[1], k[2], k[3]])
+    for key in k[:4]:
+        got = read(disk, key, int(records[key].numel()))
+        assert got is not None and torch.equal(got, records[key])
+    disk.close()
+    again = disk_at(tmp_path)  # the four reads above, in key order, were stamped at close
+    again.open()
+    assert again.index.keys() == k[:4]
+    again.close()

@@ -96,3 +96,37 @@ def test_group_quota_refusals_change_nothing():
     assert ix.keys() == ["A1"] and ix.group_used("A") == 20
     ix.remove("A1")
     assert ix.group_used("A") == 0 and ix.used == 0
+
+
+def test_deferred_touches_are_applied_in_order_before_the_order_is_used():
+    """A read path records uses with touch_later (no lock); the next method that reads or changes
+    the order applies them first, in order, skipping keys gone by then, and tells on_touch."""
+    ix = TierIndex(40)
+    told: list[list[str]] = []
+    ix.on_touch = told.append
+    for k in "abcd":
+        ix.commit_insert(k, 10)
+    ix.touch_later(["a", "x", "b"])  # x was never there
+    assert ix.policy.order() == ["a", "b", "c", "d"]  # not applied yet: the policy alone does not know
+    assert ix.keys() == ["c", "d", "a", "b"] and told == [["a", "b"]]
+    ix.touch_later(["c"])
+    assert ix.plan_insert("e", 10) == ["d"]  # c's use counted before the victim is chosen
+    ix.touch_later(["d"])
+    ix.remove("d")
+    ix.apply_touches()
+    assert ix.keys() == ["a", "b", "c"] and told == [["a", "b"], ["c"], ["d"]]  # d used, then removed
+
+
+def test_deferred_touches_stay_bounded_without_writes(monkeypatch):
+    """A stretch of reads with no write never lets the deferred uses pile up: past TOUCH_LATER_MAX
+    the recording call applies them itself."""
+    from kvtier.server.tiers import policy
+    monkeypatch.setattr(policy, "TOUCH_LATER_MAX", 3)
+    ix = TierIndex(30)
+    for k in "abc":
+        ix.commit_insert(k, 10)
+    ix.touch_later(["a", "b"])
+    ix.touch_later(["a"])
+    assert ix.policy.order() == ["a", "b", "c"]  # three waiting: not past the bound yet
+    ix.touch_later(["b"])  # four: applied now, in order a b a b
+    assert ix.policy.order() == ["c", "a", "b"] and len(ix._later) == 0

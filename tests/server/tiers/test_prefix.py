@@ -151,6 +151,32 @@ def test_damaged_host_record_ends_the_prefix_and_is_counted(pool, allocator, cod
     verify_nothing_pinned(cache)
 
 
+def test_disk_pages_come_up_in_one_borrow_and_a_damaged_one_ends_the_prefix(pool, allocator, codec, stack, monkeypatch):
+    """Three disk pages of a prefix are borrowed in one call (one read transaction); the second is
+    damaged on disk: the load keeps the first, ends the prefix there and counts the damage once."""
+    cache = PrefixCache(stack, allocator, codec, pool=pool)
+    keys = keys_for(16)
+    written = store_pages(cache, pool, keys, seed=3)
+    store_pages(cache, pool, keys_for(5, seed=8), seed=9)  # keys[0:3] -> disk, keys[3:5] -> host
+    assert cache.where_is(keys[:5]) == [["disk"]] * 3 + [["host"]] * 2
+    disk = stack.tiers[1]
+    tkey = cache._tier_key(keys[1])
+    with disk.borrow([tkey]) as (rec,):
+        bad = rec.clone()
+    bad[codec.header_nbytes + 99] ^= 8
+    disk.write([(tkey, bad)], replace=True)
+    calls = []
+    real = disk.borrow
+    monkeypatch.setattr(disk, "borrow", lambda ks: calls.append(list(ks)) or real(ks))
+    ld = cache.load(keys[:5])
+    assert ld.tiers == ["disk"]
+    assert calls == [[cache._tier_key(k) for k in keys[:3]]]
+    assert disk.stats().damaged == 1 and cache.where_is(keys[1:2]) == [[]]
+    verify_same_page(written[0], read_page(pool, int(ld.slots[0]) // PAGE))
+    cache.release(ld.lease)
+    verify_nothing_pinned(cache)
+
+
 def test_store_validates_before_adopting(pool, allocator, codec, stack):
     cache = PrefixCache(stack, allocator, codec, pool=pool)
     keys = keys_for(3)

@@ -8,6 +8,7 @@ import torch
 from kvtier.server.model_config import DSAModelConfig
 from kvtier.server.pool import create_pool, slots_of_pages
 from kvtier.server.tiers import RecordCodec, RecordError, verify_record
+from kvtier.server.tiers.record import check_record_in_place
 from tierkit import INDEX_PAGE, PAGE, ROW, fill_page, read_page, record_of, verify_same_page
 
 def test_page_record_holds_latent_for_every_layer_and_indexer_for_live_layers_only(model, pool, codec):
@@ -109,4 +110,62 @@ def test_page_fast_load_checks_the_record_as_check_does(model, pool, codec):
         RecordCodec(DSAModelConfig.from_preset("deepseek-v3.2", num_layers=4)).load_page(other, good, 3)
     with pytest.raises(RecordError):
         codec.load_page(other, good[:-8].clone(), 3)
+    assert torch.equal(other.arena("latent"), before)
+
+
+@pytest.mark.parametrize("where", ["magic", "checksum", "fingerprint", "latent", "index", "src_loc", "last"])
+def test_in_place_check_catches_what_verify_record_catches_and_leaves_the_bytes_as_they_were(pool, codec, where):
+    """check_record_in_place (the disk read path) zeroes the checksum field to hash the record in one
+    pass: it must accept exactly what verify_record accepts and put the field back either way."""
+    rec = record_of(codec, pool, 1, seed=3)
+    ok = rec.clone()
+    assert check_record_in_place(memoryview(ok.numpy())) == PAGE
+    assert torch.equal(ok, rec)
+    h = codec.header_nbytes
+    pos = {"magic": 0, "checksum": 50, "fingerprint": 60, "latent": h + 1000, "index": h + 4 * PAGE * ROW + 5000,
+           "src_loc": rec.numel() - 100, "last": rec.numel() - 1}[where]
+    bad = rec.clone()
+    bad[pos] ^= 0x10
+    before = bad.clone()
+    with pytest.raises(RecordError):
+        check_record_in_place(memoryview(bad.numpy()))
+    assert torch.equal(bad, before)
+
+
+def test_in_place_check_refuses_short_and_mislabelled_buffers(pool, codec):
+    rec = record_of(codec, pool, 1, seed=4)
+    with pytest.raises(RecordError, match="shorter"):
+        check_record_in_place(bytearray(20))
+    with pytest.raises(RecordError, match="header accounts"):
+        check_record_in_place(memoryview(rec[:-8].clone().numpy()))
+
+
+def test_verified_skips_only_the_hash(pool, codec):
+    """A record a tier verified as it read it is checked again for everything but the hash: a
+    damaged payload passes (the tier already vouched for it), another model's header does not."""
+    rec = record_of(codec, pool, 1, seed=5)
+    payload_flip = rec.clone()
+    payload_flip[codec.header_nbytes + 7] ^= 1
+    codec.check(payload_flip, checksum=False)
+    with pytest.raises(RecordError):
+        codec.check(payload_flip)
+    wrong_len = rec[:-8].clone()
+    with pytest.raises(RecordError):
+        codec.check(wrong_len, checksum=False)
+
+
+def test_load_page_verified_skips_only_the_hash(model, pool, codec):
+    """load_page(verified=True) (a tier hashed the record as it read it) still checks the header:
+    a payload flip is written as it is, another model's record is refused and the pool unchanged."""
+    fill_page(pool, 5, seed=13)
+    good = codec.encode_page(pool, 5)
+    flip = good.clone()
+    flip[codec.header_nbytes + 3] ^= 1
+    other = create_pool(model, 16 * PAGE, device="cpu")
+    codec.load_page(other, flip, 2, verified=True)
+    first_row = other.arena("latent").view(model.num_layers, other.num_slots, codec.row_bytes)[0, 2 * PAGE]
+    assert int(first_row[3]) == int(flip[codec.header_nbytes + 3])
+    before = other.arena("latent").clone()
+    with pytest.raises(RecordError, match="fingerprint"):
+        RecordCodec(DSAModelConfig.from_preset("deepseek-v3.2", num_layers=4)).load_page(other, good, 3, verified=True)
     assert torch.equal(other.arena("latent"), before)

@@ -1,0 +1,149 @@
+"""The disk tier's read path, at the cost of a plain file read: each record is copied once out of
+LMDB's map into a buffer (inside the read transaction, the py-lmdb way) and checked there while its
+bytes are still in the CPU's cache, with a few microseconds of Python around each (BENCHMARKS.md,
+fix 6: a page record costs ~30 us to read; bookkeeping of ~40 us a record made restores 0.3-0.5x a
+plain read, and hashing a record the kernel had copied with ``preadv`` read it back from memory).
+
+* :func:`writable_bytes`: a caller's tensor as a buffer to copy into, without numpy;
+* :class:`ReadChunks`: buffers for records a caller borrows, carved as a stack out of chunks of the
+  tier's read arena: the next record lands where the last dropped one was (still in the cache);
+  each record is a tensor view that keeps its chunk alive, and a chunk goes back to the arena when
+  the tier has moved on and every view of it is gone (one arena block a chunk, not one a record).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import weakref
+from collections import deque
+
+import numpy as np
+import torch
+
+from kvtier.server.hostmem import HostArena
+
+#: Records borrowed from one chunk start at multiples of this (payload views stay int64-aligned).
+RECORD_ALIGN = 4096
+
+
+#: Writable views of callers' buffers by (address, bytes): a reused buffer's view is made once.
+_VIEWS: dict[tuple[int, int], memoryview] = {}
+_VIEWS_MAX = 256
+
+
+def writable_bytes(t: torch.Tensor, nbytes: int) -> memoryview:
+    """The first ``nbytes`` of a contiguous uint8 host tensor as a writable ``B`` memoryview (a ctypes
+    array over its memory: no copy, about 0.8 us against 3 us for ``memoryview(t.numpy())``; valid
+    while ``t`` is alive). The view of an (address, size) is kept and handed out again: a caller
+    that reads into one reused buffer pays for it once (a view is only ever used for the tensor
+    that lives at its address now, whose bytes it covers)."""
+    key = (t.data_ptr(), nbytes)
+    mv = _VIEWS.get(key)
+    if mv is None:
+        if len(_VIEWS) >= _VIEWS_MAX:
+            _VIEWS.clear()
+        mv = _VIEWS[key] = memoryview((ctypes.c_char * nbytes).from_address(key[0])).cast("B")
+    return mv
+
+
+class _Chunk:
+    """One arena block carved as a stack: records are bumped off ``top`` and ``top`` falls back as
+    the records on top of it are dropped."""
+
+    __slots__ = ("arr", "mv", "top", "stack", "dead")
+
+    def __init__(self, arr: np.ndarray) -> None:
+        self.arr, self.mv = arr, memoryview(arr)
+        self.top = 0
+        self.stack: list[tuple[int, int]] = []  # (offset, aligned size) of records in the order handed out
+        self.dead: set[int] = set()  # offsets of dropped records not yet popped off the stack
+
+
+class ReadChunks:
+    """Host buffers for borrowed records, carved out of read-arena chunks as a stack.
+
+    A record is a view of the current chunk at its top; when the records on top are dropped the top
+    falls back, so the next record lands where the last one was: one record a call reuses one
+    buffer, still in the CPU's cache, as a plain read into a reused buffer does (copies into a
+    buffer cycling over 1 MiB ran 0.89x of copies into one reused buffer, over 4 MiB 0.75x), and a
+    window of records reuses one window's bytes. A chunk that fills up is left to the records in it
+    (it goes back to the arena when they are all dropped) and a new one is taken.
+
+    Args:
+        arena: the tier's read arena (faulted in once); None: every buffer is fresh memory.
+        chunk_bytes: bytes of a chunk (at most the arena's capacity); a record larger than a chunk
+            gets an arena block of its own (or fresh memory when the arena has no room).
+
+    Thread safety: one leaf lock around the bookkeeping (nothing is taken or called while it is
+    held; a new chunk is allocated outside it). Drops may come from any thread at any moment (a
+    weakref callback runs wherever the last reference dies), so they are only appended to a deque
+    (atomic) and applied at the next :meth:`take`.
+    """
+
+    def __init__(self, arena: HostArena | None, chunk_bytes: int = 8 << 20) -> None:
+        self.arena = arena
+        self.chunk_bytes = max(RECORD_ALIGN, min(chunk_bytes, arena.capacity if arena is not None else chunk_bytes))
+        self._lock = threading.Lock()
+        self._chunk: _Chunk | None = None
+        self._serial = 0  # of the current chunk: drops of records in older chunks are ignored
+        self._dropped: deque[tuple[int, int]] = deque()  # (chunk serial, offset)
+        self._refs: dict[tuple[int, int], weakref.ref] = {}
+
+    def take(self, nbytes: int) -> tuple[torch.Tensor, memoryview]:
+        """A ``(nbytes,)`` uint8 host tensor and a writable memoryview of the same bytes (to fill).
+        The tensor (and every view of it) keeps its chunk alive; dropping it frees its place."""
+        size = -(-nbytes // RECORD_ALIGN) * RECORD_ALIGN
+        if size <= self.chunk_bytes:
+            for _ in range(2):
+                with self._lock:
+                    if self._dropped:
+                        self._apply_drops()
+                    c = self._chunk
+                    if c is not None and c.top + size <= c.arr.size:
+                        off = c.top
+                        c.top = off + size
+                        c.stack.append((off, size))
+                        arr, mv = c.arr[off:off + nbytes], c.mv[off:off + nbytes]
+                        key = (self._serial, off)
+                        self._refs[key] = weakref.ref(arr, lambda _r, key=key, q=self._dropped: q.append(key))
+                        return torch.from_numpy(arr), mv
+                    self._chunk = None  # full: it goes back once its records are gone
+                    del c
+                chunk = self._new_block(self.chunk_bytes)
+                if chunk is None:
+                    break
+                with self._lock:
+                    if self._chunk is None:
+                        self._chunk = _Chunk(chunk)
+                        self._serial += 1
+                del chunk
+        arr = self._new_block(nbytes)
+        if arr is None:
+            if self.arena is not None:
+                self.arena.count_fallback()
+            arr = np.empty(nbytes, dtype=np.uint8)
+        return torch.from_numpy(arr), memoryview(arr)
+
+    def _apply_drops(self) -> None:
+        """Pop dropped records off the current chunk's stack (lock held)."""
+        q, c = self._dropped, self._chunk
+        while q:
+            serial, off = q.popleft()
+            self._refs.pop((serial, off), None)
+            if c is not None and serial == self._serial:
+                c.dead.add(off)
+        if c is not None and c.dead:
+            while c.stack and c.stack[-1][0] in c.dead:
+                off, _ = c.stack.pop()
+                c.dead.discard(off)
+                c.top = off
+
+    def _new_block(self, nbytes: int) -> np.ndarray | None:
+        block = self.arena.alloc(nbytes) if self.arena is not None else None
+        return None if block is None else block.tensor.numpy()
+
+    def release(self) -> None:
+        """Forget the current chunk (it goes back to the arena once its records are dropped)."""
+        with self._lock:
+            self._chunk = None
