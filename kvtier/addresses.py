@@ -33,10 +33,15 @@ def resolve_address(address: str | None) -> str:
     a bare path (``/run/kvtier/kv.sock``, ``./kv.sock``, ``~/kv.sock``) -> ``unix://`` + its absolute path.
 
     Raises:
-        ValueError: neither a unix address, a path, nor ``HOST:PORT`` with a numeric port.
+        ValueError: neither a unix address, a path, nor ``HOST:PORT`` with a numeric port (another
+            scheme such as ``dns:///`` is refused, not taken for a relative path).
     """
     if not address:
         return default_address()
+    scheme, sep, _ = address.partition("://")
+    if sep and scheme != "unix":
+        raise ValueError(f"address scheme {scheme!r} is not supported: use unix:///path, a socket path or HOST:PORT, "
+                         f"got {address[:200]!r}")
     if not address.startswith("unix:") and ("/" in address or address.startswith("~")):
         return f"unix://{os.path.abspath(os.path.expanduser(address))}"
     if address.startswith("unix:"):

@@ -273,6 +273,8 @@ class TransferState:
         batch_items = spec.max_batch_items or DEFAULT_BATCH_ITEMS
         page_size = self.pools.get(caller, spec.pool_id).page_size
         src, dst = self._mapping(spec, page_size)
+        if not spec.peer_address:
+            raise InvalidArgument("peer_address is empty: give the prefill daemon's address (unix:///path or HOST:PORT)")
         try:
             address = resolve_address(spec.peer_address)
         except ValueError as e:

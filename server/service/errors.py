@@ -62,21 +62,77 @@ def status_code_for(exc: BaseException) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
+# A status message travels in the call's trailing metadata, which gRPC caps (8 KiB by default): a
+# message that echoes a huge input would replace the real status with RESOURCE_EXHAUSTED "metadata
+# size exceeds". Longer messages are cut, keeping their start (what failed) and saying so.
+MAX_MESSAGE_CHARS = 1024
+
+
+def short_message(text: str, limit: int = MAX_MESSAGE_CHARS) -> str:
+    """``text`` cut to at most ``limit`` characters (a marker says how many were left out)."""
+    if len(text) <= limit:
+        return text
+    tail = f"... ({len(text) - limit + 40} characters left out)"
+    return text[:limit - len(tail)] + tail
+
+
+class _Undecodable:
+    """What the request deserializer yields for bytes that are not a valid request message: the call
+    is then answered INVALID_ARGUMENT by the method's wrapper (gRPC itself would answer INTERNAL)."""
+
+    __slots__ = ("reason",)
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+def _tolerant(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if deserializer is None:
+        return None
+
+    def des(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except Exception as exc:  # noqa: BLE001 - protobuf's DecodeError and friends: the client's bytes
+            return _Undecodable(f"{type(exc).__name__}: {exc}")
+    return des
+
+
+def _undecodable(method: str, reason: str) -> InvalidArgument:
+    return InvalidArgument(f"the request to {method} is not a valid message of its type ({reason}); "
+                           "use the stubs generated from proto/kvtier/v1")
+
+
+def _checked_stream(requests: Iterator[Any], method: str) -> Iterator[Any]:
+    for req in requests:
+        if isinstance(req, _Undecodable):
+            raise _undecodable(method, req.reason)
+        yield req
+
+
+def _checked(request_or_iterator: Any, method: str) -> Any:
+    if isinstance(request_or_iterator, _Undecodable):
+        raise _undecodable(method, request_or_iterator.reason)
+    if hasattr(request_or_iterator, "__next__"):  # a client stream
+        return _checked_stream(request_or_iterator, method)
+    return request_or_iterator
+
+
 def _abort(context: grpc.ServicerContext, exc: BaseException, method: str) -> None:
     code = status_code_for(exc)
     if code == grpc.StatusCode.INTERNAL:
         log.exception("internal error in %s", method)
         message = f"internal error: {type(exc).__name__}: {exc}"
     else:
-        log.info("%s -> %s: %s", method, code.name, exc)
+        log.info("%s -> %s: %s", method, code.name, short_message(str(exc)))
         message = str(exc)
-    context.abort(code, message)
+    context.abort(code, short_message(message))
 
 
 def _wrap_unary(behavior: Callable[..., Any], method: str) -> Callable[..., Any]:
     def call(request_or_iterator: Any, context: grpc.ServicerContext) -> Any:
         try:
-            return behavior(request_or_iterator, context)
+            return behavior(_checked(request_or_iterator, method), context)
         except grpc.RpcError:
             raise  # the call was cancelled or already aborted
         except Exception as exc:  # noqa: BLE001 - mapped to a status code, never swallowed
@@ -87,7 +143,7 @@ def _wrap_unary(behavior: Callable[..., Any], method: str) -> Callable[..., Any]
 def _wrap_stream(behavior: Callable[..., Iterator[Any]], method: str) -> Callable[..., Iterator[Any]]:
     def call(request_or_iterator: Any, context: grpc.ServicerContext) -> Iterator[Any]:
         try:
-            yield from behavior(request_or_iterator, context)
+            yield from behavior(_checked(request_or_iterator, method), context)
         except grpc.RpcError:
             raise
         except Exception as exc:  # noqa: BLE001
@@ -96,11 +152,14 @@ def _wrap_stream(behavior: Callable[..., Iterator[Any]], method: str) -> Callabl
 
 
 class DomainErrorInterceptor(grpc.ServerInterceptor):
-    """Maps domain errors raised by any servicer method to gRPC status codes (see :data:`STATUS_CODES`)."""
+    """Maps domain errors raised by any servicer method to gRPC status codes (see :data:`STATUS_CODES`),
+    answers bytes that are not a valid request message INVALID_ARGUMENT (gRPC's own answer would be
+    INTERNAL), and cuts status messages to :data:`MAX_MESSAGE_CHARS`."""
 
     def intercept_service(self, continuation: Callable[..., Any], handler_call_details: Any) -> Any:
         handler = continuation(handler_call_details)
         if handler is None:
             return None
         method = handler_call_details.method
-        return handler_like(handler, lambda b: _wrap_unary(b, method), streaming=lambda b: _wrap_stream(b, method))
+        return handler_like(handler, lambda b: _wrap_unary(b, method), streaming=lambda b: _wrap_stream(b, method),
+                            deserializer=_tolerant(handler.request_deserializer))

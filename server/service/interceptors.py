@@ -15,10 +15,12 @@ import grpc
 
 
 def handler_like(handler: grpc.RpcMethodHandler, make: Callable[[Callable[..., Any]], Callable[..., Any]],
-                 *, streaming: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None) -> grpc.RpcMethodHandler:
+                 *, streaming: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None,
+                 deserializer: Callable[..., Any] | None = None) -> grpc.RpcMethodHandler:
     """A handler of ``handler``'s kind whose behavior is ``make(original behavior)`` (``streaming``
-    instead of ``make`` for the kinds whose behavior returns an iterator, when given)."""
-    des, ser = handler.request_deserializer, handler.response_serializer
+    instead of ``make`` for the kinds whose behavior returns an iterator, when given; ``deserializer``
+    instead of the handler's request deserializer, when given)."""
+    des, ser = deserializer or handler.request_deserializer, handler.response_serializer
     stream = streaming or make
     if handler.unary_unary:
         return grpc.unary_unary_rpc_method_handler(make(handler.unary_unary), des, ser)

@@ -186,3 +186,41 @@ def test_chunk_out_of_order_writes_nothing(scene, daemon):
             pool_pb2_grpc.PoolServiceStub(ch).WriteKV(iter([msgs[0], msgs[2], msgs[1]]), timeout=10)
     assert err.value.code() == INVALID and "expected 0" in err.value.details()
     scene.verify_unchanged()
+
+
+def _raw(daemon, method: str, payload: bytes, *, stream: bool = False):
+    """Call ``method`` with ``payload`` as the request's bytes (no protobuf encoding on our side)."""
+    ch = grpc.insecure_channel(daemon.address)
+    try:
+        ident = lambda b: b  # noqa: E731 - bytes in, bytes out
+        if stream:
+            call = ch.stream_unary(method, request_serializer=ident, response_deserializer=ident)
+            return call(iter([payload]), timeout=30)
+        return ch.unary_unary(method, request_serializer=ident, response_deserializer=ident)(payload, timeout=30)
+    finally:
+        ch.close()
+
+
+@pytest.mark.parametrize("method,stream", [("/kvtier.v1.PoolService/ReadKV", False),
+                                           ("/kvtier.v1.PoolService/CreatePool", False),
+                                           ("/kvtier.v1.PoolService/WriteKV", True)])
+def test_bytes_that_are_no_message_are_invalid_argument_not_internal(daemon, client, method, stream):
+    """Regression (adversarial pass): b'\\xff\\xff\\xff\\xff' as a request body was gRPC's own INTERNAL
+    'Exception deserializing request!' (and a traceback in the daemon's log). Unary and client-stream
+    calls alike must answer INVALID_ARGUMENT, and the daemon keeps serving."""
+    with pytest.raises(grpc.RpcError) as e:
+        _raw(daemon, method, b"\xff\xff\xff\xff", stream=stream)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+    assert "not a valid message" in e.value.details()
+    assert client.list_pools() is not None
+
+
+def test_a_status_message_that_echoes_a_huge_input_keeps_its_code(client, pool):
+    """Regression (adversarial pass): a 100 KB pool id echoed into the error message overflowed
+    gRPC's trailing metadata, so the client saw RESOURCE_EXHAUSTED 'metadata size exceeds' instead of
+    the real NOT_FOUND. The message is cut to 1,024 characters, the code kept."""
+    with pytest.raises(KVTierError) as e:
+        client.read_kv("p" * 100_000, [0])
+    assert e.value.code == grpc.StatusCode.NOT_FOUND, e.value.details[:200]
+    assert len(e.value.details) <= 1024
+    assert e.value.details.startswith("no pool 'ppp") and "characters left out" in e.value.details

@@ -20,7 +20,7 @@ def test_forms():
     assert socket_path("unix:///a/b.sock") == "/a/b.sock"
     assert resolve_address("127.0.0.1:0") == "127.0.0.1:0"
     assert resolve_address("[::1]:7600") == "[::1]:7600"
-    for bad in ("nohost", "host:port", "unix:"):
+    for bad in ("nohost", "host:port", "unix:", "dns:///x", "http://h:1"):  # a scheme is never a relative path
         with pytest.raises(ValueError):
             resolve_address(bad)
 
