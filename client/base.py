@@ -25,6 +25,10 @@ DEFAULT_CHUNK_BYTES = 1 << 20
 MIN_CHUNK_BYTES = 4096  # the daemon refuses smaller KV pieces (but a segment's last)
 CHUNK_OVERHEAD_BYTES = 1024  # room a KV chunk message needs beside its data
 TOKEN_ENV = "KVTIER_TOKEN"
+# TLS settings a client takes from the environment when its arguments leave them out (the CLI's
+# commands reach a TLS daemon this way): argument name -> variable.
+TLS_ENV = {"tls_root_cert": "KVTIER_TLS_CA", "tls_server_name": "KVTIER_TLS_SERVER_NAME",
+           "tls_client_cert": "KVTIER_TLS_CERT", "tls_client_key": "KVTIER_TLS_KEY"}
 T = TypeVar("T")
 
 
@@ -74,10 +78,12 @@ class BaseClient:
         retries: extra attempts for idempotent calls that fail with UNAVAILABLE.
         token: bearer token of a daemon with tenants (``--auth-tokens``); None: ``$KVTIER_TOKEN`` if
             set. Sent as ``authorization: Bearer <token>`` on every call; never printed.
-        tls_root_cert: PEM file of the daemon's certificate authority: connect with TLS.
-        tls_server_name: name to check the daemon's certificate against (default: the host).
+        tls_root_cert: PEM file of the daemon's certificate authority: connect with TLS. None:
+            ``$KVTIER_TLS_CA`` if set.
+        tls_server_name: name to check the daemon's certificate against (default: the host;
+            ``$KVTIER_TLS_SERVER_NAME`` if set).
         tls_client_cert, tls_client_key: PEM client certificate and key for a daemon that requires
-            mutual TLS (``--tls-client-ca``).
+            mutual TLS (``--tls-client-ca``); None: ``$KVTIER_TLS_CERT`` / ``$KVTIER_TLS_KEY`` if set.
         metadata: more ``(key, value)`` metadata on every call (an attached pool's client carries its
             session this way; values are never printed).
 
@@ -106,6 +112,11 @@ class BaseClient:
         if not MIN_CHUNK_BYTES <= chunk_bytes <= max_message_bytes - CHUNK_OVERHEAD_BYTES:
             raise ValueError(f"chunk_bytes must be in [{MIN_CHUNK_BYTES}, max_message_bytes - {CHUNK_OVERHEAD_BYTES}], "
                              f"got {chunk_bytes}")
+        env = {arg: os.environ.get(var) or None for arg, var in TLS_ENV.items()}
+        tls_root_cert = tls_root_cert if tls_root_cert is not None else env["tls_root_cert"]
+        tls_server_name = tls_server_name if tls_server_name is not None else env["tls_server_name"]
+        tls_client_cert = tls_client_cert if tls_client_cert is not None else env["tls_client_cert"]
+        tls_client_key = tls_client_key if tls_client_key is not None else env["tls_client_key"]
         if bool(tls_client_cert) != bool(tls_client_key):
             raise ValueError("tls_client_cert and tls_client_key go together")
         self.address = resolve_address(address)

@@ -121,7 +121,7 @@ def check_listen_address(config: DaemonConfig) -> str:
     if not is_loopback(address):
         if not config.tls_cert:
             raise AddressError(f"refusing to listen on {address} without TLS: use a loopback host, a unix socket, "
-                               f"or set tls_cert and tls_key (and auth_tokens)")
+                               f"or give --tls-cert and --tls-key (TOML tls_cert, tls_key) and --auth-tokens")
         if not config.auth_tokens:
             raise AddressError(f"refusing to listen on {address} without --auth-tokens: with one tenant any client "
                                f"that reaches it could use every pool; use a loopback host or a unix socket, or give "
