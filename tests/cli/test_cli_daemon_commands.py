@@ -23,6 +23,19 @@ def test_pools_table(daemon, pool):
     r = CliRunner().invoke(main, ["pools", "--server", daemon.address], terminal_width=200)
     assert r.exit_code == 0, r.output
     assert pool in r.output and "glm-5.2" in r.output and "8/4" in r.output
+    assert "0-7" in r.output  # the layer range: the pool's first 8 layers of the model
+
+
+def test_pools_table_shows_a_stage_pools_model_layers(client):
+    """New-user pass: a pipeline stage's pool showed only '19/4'; its model layers show too."""
+    client.create_pool("glm-5.2", start_layer=19, end_layer=38, size_tokens=256, pool_id="stage-1")
+    try:
+        r = CliRunner().invoke(main, ["pools", "--server", client.address], terminal_width=220)
+        assert r.exit_code == 0, r.output
+        row = [line for line in r.output.splitlines() if "stage-1" in line][0]
+        assert "19-37" in row and "19/" in row
+    finally:
+        client.delete_pool("stage-1", force=True)
 
 
 def test_status_json_and_table(daemon, pool):
