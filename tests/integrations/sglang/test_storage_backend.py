@@ -19,13 +19,14 @@ import os
 import signal
 import socket
 import threading
+import time
 
 import pytest
 import torch
 from hosts import PS, HostPools, indexer, load, make_backend, page_keys, store
 from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName
 
-from kvtier.client import KVTierClient
+from kvtier.client import KVTierClient, KVTierError
 from kvtier.client.spawn import DaemonProcess
 from kvtier.integrations.sglang import KVTierStorage
 
@@ -446,7 +447,15 @@ def test_after_a_sigkill_and_restart_the_next_call_goes_through_shared_memory_ag
         assert b.batch_set_v1(page_keys(2, salt=52), idx) == [False, False]   # down: the handshake fails
         d.start()
         keys = page_keys(2, salt=53)
-        assert b.batch_exists(keys) == 0                 # a gRPC call reaches the restarted daemon
+        space = b._stage()
+        for _ in range(600):      # until a gRPC call reaches the restarted daemon (its channel reconnects)
+            try:
+                assert b.transport.exists(space, [k.encode() for k in keys]) == 0
+                break
+            except KVTierError:
+                time.sleep(0.1)
+        else:
+            raise AssertionError("the backend's gRPC channel never reached the restarted daemon")
         staged = b.transport.staged_calls
         store(b, keys, idx)
         assert b.transport.staged_calls == staged + 2
