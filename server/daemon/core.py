@@ -140,7 +140,8 @@ class Daemon:
         self.metrics_address = ""  # http://HOST:PORT/metrics once served
         self.tiers = TierRuntime(self)  # host/disk tiers, prefix caches
         self.offload_store = OffloadStore(self.tiers.stack, self.config.quotas)
-        self.units = UnitStore(self.tiers.stack, UnitSettings.coerce(getattr(self.config, "units", None)))
+        self.units = UnitStore(self.tiers.stack, UnitSettings.coerce(getattr(self.config, "units", None)),
+                               self.config.quotas)
         self.transfer = TransferState(self)  # PD transfer: the engine (if configured) and its registrations
         self.add_shutdown_hook(self.transfer.close)
         self.sessions = SessionRegistry()

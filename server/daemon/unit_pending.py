@@ -3,8 +3,13 @@
 An engine may write a page's KV and its indexer rows in separate calls (SGLang writes the indexer
 pool first, then the KV pool). The first part waits here, in host memory, invisible to every lookup
 and read, until its other part completes the unit (then both leave together as one record) or it is
-dropped: after ``timeout_s`` (``partial_expired``) or, oldest first, when the table passes its byte
-budget (``partial_evicted``).
+dropped: after ``timeout_s`` (``partial_expired``) or when there is no room (``partial_evicted``).
+
+Room is shared fairly: each tenant's waiting parts have a cap of their own (``cap_of(tenant)``: the
+tenant's host quota, never more than the table's budget), and a part that would pass its tenant's
+cap or the table's budget makes room by dropping *that tenant's own* oldest waiting parts; where
+those are not enough the new part is not kept. One tenant's flood never drops another tenant's
+waiting parts.
 
 A waiting KV part is held as a record-sized tensor with the latent rows already in place (the
 index part, a few KiB a layer, is copied in when it comes); a waiting index part as its own small
@@ -52,17 +57,25 @@ class PendingTable:
     """Half-arrived units by tier key.
 
     Args:
-        budget_bytes: bytes the waiting parts may take together.
+        budget_bytes: bytes the waiting parts of all tenants may take together.
         timeout_s: seconds a part may wait.
         clock: monotonic seconds (tests may pass their own).
+        tenant_of: the tenant of a tier key (None: the key's own group, ``""``).
+        cap_of: a tenant's cap on its waiting bytes (None: only the table's budget).
     """
 
-    def __init__(self, budget_bytes: int, timeout_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, budget_bytes: int, timeout_s: float, clock: Callable[[], float] = time.monotonic,
+                 tenant_of: Callable[[bytes], str | None] | None = None,
+                 cap_of: Callable[[str], int | None] | None = None) -> None:
         self.budget_bytes = budget_bytes
         self.timeout_s = timeout_s
         self._clock = clock
+        self._tenant_of = tenant_of or (lambda key: None)
+        self._cap_of = cap_of or (lambda tenant: None)
         self._lock = threading.Lock()
-        self._parts: OrderedDict[bytes, PendingPart] = OrderedDict()
+        self._parts: OrderedDict[bytes, PendingPart] = OrderedDict()   # every tenant's, oldest first (timeouts)
+        self._mine: dict[str, OrderedDict[bytes, PendingPart]] = {}    # each tenant's, oldest first (room)
+        self._tenant_bytes: dict[str, int] = {}
         self.nbytes = 0
         self.expired = 0
         self.evicted = 0
@@ -75,32 +88,59 @@ class PendingTable:
 
     def offer(self, key: bytes, *, kv_rec: torch.Tensor | None = None, index: torch.Tensor | None = None) -> Match | None:
         """Give one part of ``key``'s unit. If the other part waits, it is taken out and the completed
-        unit returned; else this part waits (returns None). A part larger than the whole budget is
-        not kept (returns None and counts it evicted)."""
+        unit returned; else this part waits (returns None), after its tenant's own oldest waiting parts
+        made room for it where it would pass the tenant's cap or the table's budget. A part that
+        finds no such room (larger than the tenant's cap, or the table full of other tenants' parts)
+        is not kept (returns None; counted evicted)."""
         assert (kv_rec is None) != (index is None)
+        tenant = self._tenant_of(key) or ""
+        cap = self._cap_of(tenant)
+        cap = self.budget_bytes if cap is None else min(cap, self.budget_bytes)
         now = self._clock()
         with self._lock:
             self._expire(now)
             waiting = self._parts.get(key)
             if waiting is not None and (waiting.kv_rec is None) != (kv_rec is None):
-                del self._parts[key]
-                self.nbytes -= waiting.nbytes
+                self._remove(key)
                 return Match(kv_rec if kv_rec is not None else waiting.kv_rec,  # type: ignore[arg-type]
                              index if index is not None else waiting.index)
             if waiting is not None:  # the same part again: the newer one waits
-                del self._parts[key]
-                self.nbytes -= waiting.nbytes
+                self._remove(key)
             part = PendingPart(kv_rec, index, now)
-            if part.nbytes > self.budget_bytes:
+            if part.nbytes > cap:
+                self.evicted += 1                  # larger than its tenant's whole share: never kept
+                return None
+            mine = self._mine.get(tenant, OrderedDict())
+            while mine and (self._tenant_bytes.get(tenant, 0) + part.nbytes > cap
+                            or self.nbytes + part.nbytes > self.budget_bytes):
+                self._remove(next(iter(mine)))     # this tenant's own oldest makes room, never another's
                 self.evicted += 1
+            if self._tenant_bytes.get(tenant, 0) + part.nbytes > cap or self.nbytes + part.nbytes > self.budget_bytes:
+                self.evicted += 1                  # no room for it within its tenant's share: not kept
                 return None
             self._parts[key] = part
+            self._mine.setdefault(tenant, OrderedDict())[key] = part
+            self._tenant_bytes[tenant] = self._tenant_bytes.get(tenant, 0) + part.nbytes
             self.nbytes += part.nbytes
-            while self.nbytes > self.budget_bytes:
-                _, old = self._parts.popitem(last=False)
-                self.nbytes -= old.nbytes
-                self.evicted += 1
             return None
+
+    def _remove(self, key: bytes) -> PendingPart:
+        """Take ``key``'s part out of every ledger (the lock held)."""
+        part = self._parts.pop(key)
+        tenant = self._tenant_of(key) or ""
+        mine = self._mine[tenant]
+        del mine[key]
+        if not mine:
+            del self._mine[tenant]
+        left = self._tenant_bytes.pop(tenant) - part.nbytes
+        if left:
+            self._tenant_bytes[tenant] = left
+        self.nbytes -= part.nbytes
+        return part
+
+    def tenant_bytes(self, tenant: str) -> int:
+        """Bytes of ``tenant``'s waiting parts (a plain read: monitoring)."""
+        return self._tenant_bytes.get(tenant, 0)
 
     def sweep(self) -> None:
         """Drop the parts that waited past the timeout."""
@@ -113,8 +153,7 @@ class PendingTable:
             key, part = next(iter(self._parts.items()))
             if now - part.since < self.timeout_s:
                 break
-            del self._parts[key]
-            self.nbytes -= part.nbytes
+            self._remove(key)
             self.expired += 1
 
     def drop_prefix(self, prefix: bytes) -> int:
@@ -122,7 +161,7 @@ class PendingTable:
         with self._lock:
             gone = [k for k in self._parts if k.startswith(prefix)]
             for k in gone:
-                self.nbytes -= self._parts.pop(k).nbytes
+                self._remove(k)
             return len(gone)
 
     def count_prefix(self, prefix: bytes) -> tuple[int, int]:

@@ -8,7 +8,9 @@ tiers (the same tiers, budgets, quotas and health rules as the prefix caches and
   parts are there, so exists never counts a page whose indexer is missing (or the reverse), a read
   returns both parts of one record, and eviction removes both.
 * Parts that arrive apart wait in the :class:`~kvtier.server.daemon.unit_pending.PendingTable`,
-  invisible, until the other part comes or they time out.
+  invisible, until the other part comes or they time out. A tenant's waiting parts are capped by its
+  ``host_bytes`` quota (and the table's budget); past either its own oldest waiting parts are
+  dropped, never another tenant's, and a part with no room is not accepted.
 * Keys: ``tenant_key(tenant, b"u:" + space digest + page key)``: tenant, model fingerprint with its
   layer range (the pipeline stage), indexer or not, and shard scope, above the tiers.
 * A shared tier (Mooncake Store) gets each completed unit at once (:meth:`TierStack.publish`) when
@@ -36,7 +38,8 @@ import numpy as np
 import torch
 
 from kvtier.server.daemon.errors import InvalidArgument
-from kvtier.server.daemon.tenants import Caller, tenant_key
+from kvtier.server.daemon.quotas import Quotas
+from kvtier.server.daemon.tenants import Caller, tenant_key, tenant_of_key
 from kvtier.server.daemon.unit_pending import PendingTable
 from kvtier.server.daemon.unit_settings import UnitSettings
 from kvtier.server.daemon.unit_space import BOTH, INDEX, KV, SpaceRequest, UnitSpace, resolve_space
@@ -137,12 +140,16 @@ class UnitStore:
     Args:
         stack: the daemon's host/disk tiers (with no tier every put is refused: ``accepted`` False).
         settings: the pending table's budget and timeout, the largest call.
+        quotas: per-tenant quotas: a tenant's ``host_bytes`` caps its waiting parts too (the pending
+            table is host memory), each tenant making room from its own waiting parts only.
     """
 
-    def __init__(self, stack: TierStack, settings: UnitSettings | None = None) -> None:
+    def __init__(self, stack: TierStack, settings: UnitSettings | None = None, quotas: Quotas | None = None) -> None:
         self.stack = stack
         self.settings = settings or UnitSettings()
-        self.pending = PendingTable(self.settings.pending_bytes, self.settings.pending_seconds)
+        self.quotas = quotas or Quotas()
+        self.pending = PendingTable(self.settings.pending_bytes, self.settings.pending_seconds,
+                                    tenant_of=tenant_of_key, cap_of=lambda t: self.quotas.tier_bytes(t, "host"))
         self._spaces: dict[SpaceRequest, UnitSpace] = {}
         self._lock = threading.Lock()  # leaf: the counters and the space cache (dict operations only)
         self._counters: dict[str, dict[str, int]] = {}

@@ -130,3 +130,42 @@ def test_units_shared_through_a_mooncake_store_tier(mooncake_master, tmp_path):
         assert cb.tier_stats().tiers["mooncake"]["hits"] >= 2
         other = UnitSpaceSpec(**{**SPACE.__dict__, "scope": "tp1/2"})
         assert cb.exist_units(other, keys) == 0
+
+
+def test_one_tenants_flood_of_waiting_parts_never_drops_anothers(tmp_path):
+    """Scenario (adversarial findings 15, 16): tenant B, with a 1 MiB host quota, floods KV parts whose
+    indexer never comes. The pending table was one daemon-wide budget, oldest first: B's flood
+    dropped tenant A's waiting indexer parts, so A's units (indexer then KV, SGLang's order) never
+    completed, and B held ~40 MB of waiting parts against its 1 MiB quota. Now B's waiting parts stay
+    within its quota, B makes room from its own oldest parts, and A's units all complete byte-exact."""
+    tokens = tmp_path / "tokens.toml"
+    tokens.write_text(f'[tokens]\n"{TOKEN_A}" = "team-a"\n"{TOKEN_B}" = "team-b"\n')
+    os.chmod(tokens, 0o600)
+    cfg = tmp_path / "kvtier.toml"
+    cfg.write_text('[units]\npending_bytes = "32MiB"\n[quotas.team-b]\nhost_bytes = "1MiB"\n')
+    d = DaemonProcess(f"unix://{tmp_path}/kv.sock", extra_args=[
+        "--device", "cpu", "--auth-tokens", str(tokens), "--host-memory", "64MiB", "--config", str(cfg)])
+    d.start()
+    try:
+        with client(d) as a, client(d, TOKEN_B) as b:
+            ka = [b"a%d" % i for i in range(8)]
+            assert a.put_units(SPACE, ka, "index", torch.cat([unit_bytes(i, "index") for i in range(8)])).pending == 8
+            kb = [[b"b%d-%d" % (j, i) for i in range(10)] for j in range(12)]
+            for j, keys in enumerate(kb):                       # 120 KV parts, ~40 MB, never completed
+                b.put_units(SPACE, keys, "kv", torch.cat([unit_bytes(100 + i, "kv") for i in range(10)]))
+            sa, sb = a.unit_stats(), b.unit_stats()
+            assert sa["parts_pending"] == 8 and sa["pending_bytes"] == 8 * SPACE.index_nbytes
+            assert 1 <= sb["parts_pending"] and sb["pending_bytes"] <= 1 << 20     # within B's host quota
+            assert sb["partial_evicted"] >= 120 - sb["parts_pending"]
+            # B's newest waiting part is the one kept: its indexer completes it; its oldest is gone
+            assert b.put_units(SPACE, [kb[-1][-1]], "index", unit_bytes(109, "index")).completed == 1
+            assert b.put_units(SPACE, [kb[0][0]], "index", unit_bytes(100, "index")).completed == 0
+            r = a.put_units(SPACE, ka, "kv", torch.cat([unit_bytes(i, "kv") for i in range(8)]))
+            assert r.completed == 8 and a.exist_units(SPACE, ka) == 8
+            n = SPACE.part_nbytes("both")
+            out = torch.zeros(8 * n, dtype=torch.uint8)
+            assert a.get_units(SPACE, ka, "both", out) == [True] * 8
+            assert torch.equal(out, torch.cat([unit_bytes(i) for i in range(8)]))
+    finally:
+        d.stop()
+        d.cleanup()

@@ -43,7 +43,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from kvtier.client.storage import UnitSpaceSpec
-from kvtier.integrations.sglang.host_pages import PagePart, describe_stage
+from kvtier.integrations.sglang.host_pages import BadHostIndices, PagePart, describe_stage
 from kvtier.integrations.sglang.settings import BackendSettings
 from kvtier.integrations.sglang.transport import UnitTransport, make_transport
 
@@ -142,6 +142,27 @@ class KVTierStorage(HiCacheStorage):
             return fallback
 
     @staticmethod
+    def _falses(keys: Any) -> list[bool]:
+        """``[False]`` a key, ``[]`` where ``keys`` has no length: the answer to a call that failed."""
+        try:
+            return [False] * len(keys)
+        except TypeError:
+            return []
+
+    @classmethod
+    def _v2_falses(cls, transfers: Any) -> dict[str, list[bool]]:
+        """``{pool name: [False] a key}`` of the well-formed transfers: a v2 call that failed."""
+        out: dict[str, list[bool]] = {}
+        try:
+            for t in transfers:
+                name = getattr(t, "name", None)
+                if isinstance(name, str):
+                    out[name] = cls._falses(getattr(t, "keys", None) or [])
+        except TypeError:
+            pass
+        return out
+
+    @staticmethod
     def _keys(keys: Sequence[Any]) -> list[bytes | None]:
         out: list[bytes | None] = []
         for k in keys:
@@ -169,10 +190,14 @@ class KVTierStorage(HiCacheStorage):
 
     def batch_exists_v2(self, keys: list[str], pool_transfers: list[PoolTransfer] | None = None,
                         extra_info: HiCacheStorageExtraInfo | None = None) -> PoolTransferResult:
-        n = self.batch_exists(keys, extra_info)
+        return self._guard("exists_v2", PoolTransferResult(0, {}, []),
+                           lambda: self._exists_v2(keys, pool_transfers or []))
+
+    def _exists_v2(self, keys: Sequence[Any], pool_transfers: Sequence[PoolTransfer]) -> PoolTransferResult:
+        n = self._exists(keys)
         hits: dict[str, int] = {PoolName.KV: n} if n else {}
         final = n
-        for t in pool_transfers or []:
+        for t in pool_transfers:
             ours = t.name in (PoolName.KV, PoolName.INDEXER) and (t.name == PoolName.KV or self.index_host is not None)
             if ours and t.hit_policy == PoolHitPolicy.ALL_PAGES:
                 if n:
@@ -191,10 +216,10 @@ class KVTierStorage(HiCacheStorage):
         pool = self._kv if part == "kv" else self._index
         if pool is None:
             return [False] * len(keys)
-        pages = pool.pages(host_indices, len(keys))
-        if pages is None:
-            self._warn(f"set-{part}", "kvtier backend: %s set of %d keys with %s host indices does not match the "
-                       "host pool's pages; nothing stored", part, len(keys), tuple(getattr(host_indices, "shape", ())))
+        try:
+            pages = pool.pages(host_indices, len(keys))
+        except BadHostIndices as e:
+            self._warn(f"set-{part}", "kvtier backend: %s set of %d keys: %s; nothing stored", part, len(keys), e)
             return [False] * len(keys)
         good = self._keys(keys)
         out = [False] * len(keys)
@@ -214,10 +239,13 @@ class KVTierStorage(HiCacheStorage):
 
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
-        return self._guard("batch_set_v1", [False] * len(keys), lambda: self._set(keys, host_indices, "kv"))
+        return self._guard("batch_set_v1", self._falses(keys), lambda: self._set(keys, host_indices, "kv"))
 
     def batch_set_v2(self, transfers: list[PoolTransfer],
                      extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:
+        return self._guard("batch_set_v2", self._v2_falses(transfers), lambda: self._set_v2(transfers))
+
+    def _set_v2(self, transfers: Sequence[PoolTransfer]) -> dict[str, list[bool]]:
         out: dict[str, list[bool]] = {}
         for t in transfers:
             keys = list(t.keys or [])
@@ -225,7 +253,7 @@ class KVTierStorage(HiCacheStorage):
             if part is None or (part == "index" and self.index_host is None):
                 out[t.name] = [False] * len(keys)
                 continue
-            out[t.name] = self._guard(f"batch_set_v2:{t.name}", [False] * len(keys),
+            out[t.name] = self._guard(f"batch_set_v2:{t.name}", self._falses(keys),
                                       lambda: self._set(keys, t.host_indices, part))  # noqa: B023 - called at once
         return out
 
@@ -233,12 +261,13 @@ class KVTierStorage(HiCacheStorage):
     def _get(self, keys: Sequence[Any], host_indices: torch.Tensor, part: str) -> list[bool]:
         """``part``: ``kv`` (with the indexer rows too where the space has them: one record) or ``index``."""
         space = self._stage()
-        kv_pages = self._kv.pages(host_indices, len(keys)) if part == "kv" else None  # type: ignore[union-attr]
-        idx_pages = self._index.pages(host_indices, len(keys)) if self._index is not None else None
-        if (part == "kv" and kv_pages is None) or (part == "index" and idx_pages is None) or \
-                (part == "kv" and space.with_index and idx_pages is None):
-            self._warn(f"get-{part}", "kvtier backend: %s get of %d keys: host indices do not match the host pools' "
-                       "pages", part, len(keys))
+        try:
+            kv_pages = self._kv.pages(host_indices, len(keys)) if part == "kv" else None  # type: ignore[union-attr]
+            idx_pages = self._index.pages(host_indices, len(keys)) if self._index is not None else None
+        except BadHostIndices as e:
+            self._warn(f"get-{part}", "kvtier backend: %s get of %d keys: %s; a miss", part, len(keys), e)
+            return [False] * len(keys)
+        if part == "index" and idx_pages is None:
             return [False] * len(keys)
         wire = "both" if part == "kv" and space.with_index else part
         n_wire = space.part_nbytes(wire)
@@ -279,10 +308,13 @@ class KVTierStorage(HiCacheStorage):
 
     def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
-        return self._guard("batch_get_v1", [False] * len(keys), lambda: self._get(keys, host_indices, "kv"))
+        return self._guard("batch_get_v1", self._falses(keys), lambda: self._get(keys, host_indices, "kv"))
 
     def batch_get_v2(self, transfers: list[PoolTransfer],
                      extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:
+        return self._guard("batch_get_v2", self._v2_falses(transfers), lambda: self._get_v2(transfers))
+
+    def _get_v2(self, transfers: Sequence[PoolTransfer]) -> dict[str, list[bool]]:
         out: dict[str, list[bool]] = {}
         for t in transfers:
             keys = list(t.keys or [])
@@ -290,7 +322,7 @@ class KVTierStorage(HiCacheStorage):
             if part is None or (part == "index" and self.index_host is None):
                 out[t.name] = [False] * len(keys)
                 continue
-            out[t.name] = self._guard(f"batch_get_v2:{t.name}", [False] * len(keys),
+            out[t.name] = self._guard(f"batch_get_v2:{t.name}", self._falses(keys),
                                       lambda: self._get(keys, t.host_indices, part))  # noqa: B023 - called at once
         return out
 
@@ -335,8 +367,9 @@ class KVTierStorage(HiCacheStorage):
         return self._guard("get", [None], lambda: self._legacy_get([key], [target_location]))[0]
 
     def batch_get(self, keys: list[str], target_locations: Any = None, target_sizes: Any = None) -> list[torch.Tensor | None]:
-        targets = list(target_locations or [None] * len(keys))
-        return self._guard("batch_get", [None] * len(keys), lambda: self._legacy_get(keys, targets))
+        none: list[torch.Tensor | None] = [None] * len(self._falses(keys))
+        return self._guard("batch_get", none,
+                           lambda: self._legacy_get(keys, list(target_locations or [None] * len(keys))))
 
     def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
         return self._guard("set", False, lambda: self._legacy_set([key], [value]))
@@ -360,6 +393,10 @@ class KVTierStorage(HiCacheStorage):
                 bws.append(nbytes / seconds / 1e9 if seconds > 0 else 0.0)
 
     def get_stats(self) -> Any:
+        """SGLang's ``StorageMetrics`` since the last call (None where they cannot be built)."""
+        return self._guard("get_stats", None, self._storage_metrics)
+
+    def _storage_metrics(self) -> Any:
         """SGLang's ``StorageMetrics`` of the pages prefetched (read from kvtier) and backed up (units
         whose KV part was stored) since the last call, GB/s per call, for ``--enable-storage-metrics``."""
         from sglang.srt.observability.metrics_collector import StorageMetrics
@@ -375,7 +412,7 @@ class KVTierStorage(HiCacheStorage):
         return m
 
     def close(self) -> None:
-        self.transport.close()
+        self._guard("close", None, self.transport.close)
 
 
 def _scope(cfg: HiCacheStorageConfig) -> str:

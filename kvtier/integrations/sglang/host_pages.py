@@ -87,11 +87,30 @@ def _view(ptr: int, nbytes: int) -> torch.Tensor:
     return torch.from_numpy(np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(ptr)))
 
 
+class BadHostIndices(ValueError):
+    """Host indices that do not name whole pages of the registered host pool (the reason is the message)."""
+
+
+HOST_BUFFERS = ("kv_buffer", "index_k_with_scale_buffer")
+
+
+def host_buffers(host_pool: Any) -> list[tuple[int, int]]:
+    """``(data_ptr, nbytes)`` of the pool's host buffers (SGLang's ``kv_buffer`` of the MLA host pool,
+    ``index_k_with_scale_buffer`` of the DSA indexer host pool): every page range must lie in one."""
+    out = []
+    for name in HOST_BUFFERS:
+        t = getattr(host_pool, name, None)
+        if isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.numel():
+            out.append((int(t.data_ptr()), t.numel() * t.element_size()))
+    return out
+
+
 class PagePart:
     """One part of a unit in one host pool: which pages, and how their bytes map onto the part.
 
     Args:
-        host_pool: a pool with ``get_page_buffer_meta(indices) -> (ptrs, sizes)`` and ``page_size``.
+        host_pool: a pool with ``get_page_buffer_meta(indices) -> (ptrs, sizes)``, ``page_size``,
+            ``size`` (host tokens) and its host buffer (``kv_buffer`` or ``index_k_with_scale_buffer``).
         part_nbytes: bytes of the part (each page's range must be exactly this long).
         token_major: ``(page_size, layers, row_bytes)`` when the host page holds the part's rows
             token-major (``page_first``): copies transpose to the unit's layer-major order.
@@ -103,14 +122,54 @@ class PagePart:
         self.part_nbytes = part_nbytes
         self.token_major = token_major
 
-    def pages(self, host_indices: torch.Tensor, n_pages: int) -> list[torch.Tensor] | None:
+    def check(self, host_indices: Any, n_pages: int) -> torch.Tensor:
+        """The ``n_pages`` first token indices (int64) of ``host_indices``, checked to be whole pages.
+
+        ``host_indices``: a 1-D CPU integer tensor of ``n_pages * page_size`` host token indices,
+        page by page, each page ``p * page_size .. (p + 1) * page_size - 1`` with ``p`` inside the
+        pool (``0 <= p * page_size``, ``(p + 1) * page_size <= host_pool.size``).
+
+        Raises:
+            BadHostIndices: anything else (floats, bools, 2-D, a wrong count, an offset or shuffled
+                page, a page outside the pool), before any memory is touched.
+        """
+        t, ps = host_indices, self.page_size
+        if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.dim() != 1:
+            raise BadHostIndices(f"host indices must be a 1-D CPU tensor, not {type(t).__name__} "
+                                 f"{tuple(getattr(t, 'shape', ()))}")
+        if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+            raise BadHostIndices(f"host indices must be integers, not {t.dtype}")
+        if t.numel() != n_pages * ps:
+            raise BadHostIndices(f"{t.numel()} host indices for {n_pages} pages of {ps} tokens")
+        rows = t.to(torch.int64).reshape(n_pages, ps)
+        firsts = rows[:, 0]
+        if n_pages and not torch.equal(rows, firsts[:, None] + torch.arange(ps, dtype=torch.int64)):
+            raise BadHostIndices("host indices are not whole pages (each page's tokens in order)")
+        size = int(self.host_pool.size)
+        if n_pages and (bool((firsts % ps != 0).any()) or int(firsts.min()) < 0 or int(firsts.max()) + ps > size):
+            raise BadHostIndices(f"host indices name pages outside the host pool ({size} tokens, pages of {ps})")
+        return firsts
+
+    def pages(self, host_indices: Any, n_pages: int) -> list[torch.Tensor]:
         """Views of the ``n_pages`` host pages at ``host_indices`` (``n_pages * page_size`` token
-        indices, page by page); None when the indices or the pool's ranges do not match."""
-        if not isinstance(host_indices, torch.Tensor) or host_indices.numel() != n_pages * self.page_size:
-            return None
-        ptrs, sizes = self.host_pool.get_page_buffer_meta(host_indices)
+        indices, page by page), each ``part_nbytes`` uint8 inside the pool's host buffer.
+
+        Raises:
+            BadHostIndices: indices :meth:`check` refuses, or a range the pool reports that does
+                not lie whole inside its registered host buffers (nothing is read or written then).
+        """
+        self.check(host_indices, n_pages)
+        if n_pages == 0:
+            return []
+        ptrs, sizes = self.host_pool.get_page_buffer_meta(host_indices.to(torch.int64))
         if len(ptrs) != n_pages or any(int(s) != self.part_nbytes for s in sizes):
-            return None
+            raise BadHostIndices(f"the host pool's page ranges ({len(ptrs)}) do not match {n_pages} pages of "
+                                 f"{self.part_nbytes} bytes")
+        buffers = host_buffers(self.host_pool)
+        for p in ptrs:
+            p = int(p)
+            if not any(base <= p and p + self.part_nbytes <= base + n for base, n in buffers):
+                raise BadHostIndices("a page range lies outside the host pool's registered buffers")
         return [_view(int(p), self.part_nbytes) for p in ptrs]
 
     def gather(self, pages: Sequence[torch.Tensor], out: torch.Tensor) -> None:

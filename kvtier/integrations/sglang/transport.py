@@ -142,6 +142,9 @@ class ShmTransport:
     Threads: each thread that moves pages holds one buffer (at most :data:`MAX_BUFFERS` and the
     daemon's per-session budget); buffers of ended threads are lent again. A session that died (the
     daemon restarted) is replaced at the next call; calls still reading its buffers keep their mappings.
+    After a failed handshake the next waits :data:`REOPEN_AFTER_S`, except once where it failed for an
+    unreachable daemon and a gRPC call has reached it since (a restarted daemon: shared memory again
+    at once, not after the daemon's whole downtime plus the wait).
     """
 
     name = "shm"
@@ -159,6 +162,8 @@ class ShmTransport:
         self._max_buffers = MAX_BUFFERS
         self._buffer_bytes = settings.staging_bytes
         self._reopen_at = 0.0
+        self._was_unreachable = False        # the last handshake failed with the daemon unreachable
+        self._early_retry_used = False       # the one early retry since the last session opened was taken
         self._local = threading.local()
         self._counts_lock = threading.Lock()  # leaf: the two call counters
         self.staged_calls = 0                # calls through shared memory, calls sent over gRPC instead
@@ -173,9 +178,11 @@ class ShmTransport:
             raise KVTierError("the last storage-session handshake failed; retrying shortly")
         try:
             s = self.client.storage_session(timeout=self.settings.timeout_s)
-        except KVTierError:
+        except KVTierError as e:
             self._reopen_at = time.monotonic() + REOPEN_AFTER_S
+            self._was_unreachable = isinstance(e, UnavailableError)
             raise
+        self._was_unreachable = self._early_retry_used = False
         self._max_buffers = max(1, min(MAX_BUFFERS, s.staging_max_buffers or MAX_BUFFERS))
         per = (s.staging_max_bytes // self._max_buffers) // PAGE * PAGE
         self._buffer_bytes = max(PAGE, min(self.settings.staging_bytes, per))
@@ -266,18 +273,30 @@ class ShmTransport:
         self._counted("staged_calls")
         return out
 
+    def _reached(self) -> None:
+        """A gRPC call just reached the daemon: if the last handshake failed only because it was
+        unreachable (it restarted), the next call may try again now (once until a session opens)."""
+        if self._was_unreachable and not self._early_retry_used:
+            with self._lock:
+                if self._was_unreachable and not self._early_retry_used:
+                    self._reopen_at, self._was_unreachable, self._early_retry_used = 0.0, False, True
+
     def _counted(self, name: str) -> None:
         with self._counts_lock:
             setattr(self, name, getattr(self, name) + 1)
 
     def exists(self, space: UnitSpaceSpec, keys: list[bytes]) -> int:
-        return self.grpc.exists(space, keys)
+        n = self.grpc.exists(space, keys)
+        self._reached()
+        return n
 
     def put(self, space: UnitSpaceSpec, keys: list[bytes], part: str) -> list[bool]:
         held = getattr(self._local, "via", None)   # the buffer the last staging() gave this thread
         if held is None:
             self._counted("grpc_calls")
-            return self.grpc.put(space, keys, part)
+            ok = self.grpc.put(space, keys, part)
+            self._reached()
+            return ok
         return self._staged(held, lambda c, i: c.put_units_staged(space, keys, part, i).accepted,
                             carry=len(keys) * space.part_nbytes(part))
 
@@ -286,7 +305,9 @@ class ShmTransport:
         held = self._local.via
         if held is None:
             self._counted("grpc_calls")
-            return self.grpc.get(space, keys, part)
+            found = self.grpc.get(space, keys, part)
+            self._reached()
+            return found
         return self._staged(held, lambda c, i: c.get_units_staged(space, keys, part, i))
 
     def clear(self, space: UnitSpaceSpec) -> int:

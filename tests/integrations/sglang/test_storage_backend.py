@@ -16,15 +16,17 @@ memory by itself, page bytes in a storage session's staging buffers) and ``grpc`
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import threading
+import time
 
 import pytest
 import torch
 from hosts import PS, HostPools, indexer, load, make_backend, page_keys, store
 from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName
 
-from kvtier.client import KVTierClient
+from kvtier.client import KVTierClient, KVTierError
 from kvtier.client.spawn import DaemonProcess
 from kvtier.integrations.sglang import KVTierStorage
 
@@ -420,3 +422,49 @@ def _unit_larger_than_a_buffer(daemon) -> None:
     assert all(torch.equal(g[0], w[0]) and torch.equal(g[1], w[1]) for g, w in zip(pools.snapshot(dst), want))
     # one page a call (no two fit 4096 bytes): 2 indexer puts, 2 KV puts, 2 gets, all over gRPC
     assert auto.transport.grpc_calls == 6 and auto.transport.staged_calls == 0
+
+
+def test_after_a_sigkill_and_restart_the_next_call_goes_through_shared_memory_again(tmp_path, monkeypatch):
+    """Scenario (adversarial finding 08, ``sigkill``): the daemon is SIGKILLed under the backend; the
+    backend's storage-session handshake fails while it is down and waits ``REOPEN_AFTER_S`` before the
+    next try, restarted by every failed try, so after the restart the backend stayed on gRPC (0
+    sessions for 4+ s). Now the first gRPC call that reaches the restarted daemon lets the next call
+    open a session at once. The wait is made an hour here, so only that can bring shared memory back."""
+    from kvtier.integrations.sglang import transport as transport_module
+
+    monkeypatch.setattr(transport_module, "REOPEN_AFTER_S", 3600.0)
+    d = DaemonProcess(f"unix://{tmp_path}/k.sock", extra_args=["--device", "cpu", "--host-memory", "16MiB"])
+    d.start()
+    try:
+        pools = HostPools()
+        b = make_backend(pools, {"address": d.address, "timeout_s": 5})
+        idx = pools.alloc(2)
+        pools.fill(idx, seed=14)
+        store(b, page_keys(2, salt=51), idx)
+        assert b.transport.name == "shm" and b.transport.staged_calls == 2
+        d.signal(signal.SIGKILL)
+        d.wait(60)
+        assert b.batch_set_v1(page_keys(2, salt=52), idx) == [False, False]   # down: the handshake fails
+        d.start()
+        keys = page_keys(2, salt=53)
+        space = b._stage()
+        for _ in range(600):      # until a gRPC call reaches the restarted daemon (its channel reconnects)
+            try:
+                assert b.transport.exists(space, [k.encode() for k in keys]) == 0
+                break
+            except KVTierError:
+                time.sleep(0.1)
+        else:
+            raise AssertionError("the backend's gRPC channel never reached the restarted daemon")
+        staged = b.transport.staged_calls
+        store(b, keys, idx)
+        assert b.transport.staged_calls == staged + 2
+        counters = unit_counters(d, token=None)
+        assert counters.get("put_bytes_staged", 0) > 0 and counters.get("put_bytes_stream", 0) == 0
+        want = pools.snapshot(idx)
+        dst = pools.alloc(2)
+        assert load(b, keys, dst) == ([True] * 2, [True] * 2)
+        assert all(torch.equal(g[0], w[0]) and torch.equal(g[1], w[1]) for g, w in zip(pools.snapshot(dst), want))
+    finally:
+        d.stop()
+        d.cleanup()

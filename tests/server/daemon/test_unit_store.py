@@ -181,3 +181,39 @@ def test_a_unit_read_from_disk_comes_back_up_to_the_host_tier(tmp_path):
         assert "host" in stack.where([tkey])[0] and stack.moves["disk->host"]["count"] == 1
     finally:
         stack.close()
+
+
+def test_a_full_pending_table_refuses_a_tenants_part_rather_than_drop_anothers():
+    """Scenario (adversarial finding 16): the table's budget was shared oldest-first, so one tenant's
+    new parts dropped another tenant's waiting ones. Now, with the table full of ME's waiting parts,
+    OTHER's part is not accepted (nothing of ME's is dropped); OTHER's second part replaces nothing of
+    ME's either; ME's units all complete."""
+    rec_bytes = UnitStore(TierStack([])).space(space_req()).codec.page_nbytes()
+    s = store(pending_bytes=3 * rec_bytes)
+    sp = s.space(space_req())
+    for k in (b"a", b"b", b"c"):
+        assert s.put(ME, sp, [k], "kv", parts(1)[0]).accepted == [True]
+    r = s.put(OTHER, sp, [b"x"], "kv", parts(2)[0])
+    assert r.accepted == [False] and r.pending == 0
+    assert s.stats(ME)["parts_pending"] == 3 and s.stats(OTHER)["parts_pending"] == 0
+    assert s.put(ME, sp, [b"a", b"b", b"c"], "index", torch.cat([parts(1)[1]] * 3)).completed == 3
+    assert s.put(OTHER, sp, [b"x"], "kv", parts(2)[0]).accepted == [True]   # room again once ME's left
+
+
+def test_a_tenants_waiting_parts_stay_within_its_host_quota():
+    """A tenant's waiting parts are capped by its ``host_bytes`` quota: past it the tenant's own
+    oldest waiting part is dropped (another tenant's never)."""
+    from kvtier.server.daemon.quotas import Quota, Quotas
+
+    rec_bytes = UnitStore(TierStack([])).space(space_req()).codec.page_nbytes()
+    stack = TierStack.from_configs([HostTierConfig(capacity_bytes=16 * (rec_bytes + 4096))])
+    s = UnitStore(stack, UnitSettings(), Quotas({"team-b": Quota(host_bytes=2 * rec_bytes)}))
+    sp = s.space(space_req())
+    s.put(ME, sp, [b"m"], "index", parts(3)[1])
+    for k in (b"x", b"y", b"z"):
+        s.put(OTHER, sp, [k], "kv", parts(4)[0])
+    assert s.stats(OTHER)["parts_pending"] == 2 and s.stats(OTHER)["pending_bytes"] == 2 * rec_bytes
+    assert s.stats(ME)["parts_pending"] == 1
+    assert s.put(OTHER, sp, [b"x"], "index", parts(4)[1]).completed == 0        # its oldest made room
+    assert s.put(OTHER, sp, [b"z"], "index", parts(4)[1]).completed == 1
+    assert s.put(ME, sp, [b"m"], "kv", parts(3)[0]).completed == 1
