@@ -56,12 +56,19 @@ class BackendSettings:
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
             raise ValueError(f"kvtier backend: transport must be one of {TRANSPORTS}, got {self.transport!r}")
-        if not isinstance(self.timeout_s, (int, float)) or isinstance(self.timeout_s, bool) or self.timeout_s <= 0:
+        if not isinstance(self.timeout_s, (int, float)) or isinstance(self.timeout_s, bool):
+            raise ValueError(f"kvtier backend: timeout_s must be a number of seconds (JSON 30, not \"30\"), "
+                             f"got {self.timeout_s!r}")
+        if self.timeout_s <= 0:
             raise ValueError(f"kvtier backend: timeout_s must be > 0, got {self.timeout_s!r}")
+        for name in ("address", "token", "model_name", "tls_root_cert", "tls_client_cert", "tls_client_key"):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"kvtier backend: {name} must be a string, got {getattr(self, name)!r}")
         for name in ("chunk_bytes", "max_message_bytes", "staging_bytes"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-                raise ValueError(f"kvtier backend: {name} must be a positive integer, got {v!r}")
+                raise ValueError(f"kvtier backend: {name} must be a positive integer number of bytes "
+                                 f"(JSON 268435456, not \"256MiB\"), got {v!r}")
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> BackendSettings:

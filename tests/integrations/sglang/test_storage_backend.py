@@ -306,6 +306,13 @@ def test_settings_and_layouts_it_cannot_store_are_refused_clearly(daemon):
         make_backend(HostPools(), extra(daemon, adress="typo"))
     with pytest.raises(ValueError, match="transport must be one of"):
         make_backend(HostPools(), extra(daemon, transport="rdma"))
+    # new-user pass: a string timeout was called "not > 0", a number as address was accepted
+    with pytest.raises(ValueError, match="timeout_s must be a number"):
+        make_backend(HostPools(), extra(daemon, timeout_s="30"))
+    with pytest.raises(ValueError, match="address must be a string"):
+        make_backend(HostPools(), extra(daemon, address=5))
+    with pytest.raises(ValueError, match="number of bytes"):
+        make_backend(HostPools(), extra(daemon, staging_bytes="256MiB"))
     if daemon.transport == "grpc":   # a TCP address: shared memory is impossible, said at startup
         with pytest.raises(ValueError, match="unix socket"):
             make_backend(HostPools(), extra(daemon, transport="shm"))
