@@ -34,8 +34,10 @@ from kvtier.server.pool.factory import POOL_ROLES, skip_mask_for_role
 from kvtier.server.pool.memory import device_memory, shortfall_message
 from kvtier.server.pool.validation import as_slots
 from kvtier.server.pool_configurator import PoolPlan, exact_pool_bytes, plan_pool
-from kvtier.server.daemon.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
-from kvtier.server.daemon.locks import RWLock
+from kvtier.server.daemon.errors import (
+    AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable,
+)
+from kvtier.server.daemon.locks import LockBusy, RWLock
 from kvtier.server.daemon.quotas import Quotas
 from kvtier.server.daemon.tenants import Caller
 from kvtier.server.tiers import TierFullError
@@ -360,14 +362,20 @@ class PoolRegistry:
         return entry
 
     @contextmanager
-    def locked(self, caller: Caller, pool_id: str, *, exclusive: bool) -> Iterator[PoolEntry]:
+    def locked(self, caller: Caller, pool_id: str, *, exclusive: bool,
+               timeout: float | None = None) -> Iterator[PoolEntry]:
         """Hold pool ``pool_id``'s lock (shared or exclusive) and yield it. Raises NotFound,
-        also when the pool was deleted while waiting for the lock."""
+        also when the pool was deleted while waiting for the lock. ``timeout`` (shared only) bounds
+        the wait: past it Unavailable (the pool is busy; retry)."""
         entry = self.get(caller, pool_id)
-        with entry.lock.exclusive() if exclusive else entry.lock.shared():
-            if entry.deleted:
-                raise NotFound(f"no pool {pool_id!r}")
-            yield entry
+        try:
+            with entry.lock.exclusive() if exclusive else entry.lock.shared(timeout):
+                if entry.deleted:
+                    raise NotFound(f"no pool {pool_id!r}")
+                yield entry
+        except LockBusy:
+            raise Unavailable(f"pool {pool_id!r} is busy (a call holds it exclusive, e.g. a transfer); "
+                              f"retry") from None
 
     def list(self, caller: Caller | None = None) -> list[PoolEntry]:
         """``caller``'s pools by id (None: every tenant's, by tenant and id: for shutdown and the operator)."""
