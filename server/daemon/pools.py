@@ -109,6 +109,8 @@ class PoolEntry:
             ``FreeSlots``, ``Offload(free_slots)`` and ``PullKV`` never free them: only the cache does.
         page_owner: ``(num_pages + 1,)`` int64, the number of the attach session that allocated each
             page (0: none). Changed under the exclusive lock only.
+        lease_owner: lease id -> number of the attach session that took it (LoadPrefix in a
+            session); only that session may store or release it. Under the exclusive lock only.
     """
 
     pool_id: str
@@ -126,6 +128,7 @@ class PoolEntry:
     page_allocated: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.bool))
     cache_owned: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.bool))
     page_owner: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
+    lease_owner: dict[str, int] = field(default_factory=dict, repr=False)
     deleted: bool = False
 
     def __post_init__(self) -> None:

@@ -305,3 +305,25 @@ def test_connections_that_never_speak_cannot_starve_handshakes(daemon):
             for s in idle:
                 s.close()
 
+
+def test_a_sessions_lease_is_its_own(daemon):
+    """Scenario (issue: adversarial test 05): session s1 takes a lease (LoadPrefix); another session
+    s2 of the same pool and a plain client of the same tenant then stored and released it, freeing
+    its fresh pages while s1 still wrote them. Now both get NOT_FOUND with exactly the answer of an
+    unknown lease, the lease stays open, and s1 stores and releases it itself."""
+    with KVTierClient(daemon.address) as c:
+        c.create_pool("glm-5.2", num_layers=2, size_tokens=1024, pool_id="p")
+        with c.attach("p") as s1, c.attach("p") as s2:
+            keys = [b"k" * 16, b"j" * 16]
+            lease = s1.load_prefix(keys)
+            with pytest.raises(NotFoundError) as unknown:
+                c.release_prefix(dataclasses.replace(lease, lease_id="0" * 32))
+            for attempt in (lambda: s2.release_prefix(lease), lambda: c.release_prefix(lease),
+                            lambda: s2.store_prefix(lease, keys[:1], lease.slots[:PAGE]),
+                            lambda: c.store_prefix(lease, keys[:1], lease.slots[:PAGE])):
+                with pytest.raises(NotFoundError) as e:
+                    attempt()
+                assert str(e.value) == str(unknown.value)
+            assert c.tier_stats("p").device["open_leases"] == 1
+            assert s1.store_prefix(lease, keys, lease.slots, release=True) == 2
+            assert c.tier_stats("p").device["open_leases"] == 0
