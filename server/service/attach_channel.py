@@ -8,11 +8,19 @@ map memory into, and a TCP client cannot attach.
 Threads: one selector thread (``kvtier-attach``) accepts connections and watches every open one;
 it never blocks on a message or a lock. A readable connection is handed to a small worker pool
 (``kvtier-attach-work``), which reads its one message (or the EOF), calls the domain
-(:class:`~kvtier.server.daemon.attach.AttachService`, :meth:`~kvtier.server.daemon.core.Daemon.end_session`)
-and answers; the connection is then watched again. So a connection's messages are handled one at
-a time, in order, and the end of a session (EOF or ECONNRESET: the worker detached, exited,
-crashed or was SIGKILLed) is seen at once; its slots and leases go back as soon as its pool's lock
-is free. A connection that has not sent its first message within :data:`HANDSHAKE_SECONDS` is closed.
+(:class:`~kvtier.server.daemon.attach.AttachService`) and answers without waiting (the sockets are
+non-blocking: a peer whose socket buffer is full does not read its replies and is closed); the
+connection is then watched again. A worker waits on a pool's lock only in an attach handshake,
+shared, for at most :data:`~kvtier.server.daemon.attach.POOL_LOCK_SECONDS` (then UNAVAILABLE). So a
+connection's messages are handled one at a time, in order, and the end of a session (EOF or
+ECONNRESET: the worker detached, exited, crashed or was SIGKILLed) is seen at once and handed to
+:class:`_SessionEnds` (:meth:`~kvtier.server.daemon.core.Daemon.end_session` in a thread of its pool):
+its slots and leases go back as soon as its own pool's lock is free.
+
+Limits: :data:`MAX_CONNECTIONS` open, :data:`MAX_HANDSHAKES` still in their handshake (past it the
+oldest idle one is closed for the new one); a connection that has not sent its first message within
+:data:`HANDSHAKE_SECONDS` is closed; sessions per tenant are capped by the registry
+(``attach_sessions_per_tenant``).
 
 Errors go back as ``{"error": {"code", "message"}}`` with the status code the gRPC side would use
 for the same domain error (the one mapping, :func:`kvtier.server.service.errors.status_code_for`).
