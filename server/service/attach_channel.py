@@ -279,6 +279,13 @@ class AttachChannel:
             log.warning("attach: refusing connections: %s", message)
         with contextlib.suppress(OSError, WireError):
             send_message(sock, error_reply(ResourceExhausted(message)))
+        # Closing with the peer's request unread would make the peer read ECONNRESET instead of the
+        # answer: stop it sending (SHUT_RD: its sends fail EPIPE), drop what it sent, then close.
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RD)
+        with contextlib.suppress(OSError):
+            while sock.recv(1, socket.MSG_DONTWAIT):
+                pass
         sock.close()
 
     def _drop_idle(self, conn: _Conn) -> None:
