@@ -15,7 +15,6 @@ import time
 import pytest
 
 from kvtier.attach_wire import PROTOCOL_VERSION, recv_message, send_message
-from kvtier.client.attach import open_channel
 from kvtier.client.errors import ResourceExhaustedError
 from kvtier.server.daemon.config import DaemonConfig
 from kvtier.server.daemon.core import Daemon
@@ -56,6 +55,8 @@ def test_a_connection_past_the_cap_is_answered_resource_exhausted(channel, monke
     """Scenario (issue: adversarial test 13): every connection the channel may hold is open. Before
     the fix one more was closed without an answer (the client saw UNAVAILABLE "closed the attach
     connection without an answer"); now it reads RESOURCE_EXHAUSTED naming the cap, then the close."""
+    from kvtier.client.attach import open_channel  # the client's own handshake
+
     monkeypatch.setattr(attach_channel, "MAX_CONNECTIONS", 3)
     held = [storage_session(channel) for _ in range(3)]
     with pytest.raises(ResourceExhaustedError, match="3 connections open"):  # as a client opens a session
