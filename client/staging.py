@@ -24,9 +24,9 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
-from kvtier.attach_wire import PROTOCOL_VERSION, SESSION_METADATA, WireError, recv_message, send_message
+from kvtier.attach_wire import PROTOCOL_VERSION, SESSION_METADATA
 from kvtier.client.attach import HANDSHAKE_TIMEOUT_S, AttachMixin, _close_fds, open_channel, request_staging
-from kvtier.client.errors import KVTierError, UnavailableError, from_code_name
+from kvtier.client.errors import KVTierError, UnavailableError
 
 
 @dataclass(frozen=True)
