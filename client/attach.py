@@ -52,6 +52,73 @@ def _close_fds(fds: Sequence[int]) -> None:
             pass
 
 
+def open_channel(path: str, message: dict[str, Any], timeout: float) -> tuple[socket.socket, dict[str, Any], list[int]]:
+    """Connect to the attach channel at ``path``, send the first ``message`` (attach or storage) and
+    return ``(the connection, the daemon's answer, the descriptors that came with it)``.
+
+    An answer UNAVAILABLE (the pool is busy: a call holds its lock exclusive, e.g. a transfer) and a
+    full listen queue (EAGAIN at connect) are retried on a new connection, with backoff, until
+    ``timeout`` seconds have passed; an answer the
+    daemon sent before closing a connection it had no room for (RESOURCE_EXHAUSTED) is read even if
+    the send failed.
+
+    Raises:
+        UnavailableError: the channel is unreachable, closed without an answer, or the pool stayed
+            busy. The error an answer names (``from_code_name``).
+    """
+    import time
+
+    deadline = time.monotonic() + timeout
+    delay = 0.05
+    busy: UnavailableError | None = None
+    while True:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        fds: list[int] = []
+        try:
+            sock.settimeout(max(0.1, deadline - time.monotonic()))
+            try:
+                sock.connect(path)
+            except (BlockingIOError, InterruptedError):  # its listen queue is full for now: try again
+                if time.monotonic() + 0.01 >= deadline:
+                    raise UnavailableError(f"the daemon's attach channel {path} accepted no connection within "
+                                           f"{timeout:g} s (its listen queue stayed full)") from None
+                sock.close()
+                time.sleep(0.01)  # the queue frees as the daemon accepts: try again soon
+                continue
+            except OSError as e:
+                raise UnavailableError(f"cannot reach the daemon's attach channel {path}: {e}") from None
+            try:
+                send_message(sock, message)
+            except OSError:
+                pass  # the daemon may have answered and closed already: read what it said
+            try:
+                got = recv_message(sock, accept_fds=True)
+            except TimeoutError:
+                if busy is not None:
+                    raise busy from None  # the time ran out while retrying a busy pool: say so
+                raise UnavailableError(f"the daemon's attach channel {path} did not answer within {timeout:g} s") from None
+            except (OSError, WireError) as e:
+                raise UnavailableError(f"cannot reach the daemon's attach channel {path}: {e}") from None
+            if got is None:
+                raise UnavailableError("the daemon closed the attach connection without an answer")
+            reply, fds = got
+            if "error" in reply:
+                err = from_code_name(reply["error"].get("code", ""), reply["error"].get("message", ""))
+                if isinstance(err, UnavailableError) and time.monotonic() + delay < deadline:
+                    busy = err
+                    _close_fds(fds)
+                    sock.close()
+                    time.sleep(delay)
+                    delay = min(1.0, delay * 2)
+                    continue
+                raise err
+            return sock, reply, fds
+        except BaseException:
+            _close_fds(fds)
+            sock.close()
+            raise
+
+
 def request_staging(sock: socket.socket, nbytes: int, timeout: float) -> tuple[int, Any]:
     """Ask the daemon, on an attach session's connection ``sock``, for a new staging buffer of
     ``nbytes``: ``(its index in the session, kvtier.memfd.SharedMemory mapped here)``. The caller
@@ -255,25 +322,14 @@ class AttachMixin(BaseClient):
                 (not in shared memory, another device), or the layout the daemon describes is not
                 the one this client builds (client and daemon of different versions).
             NotFoundError: no such pool for this caller (also: another tenant's pool, or a uid that may
-                not attach). UnauthenticatedError: no known token. UnavailableError: the channel is unreachable.
+                not attach). UnauthenticatedError: no known token. UnavailableError: the channel is
+                unreachable, or the pool stayed busy for ``timeout`` seconds. ResourceExhaustedError: the
+                tenant's or the daemon's session cap.
         """
         path = self.attach_socket(timeout=timeout)
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        fds: list[int] = []
+        sock, reply, fds = open_channel(path, {"kind": "attach", "version": PROTOCOL_VERSION, "token": self._token,
+                                               "pool_id": pool_id}, timeout)
         try:
-            sock.settimeout(timeout)
-            try:
-                sock.connect(path)
-                send_message(sock, {"kind": "attach", "version": PROTOCOL_VERSION, "token": self._token,
-                                    "pool_id": pool_id})
-                got = recv_message(sock, accept_fds=True)
-            except (OSError, WireError) as e:
-                raise UnavailableError(f"cannot reach the daemon's attach channel {path}: {e}") from None
-            if got is None:
-                raise UnavailableError("the daemon closed the attach connection without an answer")
-            reply, fds = got
-            if "error" in reply:
-                raise from_code_name(reply["error"].get("code", ""), reply["error"].get("message", ""))
             memory, arenas = _map_arenas(reply, fds)
             fds = []  # owned by the mappings now
             try:

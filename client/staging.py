@@ -24,9 +24,9 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
-from kvtier.attach_wire import PROTOCOL_VERSION, SESSION_METADATA, WireError, recv_message, send_message
-from kvtier.client.attach import HANDSHAKE_TIMEOUT_S, AttachMixin, _close_fds, request_staging
-from kvtier.client.errors import KVTierError, UnavailableError, from_code_name
+from kvtier.attach_wire import PROTOCOL_VERSION, SESSION_METADATA
+from kvtier.client.attach import HANDSHAKE_TIMEOUT_S, AttachMixin, _close_fds, open_channel, request_staging
+from kvtier.client.errors import KVTierError, UnavailableError
 
 
 @dataclass(frozen=True)
@@ -128,21 +128,9 @@ class StagingMixin(AttachMixin):
             UnauthenticatedError: no known token. UnavailableError: the channel is unreachable.
         """
         path = self.attach_socket(timeout=timeout)
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        fds: list[int] = []
+        sock, reply, fds = open_channel(path, {"kind": "storage", "version": PROTOCOL_VERSION, "token": self._token},
+                                        timeout)
         try:
-            sock.settimeout(timeout)
-            try:
-                sock.connect(path)
-                send_message(sock, {"kind": "storage", "version": PROTOCOL_VERSION, "token": self._token})
-                got = recv_message(sock, accept_fds=True)
-            except (OSError, WireError) as e:
-                raise UnavailableError(f"cannot reach the daemon's attach channel {path}: {e}") from None
-            if got is None:
-                raise UnavailableError("the daemon closed the attach connection without an answer")
-            reply, fds = got
-            if "error" in reply:
-                raise from_code_name(reply["error"].get("code", ""), reply["error"].get("message", ""))
             if "session_id" not in reply or "tenant" not in reply:
                 raise KVTierError("the daemon's storage-session reply is malformed")
             client = type(self)(self.address, timeout=self.timeout, max_message_bytes=self.max_message_bytes,

@@ -46,6 +46,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvtier.attach")
 
 MAX_STAGING_BUFFERS = 8  # per session
+POOL_LOCK_SECONDS = 0.5
+"""How long a handshake waits for its pool's shared lock (it runs in one of the attach channel's few
+workers): past it the attach is answered UNAVAILABLE (the pool is busy; the client retries)."""
 
 
 @dataclass(frozen=True)
@@ -111,7 +114,9 @@ class AttachService:
         Raises:
             InvalidArgument: a malformed request. FailedPrecondition: another protocol version, or a
                 pool that cannot be attached. Unauthenticated: no known token. NotFound: no such pool
-                for this caller (or its uid may not attach). ResourceExhausted: too many sessions.
+                for this caller (or its uid may not attach). ResourceExhausted: too many sessions (the
+                daemon's, or the tenant's ``attach_sessions_per_tenant``). Unavailable: the pool's lock
+                stayed held exclusive for :data:`POOL_LOCK_SECONDS` (retry).
         """
         version, pool_id, token = request.get("version"), request.get("pool_id"), request.get("token")
         if version != PROTOCOL_VERSION:
@@ -125,11 +130,9 @@ class AttachService:
         if not self.uid_allowed(caller.tenant, peer.uid):
             log.info("attach refused: uid %d may not attach pools of tenant %r", peer.uid, caller.tenant)
             raise NotFound(f"no pool {pool_id!r}")
-        with self.daemon.pools.locked(caller, pool_id, exclusive=False) as entry:
+        with self.daemon.pools.locked(caller, pool_id, exclusive=False, timeout=POOL_LOCK_SECONDS) as entry:
             arenas, fds = describe_memory(entry)
             session = self.sessions.new(caller.tenant, entry, peer)
-            if session is None:
-                raise ResourceExhausted(f"the daemon already has {self.sessions.max_sessions} attach sessions")
             reply = {
                 "version": PROTOCOL_VERSION, "session_id": session.session_id, "pool_id": entry.pool_id,
                 "tenant": caller.tenant, "device": entry.pool.device.type, "role": entry.role,
@@ -163,8 +166,6 @@ class AttachService:
             raise NotFound("no storage session for this process: its uid may not attach (give it the tenant's "
                            "attach_uids, or use the gRPC transport)")
         session = self.sessions.new(caller.tenant, None, peer)
-        if session is None:
-            raise ResourceExhausted(f"the daemon already has {self.sessions.max_sessions} attach sessions")
         self.daemon.counters.add(caller, "storage_sessions")
         log.info("attach session %d: pid %d (uid %d) opened a storage session of tenant %r", session.number, peer.pid,
                  peer.uid, caller.tenant)
@@ -205,7 +206,8 @@ class AttachService:
 
         Raises:
             InvalidArgument: a bad size. ResourceExhausted: past ``attach_staging_bytes`` or
-                :data:`MAX_STAGING_BUFFERS` for the session. NotFound: the session has ended.
+                :data:`MAX_STAGING_BUFFERS` for the session, or past ``attach_staging_tenant_bytes``
+                for its tenant. NotFound: the session has ended.
         """
         nbytes = request.get("nbytes")
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 1:
@@ -216,9 +218,15 @@ class AttachService:
         if len(session.staging) >= MAX_STAGING_BUFFERS or session.staging_bytes + nbytes > limit:
             raise ResourceExhausted(f"staging buffers of a session hold at most {limit} bytes in {MAX_STAGING_BUFFERS} "
                                     f"buffers ({session.staging_bytes} bytes in {len(session.staging)} now)")
+        budget = self.daemon.config.attach_staging_tenant_bytes
+        if not self.sessions.reserve_staging(session.tenant, nbytes, budget):
+            raise ResourceExhausted(f"staging buffers of tenant {session.tenant!r} hold at most {budget} bytes (the "
+                                    f"attach_staging_tenant_bytes budget; {self.sessions.staging_bytes(session.tenant)} "
+                                    f"bytes now); end other sessions first")
         try:
             shm = SharedMemory.create(nbytes, f"kvtier-staging-{session.number}")
         except OSError as e:
+            self.sessions.release_staging(session.tenant, nbytes)
             raise ResourceExhausted(f"could not make a {nbytes}-byte staging buffer: {e.strerror}") from None
         session.staging.append(shm)
         self.daemon.counters.add(Caller(session.tenant), "attach_staging_buffers")

@@ -41,6 +41,7 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 LOG_FORMATS = ("text", "json")
 DEVICES = ("auto", "cpu", "cuda")
 TRANSFER_ENGINES = ("none", "mooncake")
+MAX_ATTACH_SESSIONS = 1024  # live attach and storage sessions of the whole daemon
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 10**6, "mb": 10**6, "mib": MiB,
           "g": 10**9, "gb": 10**9, "gib": GiB, "t": 10**12, "tb": 10**12, "tib": 1 << 40}
@@ -172,6 +173,12 @@ class DaemonConfig:
     that may attach the tenant's pools), see :class:`~kvtier.server.daemon.tenants.TenantSettings`."""
     attach_staging_bytes: int = 256 * MiB
     """Local attach: bytes of staging buffers (page transfers) one attach session may hold at once."""
+    attach_staging_tenant_bytes: int = 4 * GiB
+    """Local attach: bytes of staging buffers all sessions of one tenant may hold at once (the
+    daemon makes them, so they are budgeted per tenant as well as per session)."""
+    attach_sessions_per_tenant: int = 256
+    """Local attach: live attach and storage sessions one tenant may hold at once (the daemon holds
+    1024 at most), so one tenant cannot take every session of the daemon."""
     ready_file: str = ""
     """If set, the bound address is written to this file once the daemon serves (for port 0)."""
     pools: tuple[PoolSpec, ...] = field(default=())
@@ -219,6 +226,12 @@ class DaemonConfig:
             raise ValueError("tenants must map tenant names to TenantSettings (a [tenants.<name>] table in TOML)")
         if self.attach_staging_bytes < 0:
             raise ValueError(f"attach_staging_bytes must be >= 0, got {self.attach_staging_bytes}")
+        if self.attach_staging_tenant_bytes < 0:
+            raise ValueError(f"attach_staging_tenant_bytes must be >= 0, got {self.attach_staging_tenant_bytes}")
+        if isinstance(self.attach_sessions_per_tenant, bool) or not isinstance(self.attach_sessions_per_tenant, int) \
+                or not 1 <= self.attach_sessions_per_tenant <= MAX_ATTACH_SESSIONS:
+            raise ValueError(f"attach_sessions_per_tenant must be 1..{MAX_ATTACH_SESSIONS}, got "
+                             f"{self.attach_sessions_per_tenant!r}")
         if not isinstance(self.quotas, Quotas):
             raise ValueError("quotas must be a Quotas object (a [quotas.<tenant>] table in TOML)")
         if self.transfer_engine not in TRANSFER_ENGINES:
@@ -258,7 +271,8 @@ class DaemonConfig:
         """Build from a parsed TOML document. Raises ValueError on unknown keys or bad values."""
         check_known_keys(cls, data, "config")
         kwargs = dict(data)
-        for key in ("host_memory_bytes", "pool_memory_bytes", "max_message_bytes", "chunk_bytes", "attach_staging_bytes"):
+        for key in ("host_memory_bytes", "pool_memory_bytes", "max_message_bytes", "chunk_bytes", "attach_staging_bytes",
+                    "attach_staging_tenant_bytes"):
             if key in kwargs:
                 kwargs[key] = parse_bytes(kwargs[key], key)
         if "tenants" in kwargs:

@@ -32,7 +32,7 @@ import torch
 
 from kvtier import __version__
 from kvtier.server.daemon.attach import AttachService
-from kvtier.server.daemon.config import DaemonConfig
+from kvtier.server.daemon.config import MAX_ATTACH_SESSIONS, DaemonConfig
 from kvtier.server.daemon.offload_store import OffloadStore
 from kvtier.server.daemon.pools import PoolEntry, PoolRegistry, PoolRequest
 from kvtier.server.daemon.sessions import AttachSession, SessionRegistry
@@ -144,7 +144,7 @@ class Daemon:
                                self.config.quotas)
         self.transfer = TransferState(self)  # PD transfer: the engine (if configured) and its registrations
         self.add_shutdown_hook(self.transfer.close)
-        self.sessions = SessionRegistry()
+        self.sessions = SessionRegistry(MAX_ATTACH_SESSIONS, self.config.attach_sessions_per_tenant)
         self.attach = AttachService(self)
         self.attach_socket = ""  # set by the attach channel once it listens
 
@@ -187,6 +187,7 @@ class Daemon:
                     released = self.tiers.release_session_leases(entry, session)
         for shm in session.staging:
             shm.close_fd()
+        self.sessions.release_staging(session.tenant, session.staging_bytes)
         session.staging.clear()
         caller = Caller(session.tenant)
         self.counters.add(caller, "attach_sessions_ended")

@@ -7,6 +7,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 
+class LockBusy(Exception):
+    """A bounded wait for a lock ran out (:meth:`RWLock.shared` with a timeout)."""
+
+
 class RWLock:
     """Shared/exclusive lock. A waiting writer blocks new readers, so a stream of reads cannot
     starve a write. Not re-entrant: a holder must not take it again."""
@@ -18,11 +22,15 @@ class RWLock:
         self._writers_waiting = 0
 
     @contextmanager
-    def shared(self) -> Iterator[None]:
-        """Hold the lock shared (reads: ReadKV, non-freeing Offload, buffer infos, describe)."""
+    def shared(self, timeout: float | None = None) -> Iterator[None]:
+        """Hold the lock shared (reads: ReadKV, non-freeing Offload, buffer infos, describe).
+
+        Raises:
+            LockBusy: ``timeout`` seconds passed without getting it (None: wait as long as it takes).
+        """
         with self._cond:
-            while self._writer or self._writers_waiting:
-                self._cond.wait()
+            if not self._cond.wait_for(lambda: not (self._writer or self._writers_waiting), timeout):
+                raise LockBusy("the lock is held exclusive")
             self._readers += 1
         try:
             yield
@@ -49,3 +57,4 @@ class RWLock:
             with self._cond:
                 self._writer = False
                 self._cond.notify_all()
+

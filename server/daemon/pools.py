@@ -34,8 +34,10 @@ from kvtier.server.pool.factory import POOL_ROLES, skip_mask_for_role
 from kvtier.server.pool.memory import device_memory, shortfall_message
 from kvtier.server.pool.validation import as_slots
 from kvtier.server.pool_configurator import PoolPlan, exact_pool_bytes, plan_pool
-from kvtier.server.daemon.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
-from kvtier.server.daemon.locks import RWLock
+from kvtier.server.daemon.errors import (
+    AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable,
+)
+from kvtier.server.daemon.locks import LockBusy, RWLock
 from kvtier.server.daemon.quotas import Quotas
 from kvtier.server.daemon.tenants import Caller
 from kvtier.server.tiers import TierFullError
@@ -107,6 +109,8 @@ class PoolEntry:
             ``FreeSlots``, ``Offload(free_slots)`` and ``PullKV`` never free them: only the cache does.
         page_owner: ``(num_pages + 1,)`` int64, the number of the attach session that allocated each
             page (0: none). Changed under the exclusive lock only.
+        lease_owner: lease id -> number of the attach session that took it (LoadPrefix in a
+            session); only that session may store or release it. Under the exclusive lock only.
     """
 
     pool_id: str
@@ -124,6 +128,7 @@ class PoolEntry:
     page_allocated: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.bool))
     cache_owned: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.bool))
     page_owner: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
+    lease_owner: dict[str, int] = field(default_factory=dict, repr=False)
     deleted: bool = False
 
     def __post_init__(self) -> None:
@@ -360,14 +365,20 @@ class PoolRegistry:
         return entry
 
     @contextmanager
-    def locked(self, caller: Caller, pool_id: str, *, exclusive: bool) -> Iterator[PoolEntry]:
+    def locked(self, caller: Caller, pool_id: str, *, exclusive: bool,
+               timeout: float | None = None) -> Iterator[PoolEntry]:
         """Hold pool ``pool_id``'s lock (shared or exclusive) and yield it. Raises NotFound,
-        also when the pool was deleted while waiting for the lock."""
+        also when the pool was deleted while waiting for the lock. ``timeout`` (shared only) bounds
+        the wait: past it Unavailable (the pool is busy; retry)."""
         entry = self.get(caller, pool_id)
-        with entry.lock.exclusive() if exclusive else entry.lock.shared():
-            if entry.deleted:
-                raise NotFound(f"no pool {pool_id!r}")
-            yield entry
+        try:
+            with entry.lock.exclusive() if exclusive else entry.lock.shared(timeout):
+                if entry.deleted:
+                    raise NotFound(f"no pool {pool_id!r}")
+                yield entry
+        except LockBusy:
+            raise Unavailable(f"pool {pool_id!r} is busy (a call holds it exclusive, e.g. a transfer); "
+                              f"retry") from None
 
     def list(self, caller: Caller | None = None) -> list[PoolEntry]:
         """``caller``'s pools by id (None: every tenant's, by tenant and id: for shutdown and the operator)."""

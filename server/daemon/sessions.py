@@ -37,6 +37,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from kvtier.server.daemon.errors import ResourceExhausted
+
 if TYPE_CHECKING:
     from kvtier.server.daemon.pools import PoolEntry
 
@@ -92,30 +94,51 @@ class SessionRegistry:
     """The daemon's live attach sessions (thread-safe; a level-1 lock, held for dict operations only).
 
     Args:
-        max_sessions: live sessions at most (a new attach past it is refused).
+        max_sessions: live sessions at most, daemon-wide (a new attach past it is refused).
+        per_tenant: live sessions of one tenant at most (``attach_sessions_per_tenant``), so one
+            tenant cannot take every session of the daemon.
     """
 
-    def __init__(self, max_sessions: int = 1024) -> None:
+    def __init__(self, max_sessions: int = 1024, per_tenant: int = 256) -> None:
         self.max_sessions = max_sessions
+        self.per_tenant = per_tenant
         self._lock = threading.Lock()
         self._sessions: dict[str, AttachSession] = {}
+        self._of_tenant: dict[str, int] = {}
+        self._staging_of_tenant: dict[str, int] = {}
         self._numbers = itertools.count(1)
         self.started = 0  # plain ints for monitoring
         self.ended = 0
 
-    def new(self, tenant: str, entry: PoolEntry | None, peer: PeerCredentials) -> AttachSession | None:
-        """Register a new session of ``tenant`` on ``entry`` (None: a storage session); None when
-        :attr:`max_sessions` are live."""
+    def new(self, tenant: str, entry: PoolEntry | None, peer: PeerCredentials) -> AttachSession:
+        """Register a new session of ``tenant`` on ``entry`` (None: a storage session).
+
+        Raises:
+            ResourceExhausted: :attr:`max_sessions` are live, or :attr:`per_tenant` of ``tenant``'s.
+        """
         with self._lock:
-            if len(self._sessions) >= self.max_sessions:
-                return None
+            full = len(self._sessions) >= self.max_sessions
+            tenant_full = self._of_tenant.get(tenant, 0) >= self.per_tenant
+            if not (full or tenant_full):
+                s = self._add(tenant, entry, peer)
+        if full:
+            raise ResourceExhausted(f"the daemon already has {self.max_sessions} attach sessions (its cap); "
+                                    f"retry when some have ended")
+        if tenant_full:
+            raise ResourceExhausted(f"tenant {tenant!r} already has {self.per_tenant} attach sessions (the "
+                                    f"attach_sessions_per_tenant cap); end some (detach) or raise the cap")
+        return s
+
+    def _add(self, tenant: str, entry: PoolEntry | None, peer: PeerCredentials) -> AttachSession:
+        """(Registry lock held.) The new session, counted for its tenant."""
+        sid = secrets.token_hex(16)
+        while sid in self._sessions:
             sid = secrets.token_hex(16)
-            while sid in self._sessions:
-                sid = secrets.token_hex(16)
-            s = AttachSession(sid, next(self._numbers), tenant, entry, peer)
-            self._sessions[sid] = s
-            self.started += 1
-            return s
+        s = AttachSession(sid, next(self._numbers), tenant, entry, peer)
+        self._sessions[sid] = s
+        self._of_tenant[tenant] = self._of_tenant.get(tenant, 0) + 1
+        self.started += 1
+        return s
 
     def get(self, tenant: str, session_id: str) -> AttachSession | None:
         """``tenant``'s live session ``session_id`` (None: unknown, ended, or another tenant's)."""
@@ -129,8 +152,29 @@ class SessionRegistry:
             if self._sessions.get(session.session_id) is not session:
                 return False
             del self._sessions[session.session_id]
+            self._of_tenant[session.tenant] -= 1
             self.ended += 1
             return True
+
+    def reserve_staging(self, tenant: str, nbytes: int, budget: int) -> bool:
+        """Count ``nbytes`` more staging bytes for ``tenant`` if its staging buffers stay within
+        ``budget`` bytes (``attach_staging_tenant_bytes``); False (nothing counted) if they would not.
+        Give them back with :meth:`release_staging`."""
+        with self._lock:
+            held = self._staging_of_tenant.get(tenant, 0)
+            if held + nbytes > budget:
+                return False
+            self._staging_of_tenant[tenant] = held + nbytes
+            return True
+
+    def release_staging(self, tenant: str, nbytes: int) -> None:
+        """Give back ``nbytes`` of ``tenant``'s staging bytes (buffers closed, or never made)."""
+        with self._lock:
+            self._staging_of_tenant[tenant] = self._staging_of_tenant.get(tenant, 0) - nbytes
+
+    def staging_bytes(self, tenant: str) -> int:
+        """Bytes of ``tenant``'s live staging buffers (a plain read)."""
+        return self._staging_of_tenant.get(tenant, 0)
 
     def of_entry(self, entry: PoolEntry) -> list[AttachSession]:
         """Live sessions attached to ``entry``."""

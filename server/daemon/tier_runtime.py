@@ -98,6 +98,21 @@ def tier_errors() -> Iterator[None]:
         raise InvalidArgument(str(e)) from None
 
 
+def _check_lease_owner(entry: PoolEntry, lease: str, session: Any) -> None:
+    """Raise LeaseError (NotFound, as for an unknown lease) if ``lease`` was taken in an attach session other
+    than ``session`` (None: the caller is in none): a session's leases are its own. Pool lock held."""
+    owner = entry.lease_owner.get(lease)
+    if owner is not None and owner != (session.number if session is not None else 0):
+        raise LeaseError("the lease is unknown or released")  # the prefix cache's words for an absent lease
+
+
+def _forget_lease(entry: PoolEntry, lease: str, session: Any) -> None:
+    """The lease ended: no session holds it any more. Pool lock held."""
+    entry.lease_owner.pop(lease, None)
+    if session is not None:
+        session.leases.discard(lease)
+
+
 def build_stack(host_bytes: int, settings: TierSettings, device: str = "cpu") -> TierStack:
     """The stack ``settings.tier_names`` names, fastest first, each tier from its typed config: the
     host tier (``host_bytes``; page-locked when ``device`` is CUDA unless the settings say), the LMDB
@@ -190,20 +205,22 @@ class TierRuntime:
             return c.lookup(keys)
 
     @contextmanager
-    def _session_cache(self, caller: Caller, pool_id: str) -> Iterator[tuple[PrefixCache, Any]]:
-        """Like :meth:`cache`, also yielding the caller's attach session on this pool (None if not in one)."""
+    def _session_cache(self, caller: Caller, pool_id: str) -> Iterator[tuple[PoolEntry, PrefixCache, Any]]:
+        """Like :meth:`cache`, also yielding the entry and the caller's attach session on this pool
+        (None if not in one)."""
         with self.pools.locked(caller, pool_id, exclusive=True) as entry, tier_errors():
             session = caller.session if entry.owner_of(caller) else None
-            yield self.cache_of(entry), session
+            yield entry, self.cache_of(entry), session
 
     def load(self, caller: Caller, pool_id: str, keys: Sequence[bytes], total_tokens: int | None) -> PrefixLoad:
         """Load the present prefix into device slots and allocate the rest (see :meth:`PrefixCache.load`);
         in an attach session the lease is the session's (no TTL; released when the session ends)."""
         keys = self.check_keys(keys)
-        with self._session_cache(caller, pool_id) as (c, session):
+        with self._session_cache(caller, pool_id) as (entry, c, session):
             ld = c.load(keys, total_tokens, expires=session is None)
             if session is not None:
                 session.leases.add(ld.lease)
+                entry.lease_owner[ld.lease] = session.number
             return ld
 
     def store(self, caller: Caller, pool_id: str, lease: str, keys: Sequence[bytes], slots: Sequence[int], *,
@@ -211,20 +228,20 @@ class TierRuntime:
         """Hand the lease's fresh pages at ``slots`` to the prefix cache under ``keys``; with ``release``
         then end the lease in the same call (one call per request instead of two; not if the store fails)."""
         keys = self.check_keys(keys)
-        with self._session_cache(caller, pool_id) as (c, session):
+        with self._session_cache(caller, pool_id) as (entry, c, session):
+            _check_lease_owner(entry, lease, session)
             n = c.store(lease, keys, torch.tensor(list(slots), dtype=torch.int64))
             if release:
                 c.release(lease)
-                if session is not None:
-                    session.leases.discard(lease)
+                _forget_lease(entry, lease, session)
             return n
 
     def release(self, caller: Caller, pool_id: str, lease: str) -> None:
         """End a lease: unpin its pages, free the fresh pages it did not store."""
-        with self._session_cache(caller, pool_id) as (c, session):
+        with self._session_cache(caller, pool_id) as (entry, c, session):
+            _check_lease_owner(entry, lease, session)
             c.release(lease)
-            if session is not None:
-                session.leases.discard(lease)
+            _forget_lease(entry, lease, session)
 
     def release_session_leases(self, entry: PoolEntry, session: Any) -> int:
         """Release every lease ``session`` still holds on ``entry`` (caller holds the pool's lock
@@ -239,6 +256,7 @@ class TierRuntime:
                 released += 1
             except LeaseError:
                 pass
+            entry.lease_owner.pop(lease, None)
         session.leases.clear()
         return released
 

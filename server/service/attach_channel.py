@@ -8,11 +8,19 @@ map memory into, and a TCP client cannot attach.
 Threads: one selector thread (``kvtier-attach``) accepts connections and watches every open one;
 it never blocks on a message or a lock. A readable connection is handed to a small worker pool
 (``kvtier-attach-work``), which reads its one message (or the EOF), calls the domain
-(:class:`~kvtier.server.daemon.attach.AttachService`, :meth:`~kvtier.server.daemon.core.Daemon.end_session`)
-and answers; the connection is then watched again. So a connection's messages are handled one at
-a time, in order, and the end of a session (EOF or ECONNRESET: the worker detached, exited,
-crashed or was SIGKILLed) is seen at once; its slots and leases go back as soon as its pool's lock
-is free. A connection that has not sent its first message within :data:`HANDSHAKE_SECONDS` is closed.
+(:class:`~kvtier.server.daemon.attach.AttachService`) and answers without waiting (the sockets are
+non-blocking: a peer whose socket buffer is full does not read its replies and is closed); the
+connection is then watched again. A worker waits on a pool's lock only in an attach handshake,
+shared, for at most :data:`~kvtier.server.daemon.attach.POOL_LOCK_SECONDS` (then UNAVAILABLE). So a
+connection's messages are handled one at a time, in order, and the end of a session (EOF or
+ECONNRESET: the worker detached, exited, crashed or was SIGKILLed) is seen at once and handed to
+:class:`_SessionEnds` (:meth:`~kvtier.server.daemon.core.Daemon.end_session` in a thread of its pool):
+its slots and leases go back as soon as its own pool's lock is free.
+
+Limits: :data:`MAX_CONNECTIONS` open, :data:`MAX_HANDSHAKES` still in their handshake (past it the
+oldest idle one is closed for the new one); a connection that has not sent its first message within
+:data:`HANDSHAKE_SECONDS` is closed; sessions per tenant are capped by the registry
+(``attach_sessions_per_tenant``).
 
 Errors go back as ``{"error": {"code", "message"}}`` with the status code the gRPC side would use
 for the same domain error (the one mapping, :func:`kvtier.server.service.errors.status_code_for`).
@@ -28,6 +36,7 @@ import selectors
 import socket
 import threading
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,17 +45,25 @@ from typing import Any
 import grpc
 
 from kvtier.attach_wire import WireError, peer_credentials, recv_message, send_message
+from kvtier.server.daemon.config import MAX_ATTACH_SESSIONS
 from kvtier.server.daemon.core import Daemon
-from kvtier.server.daemon.errors import InvalidArgument
+from kvtier.server.daemon.errors import InvalidArgument, ResourceExhausted
 from kvtier.server.daemon.sessions import AttachSession, PeerCredentials
 from kvtier.server.service.errors import status_code_for
 
 log = logging.getLogger("kvtier.attach")
 
 HANDSHAKE_SECONDS = 10.0
-SEND_TIMEOUT_SECONDS = 10.0
-MAX_CONNECTIONS = 1024
+MAX_HANDSHAKES = 64
+"""Connections still in their handshake (no first message answered yet) at most: past it the oldest
+idle one (nothing sent yet) is closed for the new one, so connections that never speak cannot starve
+the ones that do."""
+MAX_CONNECTIONS = MAX_ATTACH_SESSIONS + MAX_HANDSHAKES
+"""Open connections at most (every session plus the handshakes): one more is answered
+RESOURCE_EXHAUSTED and closed."""
 WORKERS = 4
+LISTEN_BACKLOG = 512  # connections the kernel queues before the selector accepts them
+ACCEPTS_PER_ROUND = 32
 
 
 @dataclass(eq=False)
@@ -56,7 +73,74 @@ class _Conn:
     deadline: float
     session: AttachSession | None = None
     closed: bool = False
+    serving: bool = False  # a worker has it (the selector thread never closes it then)
     lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+def _message_waiting(sock: socket.socket) -> bool:
+    """Whether ``sock`` has a message (or its end) to read: the connection is not idle."""
+    try:
+        sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True  # failed: a worker will see its end
+    return True
+
+
+class _SessionEnds:
+    """Ends sessions off the channel's workers: one thread per pool with ends waiting
+    (``kvtier-attach-end``), which ends them one after another under that pool's lock. So a session
+    end waits only for its own pool's lock, never behind another pool's or another connection's
+    work; a storage session (no pool, no pool lock) ends in the thread that saw its end."""
+
+    def __init__(self, daemon: Daemon) -> None:
+        self.daemon = daemon
+        self._lock = threading.Lock()  # level 1: dict operations only
+        self._waiting: dict[int, tuple[Any, deque[tuple[AttachSession, str]]]] = {}
+        self._threads: list[threading.Thread] = []
+
+    def submit(self, session: AttachSession, reason: str) -> None:
+        """End ``session`` (its connection closed) as soon as its pool's lock is free."""
+        if session.entry is None:
+            self._end(session, reason)
+            return
+        key = id(session.entry)
+        with self._lock:
+            start = key not in self._waiting
+            if start:
+                self._waiting[key] = (session.entry, deque())
+            self._waiting[key][1].append((session, reason))
+            if start:
+                t = threading.Thread(target=self._drain, args=(key,), name="kvtier-attach-end", daemon=True)
+                self._threads = [x for x in self._threads if x.is_alive()] + [t]
+        if start:
+            t.start()
+
+    def _drain(self, key: int) -> None:
+        while True:
+            with self._lock:
+                q = self._waiting[key][1]
+                if not q:
+                    del self._waiting[key]
+                    return
+                session, reason = q.popleft()
+            self._end(session, reason)
+
+    def _end(self, session: AttachSession, reason: str) -> None:
+        try:
+            self.daemon.end_session(session, reason)
+        except Exception:  # noqa: BLE001 - the next session still ends
+            log.exception("attach: ending session %d failed", session.number)
+
+    def join(self, timeout: float) -> None:
+        """Wait (at most ``timeout`` s in all) for the ends submitted so far."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            threads = list(self._threads)
+        for t in threads:
+            if t.ident is not None:
+                t.join(max(0.0, deadline - time.monotonic()))
 
 
 def error_reply(exc: BaseException) -> dict[str, Any]:
@@ -99,7 +183,7 @@ class AttachChannel:
         finally:
             os.umask(old)
         os.chmod(self.path, 0o600)
-        self._listener.listen(64)
+        self._listener.listen(LISTEN_BACKLOG)
         self._listener.setblocking(False)
         self._sel = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()
@@ -108,7 +192,10 @@ class AttachChannel:
         self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
         self._rewatch: queue.SimpleQueue[_Conn] = queue.SimpleQueue()
         self._conns: set[_Conn] = set()
+        self._handshaking: dict[_Conn, None] = {}  # connections without a session yet, oldest first
         self._conns_lock = threading.Lock()  # level 1: set operations only
+        self._refusal_logged = -1e9
+        self._ends = _SessionEnds(daemon)
         self._pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="kvtier-attach-work")
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvtier-attach", daemon=True)
@@ -134,6 +221,7 @@ class AttachChannel:
                 else:
                     conn: _Conn = key.data
                     self._sel.unregister(conn.sock)
+                    conn.serving = True
                     self._pool.submit(self._serve, conn)
             while True:
                 try:
@@ -144,15 +232,15 @@ class AttachChannel:
                     self._sel.register(conn.sock, selectors.EVENT_READ, conn)
             now = time.monotonic()
             with self._conns_lock:
-                late = [c for c in self._conns if c.session is None and c.deadline < now and not c.closed]
+                late = [c for c in self._handshaking if c.deadline < now and not c.serving]
             for conn in late:
-                with contextlib.suppress(KeyError, ValueError):
-                    self._sel.unregister(conn.sock)
                 log.info("attach: pid %d sent no attach request within %.0f s; closed", conn.peer.pid, HANDSHAKE_SECONDS)
-                self._close(conn)
+                self._drop_idle(conn)
 
     def _accept(self) -> None:
-        while True:
+        """Accept what the listen queue holds, at most :data:`ACCEPTS_PER_ROUND` (then the selector
+        serves the connections that have spoken: a flood of connects cannot starve them)."""
+        for _ in range(ACCEPTS_PER_ROUND):
             try:
                 sock, _ = self._listener.accept()
             except (BlockingIOError, InterruptedError):
@@ -160,18 +248,51 @@ class AttachChannel:
             except OSError as e:
                 log.warning("attach: accept failed: %s", e)
                 return
+            sock.setblocking(False)  # a worker never waits on a peer: a reply that does not fit ends the peer
             with self._conns_lock:
                 full = len(self._conns) >= MAX_CONNECTIONS
+                handshaking = list(self._handshaking) if len(self._handshaking) >= MAX_HANDSHAKES else []
             if full:
-                log.warning("attach: %d connections open; refusing another", MAX_CONNECTIONS)
-                sock.close()
+                self._refuse(sock, f"the attach channel has {MAX_CONNECTIONS} connections open (its cap); retry "
+                                   f"when sessions have ended")
                 continue
+            if handshaking:
+                idle = next((c for c in handshaking if not c.serving and not _message_waiting(c.sock)), None)
+                if idle is None:
+                    self._refuse(sock, f"{MAX_HANDSHAKES} attach handshakes are in progress (the channel's cap); retry")
+                    continue
+                log.info("attach: %d connections in their handshake; closed the oldest idle one (pid %d)",
+                         MAX_HANDSHAKES, idle.peer.pid)
+                self._drop_idle(idle)
             pid, uid, gid = peer_credentials(sock)
-            sock.settimeout(SEND_TIMEOUT_SECONDS)
             conn = _Conn(sock, PeerCredentials(pid, uid, gid), time.monotonic() + HANDSHAKE_SECONDS)
             with self._conns_lock:
                 self._conns.add(conn)
+                self._handshaking[conn] = None
             self._sel.register(sock, selectors.EVENT_READ, conn)
+
+    def _refuse(self, sock: socket.socket, message: str) -> None:
+        """Answer a connection the channel has no room for RESOURCE_EXHAUSTED and close it."""
+        now = time.monotonic()
+        if now - self._refusal_logged >= 10.0:  # a flood logs once per 10 s
+            self._refusal_logged = now
+            log.warning("attach: refusing connections: %s", message)
+        with contextlib.suppress(OSError, WireError):
+            send_message(sock, error_reply(ResourceExhausted(message)))
+        # Closing with the peer's request unread would make the peer read ECONNRESET instead of the
+        # answer: stop it sending (SHUT_RD: its sends fail EPIPE), drop what it sent, then close.
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RD)
+        with contextlib.suppress(OSError):
+            while sock.recv(1, socket.MSG_DONTWAIT):
+                pass
+        sock.close()
+
+    def _drop_idle(self, conn: _Conn) -> None:
+        """(Selector thread.) Close a connection still in its handshake that no worker has."""
+        with contextlib.suppress(KeyError, ValueError):
+            self._sel.unregister(conn.sock)
+        self._close(conn)
 
     # ----- workers --------------------------------------------------------------------------
     def _serve(self, conn: _Conn) -> None:
@@ -179,6 +300,8 @@ class AttachChannel:
         try:
             try:
                 msg = recv_message(conn.sock)
+            except BlockingIOError:
+                return  # nothing to read after all
             except (WireError, OSError) as e:
                 msg = None if isinstance(e, OSError) else e
             if msg is None:
@@ -196,6 +319,7 @@ class AttachChannel:
             log.exception("attach: serving pid %d failed", conn.peer.pid)
             self._ended(conn, "the channel failed serving it")
         finally:
+            conn.serving = False
             if not conn.closed:
                 self._rewatch.put(conn)
                 self._wake()
@@ -214,12 +338,17 @@ class AttachChannel:
         except Exception as e:  # noqa: BLE001 - mapped to a code like a gRPC call's error
             self._answer(conn, error_reply(e), close=True)
             return
-        conn.session = grant.session
+        with conn.lock:  # a connection closed meanwhile (the daemon stopping) never gets a session
+            alive = not conn.closed
+            if alive:
+                conn.session = grant.session
+        with self._conns_lock:
+            self._handshaking.pop(conn, None)
+        if not alive:
+            self._ends.submit(grant.session, "its connection closed during the handshake")
+            return
         grant.session.close_hook = lambda: self._close_later(conn)
-        try:
-            send_message(conn.sock, grant.reply, grant.fds)
-        except (OSError, WireError) as e:
-            log.info("attach: could not answer pid %d (%s)", conn.peer.pid, e)
+        if not self._send(conn, grant.reply, grant.fds):
             self._ended(conn, "its connection failed")
 
     def _request(self, conn: _Conn, request: dict[str, Any]) -> None:
@@ -231,27 +360,35 @@ class AttachChannel:
             except Exception as e:  # noqa: BLE001
                 self._answer(conn, error_reply(e))
                 return
-            try:
-                send_message(conn.sock, reply, [shm.fd])
-            except (OSError, WireError):
+            if not self._send(conn, reply, [shm.fd]):
                 self._ended(conn, "its connection failed")
             return
         self._answer(conn, error_reply(InvalidArgument(f"unknown request kind {kind!r} on an attached connection; "
                                                        f"known: 'staging'")))
 
-    def _answer(self, conn: _Conn, reply: dict[str, Any], *, close: bool = False) -> None:
+    def _send(self, conn: _Conn, reply: dict[str, Any], fds: list[int] | tuple[int, ...] = ()) -> bool:
+        """Send ``reply`` without waiting: False if the connection failed, or if its socket buffer is
+        full (the peer does not read its replies: one reply per request, so a client that reads
+        never has one waiting)."""
         try:
-            send_message(conn.sock, reply)
+            send_message(conn.sock, reply, fds)
+        except BlockingIOError:
+            log.info("attach: pid %d does not read its replies; its connection is closed", conn.peer.pid)
+            return False
         except (OSError, WireError):
-            close = True
-        if close:
+            return False
+        return True
+
+    def _answer(self, conn: _Conn, reply: dict[str, Any], *, close: bool = False) -> None:
+        if not self._send(conn, reply) or close:
             self._ended(conn, "refused")
 
     def _ended(self, conn: _Conn, reason: str) -> None:
+        """Close ``conn`` and end its session (off the workers, see :class:`_SessionEnds`)."""
         session = conn.session
         self._close(conn)
         if session is not None:
-            self.daemon.end_session(session, reason)
+            self._ends.submit(session, reason)
 
     def _close(self, conn: _Conn) -> None:
         with conn.lock:
@@ -260,6 +397,7 @@ class AttachChannel:
             conn.closed = True
         with self._conns_lock:
             self._conns.discard(conn)
+            self._handshaking.pop(conn, None)
         with contextlib.suppress(OSError):
             conn.sock.close()
 
@@ -283,7 +421,11 @@ class AttachChannel:
         with self._conns_lock:
             conns = list(self._conns)
         for conn in conns:
-            self._ended(conn, "the daemon is stopping")
+            session = conn.session
+            self._close(conn)
+            if session is not None:
+                self.daemon.end_session(session, "the daemon is stopping")
+        self._ends.join(5.0)
         for s in (self._listener, self._wake_r, self._wake_w):
             with contextlib.suppress(OSError):
                 s.close()

@@ -1,0 +1,329 @@
+"""The attach channel under abuse: peers that never read, pools held busy, floods of sessions and of
+connections that never speak, staging memory, and leases taken in a session (README "Local attach",
+"Concurrency": the attach channel never blocks on a peer or waits unboundedly on a pool's lock).
+
+Every bound asserted is the README's (a dead worker's slots back within 2 s) with a wide margin, or
+a behaviour (the connection is closed, the answer is RESOURCE_EXHAUSTED); none measures speed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from kvtier.attach_wire import PROTOCOL_VERSION, recv_message, send_message
+from kvtier.client import KVTierClient, NotFoundError, ResourceExhaustedError, UnavailableError
+from kvtier.client.spawn import DaemonProcess
+
+WORKER = Path(__file__).with_name("attach_worker.py")
+PAGE = 64
+SESSION_END_BOUND_S = 2.0  # README "Local attach"
+MARGIN_S = 3.0  # on top of the bound: a loaded machine (the fault being fixed took 9.8 s and 28.6 s)
+TOKEN_A = "tenant-a-secret-0123456789abcdef"
+TOKEN_B = "tenant-b-secret-0123456789abcdef"
+DAEMON_ARGS = ["--device", "cpu", "--log-level", "INFO", "--pool-memory", "256MiB"]
+
+
+def start_worker(address: str, pool_id: str, slots: int) -> subprocess.Popen:
+    """A worker process that attaches ``pool_id``, allocates ``slots`` and takes a lease, then sleeps."""
+    p = subprocess.Popen([sys.executable, str(WORKER), address, pool_id, "hold",
+                          json.dumps({"slots": slots, "keys": [os.urandom(16).hex()]})],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = p.stdout.readline()
+    if not line:
+        p.kill()
+        raise AssertionError(f"worker died: {p.stderr.read()}")
+    assert json.loads(line)["ready"]
+    return p
+
+
+def kill_and_time_recovery(c: KVTierClient, pool_id: str, proc: subprocess.Popen, free_before: int) -> float:
+    """SIGKILL ``proc`` and return the seconds until ``pool_id`` has ``free_before`` free pages again
+    (fails past the README's bound plus the margin)."""
+    start = time.monotonic()
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(30)
+    while c.describe_pool(pool_id).free_pages != free_before:
+        assert time.monotonic() - start < SESSION_END_BOUND_S + MARGIN_S, "the dead worker's slots did not come back"
+        time.sleep(0.02)
+    return time.monotonic() - start
+
+
+def raw_connect(path: str) -> socket.socket:
+    """A connection to the attach channel (retried while its listen queue is full)."""
+    deadline = time.monotonic() + 10
+    while True:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        s.settimeout(10)
+        try:
+            s.connect(path)
+            return s
+        except BlockingIOError:
+            s.close()
+            assert time.monotonic() < deadline, "the attach channel accepted no connection"
+            time.sleep(0.01)
+
+
+def raw_session(path: str, token: str | None = None) -> socket.socket:
+    s = raw_connect(path)
+    send_message(s, {"kind": "storage", "version": PROTOCOL_VERSION, "token": token})
+    reply, _ = recv_message(s, accept_fds=True)
+    assert "session_id" in reply, reply
+    return s
+
+
+def closed_by_daemon(s: socket.socket, within: float) -> bool:
+    """Read ``s`` until the daemon closes it (True) or nothing comes for ``within`` seconds (False)."""
+    s.settimeout(within)
+    try:
+        while True:
+            got = recv_message(s, accept_fds=True)
+            if got is None:
+                return True
+    except (TimeoutError, socket.timeout):
+        return False
+    except OSError:
+        return True
+
+
+def flood_until_dropped(s: socket.socket, request: bytes, within: float) -> bool:
+    """Send ``request`` on ``s`` again and again, never reading, until the daemon closes the
+    connection (True) or ``within`` seconds pass (False)."""
+    s.setblocking(False)
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            s.send(request)
+        except BlockingIOError:
+            time.sleep(0.002)  # the daemon has not read the last ones yet
+        except OSError:
+            return True  # EPIPE / ECONNRESET: the daemon closed it
+    return False
+
+
+@pytest.fixture()
+def daemon():
+    with DaemonProcess(extra_args=DAEMON_ARGS) as d:
+        yield d
+
+
+def test_peers_that_never_read_their_replies_are_dropped_and_stall_nothing(daemon):
+    """Scenario (issue: adversarial test 02): 8 storage sessions each send a few hundred bad requests
+    and never read a reply. Before the fix every reply blocked one of the channel's 4 workers up to
+    10 s, so a fresh session took ~9.5 s and a SIGKILLed worker's slots came back after ~9.8 s.
+    Now each such peer is closed by the daemon (its socket buffer is full: it does not read), a fresh
+    storage session opens, and the dead worker's slots come back within the README's bound."""
+    with KVTierClient(daemon.address) as c:
+        c.create_pool("glm-5.2", num_layers=4, size_tokens=4096, pool_id="main")
+        path = c.attach_socket()
+        free = c.describe_pool("main").free_pages
+        worker = start_worker(daemon.address, "main", 1024)
+        try:
+            flooders = [raw_session(path) for _ in range(8)]
+            bad = json.dumps({"kind": "nope"}).encode()
+            for s in flooders:
+                s.setblocking(False)
+                for _ in range(3000):
+                    try:
+                        s.send(bad)
+                    except BlockingIOError:
+                        break
+            time.sleep(0.3)
+            kill_and_time_recovery(c, "main", worker, free)
+            with c.storage_session(timeout=SESSION_END_BOUND_S + MARGIN_S) as ss:
+                assert ss.session_id
+            for s in flooders:  # requests go on coming, replies pile up unread: the daemon closes it
+                assert flood_until_dropped(s, bad, SESSION_END_BOUND_S + MARGIN_S)
+                s.close()
+        finally:
+            worker.kill()
+            worker.wait()
+        assert c.stats().attach_sessions == 0
+
+
+def _crossed_pulls(address: str, pages_x: list[int], pages_y: list[int], deadline: float) -> list[threading.Thread]:
+    """Two PullKV over gRPC in opposite directions (X into Y and Y into X) on one daemon: each holds
+    its destination pool exclusive while waiting for the other's source (README "Concurrency"), until
+    ``deadline`` seconds. Returns the threads once both are stuck."""
+    def pull(dst: str, src: str, src_pages: list[int], dst_pages: list[int]) -> None:
+        try:
+            with KVTierClient(address, timeout=deadline) as cc:
+                cc.pull_kv(dst, address, src, src_pages=src_pages, dst_pages=dst_pages, transport="grpc")
+        except Exception:  # noqa: BLE001 - they end by their deadline (ABORTED or DEADLINE_EXCEEDED)
+            pass
+
+    for _ in range(20):
+        threads = [threading.Thread(target=pull, args=("Y", "X", pages_x[:8], pages_y[8:])),
+                   threading.Thread(target=pull, args=("X", "Y", pages_y[:8], pages_x[8:]))]
+        for t in threads:
+            t.start()
+        time.sleep(1.0)
+        if all(t.is_alive() for t in threads):
+            return threads
+        for t in threads:
+            t.join()
+    raise AssertionError("the crossed pulls never met")
+
+
+def test_a_pool_held_busy_delays_neither_other_pools_session_ends_nor_attaches(daemon):
+    """Scenario (issue: adversarial test 10): pool X is held exclusive by two crossed PullKV (they wait
+    on each other until their 20 s deadline) and 4 attaches to X are sent. Before the fix each of
+    them held one of the channel's 4 workers on X's lock, so a SIGKILLed worker of pool C got its
+    slots back only when the pulls ended, and every attach waited. Now an attach of a busy pool is
+    answered UNAVAILABLE (retryable, naming the pool) after a short bounded wait, C's session ends
+    within the README's bound, and an attach of C is answered at once."""
+    with KVTierClient(daemon.address, timeout=60) as c:
+        c.create_pool("glm-5.2", num_layers=4, size_tokens=4096, pool_id="C")
+        for pool in ("X", "Y"):
+            c.create_pool("glm-5.2", num_layers=4, size_tokens=2048, pool_id=pool)
+        pages = {pool: sorted(set((c.allocate_slots(pool, 16 * PAGE) // PAGE).tolist())) for pool in ("X", "Y")}
+        free = c.describe_pool("C").free_pages
+        worker = start_worker(daemon.address, "C", 512)
+        try:
+            pulls = _crossed_pulls(daemon.address, pages["X"], pages["Y"], deadline=20.0)
+            busy: list[BaseException] = []
+
+            def attach_x() -> None:
+                try:
+                    with KVTierClient(daemon.address) as cc:
+                        cc.attach("X", timeout=2.0).detach()
+                except Exception as e:  # noqa: BLE001 - the test checks what came back
+                    busy.append(e)
+
+            attaches = [threading.Thread(target=attach_x) for _ in range(4)]
+            for t in attaches:
+                t.start()
+            time.sleep(0.5)
+            kill_and_time_recovery(c, "C", worker, free)
+            with c.attach("C", timeout=SESSION_END_BOUND_S + MARGIN_S) as ap:
+                assert ap.allocate_slots(PAGE).numel() == PAGE
+            for t in attaches:
+                t.join(30)
+            assert pulls[0].is_alive() or pulls[1].is_alive(), "the pulls ended early: X was not busy throughout"
+            assert len(busy) == 4 and all(isinstance(e, UnavailableError) for e in busy), busy
+            assert all("pool 'X' is busy" in str(e) and "retry" in str(e) for e in busy), busy
+        finally:
+            worker.kill()
+            worker.wait()
+        for t in pulls:
+            t.join(60)
+        with c.attach("X", timeout=10) as ax:  # free again: it attaches
+            assert ax.pool_id == "X"
+    assert "Bad file descriptor" not in daemon.log_tail(2000)
+
+
+@pytest.fixture()
+def capped(tmp_path):
+    """A daemon with two tenants, a per-tenant session cap of 4 and a staging budget of 8 MiB a tenant."""
+    tokens = tmp_path / "tokens.toml"
+    tokens.write_text(f'[tokens]\n"{TOKEN_A}" = "team-a"\n"{TOKEN_B}" = "team-b"\n')
+    os.chmod(tokens, 0o600)
+    config = tmp_path / "config.toml"
+    config.write_text('attach_sessions_per_tenant = 4\nattach_staging_bytes = "8MiB"\n'
+                      'attach_staging_tenant_bytes = "8MiB"\n')
+    with DaemonProcess(extra_args=[*DAEMON_ARGS, "--auth-tokens", str(tokens), "--config", str(config)]) as d:
+        with KVTierClient(d.address, token=TOKEN_A) as a:
+            a.create_pool("glm-5.2", num_layers=2, size_tokens=256, pool_id="p")
+        yield d
+
+
+def test_one_tenant_cannot_take_every_session(capped):
+    """Scenario (issue: adversarial test 13): tenant B opens sessions until refused. Before the fix
+    it could open all 1024 of the daemon and tenant A's attach then failed with a silent close. Now
+    B's 5th is RESOURCE_EXHAUSTED naming the per-tenant cap, A still attaches and opens a storage
+    session, and B's next session opens once one of its own has ended."""
+    with KVTierClient(capped.address, token=TOKEN_B) as b, KVTierClient(capped.address, token=TOKEN_A) as a:
+        held = [b.storage_session() for _ in range(4)]
+        with pytest.raises(ResourceExhaustedError, match="attach_sessions_per_tenant"):
+            b.storage_session()
+        with a.attach("p") as ap, a.storage_session() as ss:
+            assert ap.tenant == "team-a" and ss.session_id
+        held.pop().close()
+        deadline = time.monotonic() + SESSION_END_BOUND_S + MARGIN_S
+        while True:  # the closed session's end is seen by the daemon shortly after
+            try:
+                held.append(b.storage_session())
+                break
+            except ResourceExhaustedError:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+        for s in held:
+            s.close()
+
+
+def test_staging_memory_of_a_tenant_is_budgeted(capped):
+    """Scenario (issue: adversarial test 13): every session of a tenant asked for its full staging
+    allowance, and the daemon made all of it (unaccounted). Now the tenant's buffers together stay
+    within ``attach_staging_tenant_bytes``: past it RESOURCE_EXHAUSTED naming the budget, and the
+    bytes come back when a session ends."""
+    mib = 1 << 20
+    with KVTierClient(capped.address, token=TOKEN_B) as b:
+        first, second = b.storage_session(), b.storage_session()
+        assert first.buffer(6 * mib).nbytes == 6 * mib
+        with pytest.raises(ResourceExhaustedError, match="attach_staging_tenant_bytes"):
+            second.buffer(4 * mib)
+        assert second.buffer(2 * mib).nbytes == 2 * mib  # what is left of the budget
+        first.close()
+        deadline = time.monotonic() + SESSION_END_BOUND_S + MARGIN_S
+        while True:
+            try:
+                again = second.buffer(4 * mib)
+                break
+            except ResourceExhaustedError:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+        assert again.nbytes == 4 * mib
+        second.close()
+
+
+def test_connections_that_never_speak_cannot_starve_handshakes(daemon):
+    """Scenario (issue: adversarial test 18): with no token a process opens connections that never
+    send a first message. Before the fix 1024 of them filled the channel for 10 s each. Now at most
+    64 connections wait in their handshake: a new one closes the oldest idle one, so the first idle
+    connection is closed by the daemon (long before the 10 s handshake sweep) while a worker still
+    attaches."""
+    with KVTierClient(daemon.address) as c:
+        c.create_pool("glm-5.2", num_layers=2, size_tokens=256, pool_id="p")
+        path = c.attach_socket()
+        idle = [raw_connect(path) for _ in range(200)]
+        try:
+            with c.attach("p", timeout=10) as ap:
+                assert ap.allocate_slots(PAGE).numel() == PAGE
+            assert closed_by_daemon(idle[0], 5.0)  # dropped for a newer one (the sweep would take 10 s)
+            assert not closed_by_daemon(idle[-1], 0.2)  # the newest still waits for its first message
+        finally:
+            for s in idle:
+                s.close()
+
+
+def test_a_sessions_lease_is_its_own(daemon):
+    """Scenario (issue: adversarial test 05): session s1 takes a lease (LoadPrefix); another session
+    s2 of the same pool and a plain client of the same tenant then stored and released it, freeing
+    its fresh pages while s1 still wrote them. Now both get NOT_FOUND with exactly the answer of an
+    unknown lease, the lease stays open, and s1 stores and releases it itself."""
+    with KVTierClient(daemon.address) as c:
+        c.create_pool("glm-5.2", num_layers=2, size_tokens=1024, pool_id="p")
+        with c.attach("p") as s1, c.attach("p") as s2:
+            keys = [b"k" * 16, b"j" * 16]
+            lease = s1.load_prefix(keys)
+            with pytest.raises(NotFoundError) as unknown:
+                c.release_prefix(dataclasses.replace(lease, lease_id="0" * 32))
+            for attempt in (lambda: s2.release_prefix(lease), lambda: c.release_prefix(lease),
+                            lambda: s2.store_prefix(lease, keys[:1], lease.slots[:PAGE]),
+                            lambda: c.store_prefix(lease, keys[:1], lease.slots[:PAGE])):
+                with pytest.raises(NotFoundError) as e:
+                    attempt()
+                assert str(e.value) == str(unknown.value)
+            assert c.tier_stats("p").device["open_leases"] == 1
+            assert s1.store_prefix(lease, keys, lease.slots, release=True) == 2
+            assert c.tier_stats("p").device["open_leases"] == 0
