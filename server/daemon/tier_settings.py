@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier.server.daemon.config_keys import check_known_keys
+from kvtier.server.daemon.config_keys import check_known_keys, settings_from_table
 from kvtier.server.tiers.mooncake_config import MooncakeStoreTierConfig
 
 GiB = 1 << 30
@@ -94,21 +94,7 @@ class TierSettings:
         Raises:
             ValueError: unknown keys or bad values (the message names them).
         """
-        if value is None:
-            return cls()
-        if isinstance(value, cls):
-            return value
-        if not isinstance(value, Mapping):
-            raise ValueError(f"[tiers] must be a table, got {type(value).__name__}")
-        check_known_keys(cls, value, "[tiers]")
-        from kvtier.server.daemon.config import parse_bytes  # config imports this module
-
-        data = dict(value)
-        if "disk_bytes" in data:
-            data["disk_bytes"] = parse_bytes(data["disk_bytes"], "tiers.disk_bytes")
-        if "mooncake" in data:
-            data["mooncake"] = mooncake_config(data["mooncake"])
-        return cls(**data)
+        return settings_from_table(cls, value, "[tiers]", byte_keys=("disk_bytes",), convert={"mooncake": mooncake_config})
 
 
 def parse_stack(value: Any) -> tuple[str, ...]:

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvtier.server.daemon.config_keys import check_known_keys
+from kvtier.server.daemon.config_keys import settings_from_table
 
 MiB = 1 << 20
 
@@ -45,17 +45,4 @@ class UnitSettings:
         Raises:
             ValueError: unknown keys or bad values (the message names them).
         """
-        if value is None:
-            return cls()
-        if isinstance(value, cls):
-            return value
-        if not isinstance(value, Mapping):
-            raise ValueError(f"[units] must be a table, got {type(value).__name__}")
-        check_known_keys(cls, value, "[units]")
-        data = dict(value)
-        from kvtier.server.daemon.config import parse_bytes  # config imports this module
-
-        for key in ("pending_bytes", "max_call_bytes"):
-            if key in data:
-                data[key] = parse_bytes(data[key], f"units.{key}")
-        return cls(**data)
+        return settings_from_table(cls, value, "[units]", byte_keys=("pending_bytes", "max_call_bytes"))

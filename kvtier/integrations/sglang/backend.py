@@ -246,6 +246,12 @@ class KVTierStorage(HiCacheStorage):
         return self._guard("batch_set_v2", self._v2_falses(transfers), lambda: self._set_v2(transfers))
 
     def _set_v2(self, transfers: Sequence[PoolTransfer]) -> dict[str, list[bool]]:
+        return self._each_transfer("batch_set_v2", transfers, self._set)
+
+    def _each_transfer(self, op: str, transfers: Sequence[PoolTransfer],
+                       move: Callable[[Sequence[Any], torch.Tensor, str], list[bool]]) -> dict[str, list[bool]]:
+        """``move(keys, host_indices, part)`` for each v2 transfer (KV: part ``kv``, INDEXER: ``index``),
+        each under its own guard: a pool kvtier does not keep, or a transfer that fails, is all False."""
         out: dict[str, list[bool]] = {}
         for t in transfers:
             keys = list(t.keys or [])
@@ -253,8 +259,8 @@ class KVTierStorage(HiCacheStorage):
             if part is None or (part == "index" and self.index_host is None):
                 out[t.name] = [False] * len(keys)
                 continue
-            out[t.name] = self._guard(f"batch_set_v2:{t.name}", self._falses(keys),
-                                      lambda: self._set(keys, t.host_indices, part))  # noqa: B023 - called at once
+            out[t.name] = self._guard(f"{op}:{t.name}", self._falses(keys),
+                                      lambda: move(keys, t.host_indices, part))  # noqa: B023 - called at once
         return out
 
     # ----- reads ----------------------------------------------------------------------------------
@@ -315,16 +321,7 @@ class KVTierStorage(HiCacheStorage):
         return self._guard("batch_get_v2", self._v2_falses(transfers), lambda: self._get_v2(transfers))
 
     def _get_v2(self, transfers: Sequence[PoolTransfer]) -> dict[str, list[bool]]:
-        out: dict[str, list[bool]] = {}
-        for t in transfers:
-            keys = list(t.keys or [])
-            part = {PoolName.KV: "kv", PoolName.INDEXER: "index"}.get(t.name)
-            if part is None or (part == "index" and self.index_host is None):
-                out[t.name] = [False] * len(keys)
-                continue
-            out[t.name] = self._guard(f"batch_get_v2:{t.name}", self._falses(keys),
-                                      lambda: self._get(keys, t.host_indices, part))  # noqa: B023 - called at once
-        return out
+        return self._each_transfer("batch_get_v2", transfers, self._get)
 
     # ----- the legacy (non-zero-copy) interface: a flat host page of the KV pool ------------------
     def _flat_page(self, t: Any) -> torch.Tensor | None:
