@@ -103,7 +103,7 @@ def open_channel(path: str, message: dict[str, Any], timeout: float) -> tuple[so
                 raise UnavailableError("the daemon closed the attach connection without an answer")
             reply, fds = got
             if "error" in reply:
-                err = from_code_name(reply["error"].get("code", ""), reply["error"].get("message", ""))
+                err = _reply_error(reply)
                 if isinstance(err, UnavailableError) and time.monotonic() + delay < deadline:
                     busy = err
                     _close_fds(fds)
@@ -117,6 +117,11 @@ def open_channel(path: str, message: dict[str, Any], timeout: float) -> tuple[so
             _close_fds(fds)
             sock.close()
             raise
+
+
+def _reply_error(reply: dict[str, Any]) -> Exception:
+    """The client error an attach-channel reply's ``error`` (``{"code", "message"}``) stands for."""
+    return from_code_name(reply["error"].get("code", ""), reply["error"].get("message", ""))
 
 
 def request_staging(sock: socket.socket, nbytes: int, timeout: float) -> tuple[int, Any]:
@@ -141,7 +146,7 @@ def request_staging(sock: socket.socket, nbytes: int, timeout: float) -> tuple[i
     reply, fds = got
     if "error" in reply:
         _close_fds(fds)
-        raise from_code_name(reply["error"].get("code", ""), reply["error"].get("message", ""))
+        raise _reply_error(reply)
     if len(fds) != 1:
         _close_fds(fds)
         raise KVTierError("the daemon's staging reply carried no buffer")

@@ -35,14 +35,12 @@ def _write(pool: Any, slots: torch.Tensor, latent: dict, index: dict) -> None:
 class AttachCase(Case):
     name = "attach"
     title = "Worker KV write+read: attached pool vs in-process tensors vs WriteKV/ReadKV over gRPC"
+    setup_steps = 1
 
     def settings(self, ctx: BenchContext) -> dict[str, Any]:
         return {"model": "glm-5.2", "tokens": 1024 if ctx.quick else 4096, "layers": 16 if ctx.quick else 78,
                 "reps": 3 if ctx.quick else 7, "warmup": 1}
 
-    def steps(self, ctx: BenchContext) -> int:
-        s = self.settings(ctx)
-        return 1 + s["reps"] + s["warmup"]
 
     def run(self, ctx: BenchContext) -> CaseResult:
         from kvtier.server.model_config import DSAModelConfig

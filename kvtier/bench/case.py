@@ -138,10 +138,17 @@ class Case(ABC):
 
     name: ClassVar[str] = ""
     title: ClassVar[str] = ""
+    # A case timed in rounds: its set-up steps before the rounds (its ``settings(ctx)`` then gives
+    # ``reps`` and ``warmup``, one step each). None: one step in all.
+    setup_steps: ClassVar[int | None] = None
 
     def steps(self, ctx: BenchContext) -> int:
-        """Progress units :meth:`run` will report through ``ctx.advance`` (1 by default)."""
-        return 1
+        """Progress units :meth:`run` will report through ``ctx.advance``: 1, or for a case timed in
+        rounds ``setup_steps`` + its rounds (warm-up included)."""
+        if self.setup_steps is None:
+            return 1
+        s = self.settings(ctx)  # type: ignore[attr-defined]
+        return self.setup_steps + s["reps"] + s["warmup"]
 
     @abstractmethod
     def run(self, ctx: BenchContext) -> CaseResult:

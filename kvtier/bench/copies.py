@@ -105,15 +105,13 @@ class SGLangModel:
 class CopiesCase(Case):
     name = "copies"
     title = "get_cpu_copy / load_cpu_copy of one request (GLM-5.2, fp8, CPU pool)"
+    setup_steps = 3
 
     def settings(self, ctx: BenchContext) -> dict[str, Any]:
         return {"model": "glm-5.2", "kv_cache_dtype": "fp8", "pool_tokens": 12288 if ctx.quick else 32768,
                 "request_tokens": 4096, "reps": 5 if ctx.quick else 15, "warmup": 1, "seed": 0,
                 "torch_threads": torch.get_num_threads()}
 
-    def steps(self, ctx: BenchContext) -> int:
-        s = self.settings(ctx)
-        return 3 + s["reps"] + s["warmup"]
 
     def run(self, ctx: BenchContext) -> CaseResult:
         s = self.settings(ctx)

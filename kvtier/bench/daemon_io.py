@@ -27,14 +27,12 @@ from kvtier.client.spawn import DaemonProcess
 class DaemonIOCase(Case):
     name = "daemon"
     title = "Daemon data path (WriteKV/ReadKV, unix socket) vs a plain gRPC byte echo"
+    setup_steps = 2
 
     def settings(self, ctx: BenchContext) -> dict[str, Any]:
         return {"model": "glm-5.2", "tokens": 2048 if ctx.quick else 4096, "layers": 78, "chunk_bytes": 1 << 20,
                 "reps": 3 if ctx.quick else 7, "warmup": 1, "transport": "unix socket"}
 
-    def steps(self, ctx: BenchContext) -> int:
-        s = self.settings(ctx)
-        return 2 + s["reps"] + s["warmup"]
 
     def run(self, ctx: BenchContext) -> CaseResult:
         s = self.settings(ctx)

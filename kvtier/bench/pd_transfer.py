@@ -55,14 +55,12 @@ class RawReads:
 class PDTransferCase(Case):
     name = "pd"
     title = "PullKV over the Mooncake Transfer Engine vs raw engine reads of the same bytes"
+    setup_steps = 2
 
     def settings(self, ctx: BenchContext) -> dict[str, Any]:
         return {"model": "glm-5.2", "pages": 32, "pool_tokens": 4096, "reps": 3 if ctx.quick else 9,
                 "warmup": 1, "draft_pool": not ctx.quick, "protocol": "tcp", "host": "127.0.0.1"}
 
-    def steps(self, ctx: BenchContext) -> int:
-        s = self.settings(ctx)
-        return 2 + s["reps"] + s["warmup"]
 
     def run(self, ctx: BenchContext) -> CaseResult:
         s = self.settings(ctx)
