@@ -63,11 +63,11 @@ from kvtier.server.tiers.disk_faults import (
 from kvtier.server.tiers.disk_env import (  # noqa: F401 - DiskTierConfig, disk_charge, open_environment: re-exported
     LMDB_PAGE_BYTES, MAX_KEY_BYTES, DiskTierConfig, close_environment, disk_charge, open_environment,
 )
-from kvtier.server.tiers.disk_reads import ReadChunks, writable_bytes
+from kvtier.server.tiers.disk_reads import ABSENT, ReadChunks, copy_records, damage_reason, writable_bytes
 from kvtier.server.tiers.errors import EnvironmentInUseError, RecordError, TierFullError, TierUnavailableError
 from kvtier.server.tiers.health import TierHealth
 from kvtier.server.tiers.policy import TierIndex
-from kvtier.server.tiers.record import check_record_in_place, verify_record
+from kvtier.server.tiers.record import verify_record
 
 # Pauses between retries of a put transaction that hit MapFullError while read transactions still
 # pinned the pages the eviction commit freed (about 0.35 s in all before TierFullError).
@@ -491,10 +491,9 @@ class DiskTier(Tier):
             return len(present)
 
     # ----- reads ------------------------------------------------------------------------------
-    # A read is one read transaction for the whole batch, one counter update and one index-lock
-    # section for the touches; per record a value look-up, one copy out of the map and an in-place check
-    # (server/tiers/disk_reads.py). Python around a record costs a few microseconds, against ~30 us
-    # for the copy itself (BENCHMARKS.md, fix 6).
+    # A read is one read transaction for the whole batch, one counter update, deferred touches and
+    # one native call that copies and checks every record of it (server/tiers/disk_reads.py); per
+    # record Python does a value look-up and a buffer (BENCHMARKS.md, fixes 6, 9 and 11).
     def _open_env(self) -> tuple[lmdb.Environment, lmdb._Database]:
         """The environment and records database, without the index lock once open (the data path);
         :meth:`_env` opens it (and fails across fork) the first time. The process id is the one
@@ -511,10 +510,11 @@ class DiskTier(Tier):
         unhealthy), every key is a miss.
 
         Each record is copied once out of LMDB's map (the ``buffers=True`` view, inside the read
-        transaction, which keeps its pages from being reused) by a plain ``memoryview`` copy and
-        checked right after, while its bytes are in the CPU's cache: at the speed of a plain file
-        read, checksum included. (Copying with ``preadv`` from the data file instead -- the first
-        round of this work -- left the hash to read every record back from memory: 0.67-0.72x.)
+        transaction, which keeps its pages from being reused) and checked block by block as it is
+        copied, while its bytes are in the CPU's cache, the whole window in one native call
+        (:func:`~kvtier.server.tiers.disk_reads.copy_records`). (Copying with ``preadv`` from the
+        data file instead -- the first round of this work -- left the hash to read every record back
+        from memory: 0.67-0.72x.)
 
         Raises:
             ValueError: a buffer of ``outs`` too small (checked before any copy).
@@ -524,45 +524,37 @@ class DiskTier(Tier):
             self._count(misses=n_keys)
             return [0] * n_keys, [None] * n_keys
         env, records = self._open_env()
-        sizes = [0] * n_keys
-        bufs: list[torch.Tensor | None] = [None] * n_keys
-        damaged: list[int] = []
-        verify = self.config.verify_reads
         try:
             with env.begin(db=records, buffers=True) as txn:
-                get = txn.get
-                views = [get(k) for k in keys]
-                if outs is not None:
-                    for k, v, o in zip(keys, views, outs):
-                        if v is not None and len(v) > o.numel():
-                            raise ValueError(f"buffer of {o.numel()} bytes is too small for the {len(v)}-byte record of key {k.hex()}")
-                take = self._chunks.take
-                for i, v in enumerate(views):
-                    if v is not None:
-                        sizes[i] = n = len(v)
-                        if outs is None:
-                            bufs[i], dst = take(n)
-                        else:
-                            bufs[i] = o = outs[i]
-                            dst = writable_bytes(o, n)
-                        dst[:] = v
-                        if verify:
-                            try:
-                                check_record_in_place(dst)  # now, while the copy is in the cache
-                            except RecordError as e:
-                                log.warning("disk tier: record %s is damaged (%s); dropped, read as a miss", keys[i].hex(), e)
-                                damaged.append(i)
-                                sizes[i], bufs[i] = 0, None
+                views = list(map(txn.get, keys))
+                sizes = [0 if v is None else len(v) for v in views]
+                if outs is None:
+                    bufs, dsts = self._chunks.take_many(sizes)
+                else:
+                    for k, n, o in zip(keys, sizes, outs):
+                        if n > o.numel():
+                            raise ValueError(f"buffer of {o.numel()} bytes is too small for the {n}-byte record of key {k.hex()}")
+                    bufs = [o if n else None for n, o in zip(sizes, outs)]
+                    dsts = [writable_bytes(o, o.numel()) if n else None for n, o in zip(sizes, outs)]
+                codes = copy_records(views, dsts, self.config.verify_reads)  # one native call a window
         except Exception as e:
             if not is_io_fault(e):
                 raise
             self._fault(e, "read")
             self._count(misses=n_keys)
             return [0] * n_keys, [None] * n_keys
+        if min(codes, default=0) >= 0:  # every key a good record: the common case, no per-key Python
+            self._count_reads(n_keys, 0, 0, sum(sizes))
+            self.index.touch_later(keys)  # no lock here: applied before the LRU order is next used
+            return sizes, bufs
+        damaged = [i for i, c in enumerate(codes) if c < 0 and c != ABSENT]
+        for i in damaged:
+            log.warning("disk tier: record %s is damaged (%s); dropped, read as a miss", keys[i].hex(), damage_reason(codes[i]))
+            sizes[i], bufs[i] = 0, None
         hits = [k for k, n in zip(keys, sizes) if n]
         self._count_reads(len(hits), n_keys - len(hits), len(damaged), sum(sizes))
         if hits:
-            self.index.touch_later(hits)  # no lock here: applied before the LRU order is next used
+            self.index.touch_later(hits)
         if damaged:
             self.remove([keys[i] for i in damaged])
         return sizes, bufs

@@ -1,9 +1,13 @@
 """The disk tier's read path, at the cost of a plain file read: each record is copied once out of
 LMDB's map into a buffer (inside the read transaction, the py-lmdb way) and checked there while its
-bytes are still in the CPU's cache, with a few microseconds of Python around each (BENCHMARKS.md,
-fix 6: a page record costs ~30 us to read; bookkeeping of ~40 us a record made restores 0.3-0.5x a
-plain read, and hashing a record the kernel had copied with ``preadv`` read it back from memory).
+bytes are still in the CPU's cache (BENCHMARKS.md, fix 6: a page record costs ~30 us to read;
+bookkeeping of ~40 us a record made restores 0.3-0.5x a plain read, and hashing a record the kernel
+had copied with ``preadv`` read it back from memory). The copy and the checks of a whole window of
+records are one native call (fix 11: ~20 Python operations a record, each made dearer by the cache
+the copy evicts, cost ~15 us of a ~45 us record).
 
+* :func:`copy_records`: copy a window of records out of LMDB's views and check each (the native
+  helper ``_recordio``, built from ``_recordio.c`` by ``pip install``; a required part);
 * :func:`writable_bytes`: a caller's tensor as a buffer to copy into, without numpy;
 * :class:`ReadChunks`: buffers for records a caller borrows, carved as a stack out of chunks of the
   tier's read arena: the next record lands where the last dropped one was (still in the cache);
@@ -22,6 +26,48 @@ import numpy as np
 import torch
 
 from kvtier.server.hostmem import HostArena
+from kvtier.server.tiers import _recordio
+
+#: :func:`copy_records`' code for a window slot without a record (the key was absent).
+ABSENT = _recordio.NONE_SOURCE
+
+_DAMAGE = {
+    _recordio.ERR_SHORT: "the record is shorter than its 56-byte header",
+    _recordio.ERR_MAGIC: "bad record magic",
+    _recordio.ERR_VERSION: "record format version is not the supported one",
+    _recordio.ERR_LENGTH: "the record's length differs from what its header accounts for",
+    _recordio.ERR_SRC_LOC: "record src_loc bytes differ from 8 per token",
+    _recordio.ERR_CHECKSUM: "record checksum (xxh3_64) mismatch: the record is damaged",
+}
+
+
+def copy_records(views: list, dsts: list, verify: bool) -> list[int]:
+    """Copy each record of ``views`` into the buffer of ``dsts`` at the same index and, with
+    ``verify``, check it as :func:`~kvtier.server.tiers.record.verify_record` does (magic, version,
+    lengths, src_loc bytes, xxh3_64 with the checksum field read as zeros), in one native call with
+    the GIL released (each record hashed right after its copy, while it is in L2).
+
+    Args:
+        views: C-contiguous byte buffers (LMDB's ``buffers=True`` values; valid for the call) or None.
+        dsts: writable C-contiguous byte buffers, at least as long as their views (None where the
+            view is None).
+        verify: check each record; False: copy only.
+
+    Returns:
+        One int per record: ``>= 0`` a good record (its ``n_tokens``; 0 without ``verify``),
+        :data:`ABSENT` for a None view, any other negative value a failed check
+        (:func:`damage_reason` names it; the buffer then holds bytes not to be handed out).
+
+    Raises:
+        ValueError: a destination smaller than its record, or lists of different lengths (before
+            anything is copied).
+    """
+    return _recordio.copy_check(views, dsts, verify)
+
+
+def damage_reason(code: int) -> str:
+    """What a negative :func:`copy_records` code (other than :data:`ABSENT`) says failed."""
+    return _DAMAGE.get(code, f"record check failed (code {code})")
 
 #: Records borrowed from one chunk start at multiples of this (payload views stay int64-aligned).
 RECORD_ALIGN = 4096
@@ -87,8 +133,10 @@ class ReadChunks:
         self._lock = threading.Lock()
         self._chunk: _Chunk | None = None
         self._serial = 0  # of the current chunk: drops of records in older chunks are ignored
-        self._dropped: deque[tuple[int, int]] = deque()  # (chunk serial, offset)
-        self._refs: dict[tuple[int, int], weakref.ref] = {}
+        self._dropped: deque[weakref.ref] = deque()  # weak references of dropped records
+        # id(weak reference) -> (it, chunk serial, offset): kept here so its callback runs (a plain
+        # weakref.ref with the deque's append as callback: ~1 us a record less than a closure or KeyedRef)
+        self._refs: dict[int, tuple[weakref.ref, int, int]] = {}
 
     def take(self, nbytes: int) -> tuple[torch.Tensor, memoryview]:
         """A ``(nbytes,)`` uint8 host tensor and a writable memoryview of the same bytes (to fill).
@@ -105,8 +153,8 @@ class ReadChunks:
                         c.top = off + size
                         c.stack.append((off, size))
                         arr, mv = c.arr[off:off + nbytes], c.mv[off:off + nbytes]
-                        key = (self._serial, off)
-                        self._refs[key] = weakref.ref(arr, lambda _r, key=key, q=self._dropped: q.append(key))
+                        r = weakref.ref(arr, self._dropped.append)
+                        self._refs[id(r)] = (r, self._serial, off)
                         return torch.from_numpy(arr), mv
                     self._chunk = None  # full: it goes back once its records are gone
                     del c
@@ -125,12 +173,51 @@ class ReadChunks:
             arr = np.empty(nbytes, dtype=np.uint8)
         return torch.from_numpy(arr), memoryview(arr)
 
+    def take_many(self, sizes: list[int]) -> tuple[list[torch.Tensor | None], list[memoryview | None]]:
+        """:meth:`take` of each size of a window in one lock section (None for a size of 0): the
+        records lie back to back in the current chunk, in order; from the first that does not fit
+        on, each is a :meth:`take` of its own (a new chunk)."""
+        k = len(sizes)
+        tensors: list[torch.Tensor | None] = [None] * k
+        mvs: list[memoryview | None] = [None] * k
+        i = 0
+        with self._lock:
+            if self._dropped:
+                self._apply_drops()
+            c = self._chunk
+            if c is not None:
+                stack, refs, serial, cb, cap = c.stack, self._refs, self._serial, self._dropped.append, c.arr.size
+                arr_all, mv_all, ref, from_numpy = c.arr, c.mv, weakref.ref, torch.from_numpy
+                for i in range(k):
+                    n = sizes[i]
+                    if not n:
+                        continue
+                    off = c.top
+                    size = -(-n // RECORD_ALIGN) * RECORD_ALIGN
+                    if off + size > cap:
+                        break
+                    c.top = off + size
+                    stack.append((off, size))
+                    arr = arr_all[off:off + n]
+                    r = ref(arr, cb)
+                    refs[id(r)] = (r, serial, off)
+                    tensors[i], mvs[i] = from_numpy(arr), mv_all[off:off + n]
+                else:
+                    return tensors, mvs
+        for j in range(i, k):
+            if sizes[j] and tensors[j] is None:
+                tensors[j], mvs[j] = self.take(sizes[j])
+        return tensors, mvs
+
     def _apply_drops(self) -> None:
         """Pop dropped records off the current chunk's stack (lock held)."""
         q, c = self._dropped, self._chunk
+        refs = self._refs
         while q:
-            serial, off = q.popleft()
-            self._refs.pop((serial, off), None)
+            got = refs.pop(id(q.popleft()), None)
+            if got is None:
+                continue
+            _, serial, off = got
             if c is not None and serial == self._serial:
                 c.dead.add(off)
         if c is not None and c.dead:

@@ -39,9 +39,8 @@ from kvtier.server.tiers.errors import RecordError
 
 MAGIC = b"KVTR"
 FORMAT_VERSION = 1
-_FIXED = struct.Struct("<4sHHIIIIQQQQ")
+_FIXED = struct.Struct("<4sHHIIIIQQQQ")  # server/tiers/_recordio.c (the disk tier's reads) checks these fields too
 _CHECKSUM_AT = _FIXED.size - 8
-_U64 = struct.Struct("<Q")
 _ALIGN = 64
 
 
@@ -97,47 +96,6 @@ def verify_record(buf: torch.Tensor | np.ndarray | bytes | memoryview, *, checks
     if checksum and _checksum(arr, header, total) != stored:
         raise RecordError("record checksum (xxh3_64) mismatch: the record is damaged")
     return RecordInfo(n_tokens, n_pages, total, header, lat, idx)
-
-
-def check_record_in_place(buf: Any) -> int:
-    """:func:`verify_record` for a record in a *writable* buffer, with no copy and no array views: the
-    disk tier's read path (a few microseconds of Python a record instead of ~15).
-
-    The checksum covers the header with its checksum field read as zeros; instead of streaming three
-    pieces, the field is zeroed in ``buf`` for one one-shot xxh3_64 over the whole record and put
-    back before returning (also on failure), so ``buf`` holds the record unchanged afterwards.
-
-    Args:
-        buf: a writable C-contiguous buffer of bytes (a ``B`` memoryview, a ctypes ``c_char`` array)
-            holding exactly one record.
-
-    Returns:
-        The record's ``n_tokens``.
-
-    Raises:
-        RecordError: naming the failed check (magic, version, lengths, checksum).
-    """
-    n = len(buf)
-    if n < _FIXED.size:
-        raise RecordError(f"record of {n} bytes is shorter than its {_FIXED.size}-byte header")
-    magic, version, _, n_tokens, _, num_layers, fp_len, lat, idx, src, checksum = _FIXED.unpack_from(buf, 0)
-    if magic != MAGIC:
-        raise RecordError(f"bad record magic {magic!r}")
-    if version != FORMAT_VERSION:
-        raise RecordError(f"record format version {version} is not the supported {FORMAT_VERSION}")
-    total = -(-(_FIXED.size + fp_len + num_layers) // _ALIGN) * _ALIGN + lat + idx + src
-    if n != total:
-        raise RecordError(f"record holds {n} bytes but its header accounts for {total}")
-    if src != 8 * n_tokens:
-        raise RecordError(f"record src_loc holds {src} bytes for {n_tokens} tokens")
-    _U64.pack_into(buf, _CHECKSUM_AT, 0)
-    try:
-        digest = xxhash.xxh3_64_intdigest(buf)
-    finally:
-        _U64.pack_into(buf, _CHECKSUM_AT, checksum)
-    if digest != checksum:
-        raise RecordError("record checksum (xxh3_64) mismatch: the record is damaged")
-    return n_tokens
 
 
 def read_header(buf: torch.Tensor | np.ndarray | bytes | memoryview, *,

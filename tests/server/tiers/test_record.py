@@ -8,7 +8,6 @@ import torch
 from kvtier.server.model_config import DSAModelConfig
 from kvtier.server.pool import create_pool, slots_of_pages
 from kvtier.server.tiers import RecordCodec, RecordError, verify_record
-from kvtier.server.tiers.record import check_record_in_place
 from tierkit import INDEX_PAGE, PAGE, ROW, fill_page, read_page, record_of, verify_same_page
 
 def test_page_record_holds_latent_for_every_layer_and_indexer_for_live_layers_only(model, pool, codec):
@@ -111,33 +110,6 @@ def test_page_fast_load_checks_the_record_as_check_does(model, pool, codec):
     with pytest.raises(RecordError):
         codec.load_page(other, good[:-8].clone(), 3)
     assert torch.equal(other.arena("latent"), before)
-
-
-@pytest.mark.parametrize("where", ["magic", "checksum", "fingerprint", "latent", "index", "src_loc", "last"])
-def test_in_place_check_catches_what_verify_record_catches_and_leaves_the_bytes_as_they_were(pool, codec, where):
-    """check_record_in_place (the disk read path) zeroes the checksum field to hash the record in one
-    pass: it must accept exactly what verify_record accepts and put the field back either way."""
-    rec = record_of(codec, pool, 1, seed=3)
-    ok = rec.clone()
-    assert check_record_in_place(memoryview(ok.numpy())) == PAGE
-    assert torch.equal(ok, rec)
-    h = codec.header_nbytes
-    pos = {"magic": 0, "checksum": 50, "fingerprint": 60, "latent": h + 1000, "index": h + 4 * PAGE * ROW + 5000,
-           "src_loc": rec.numel() - 100, "last": rec.numel() - 1}[where]
-    bad = rec.clone()
-    bad[pos] ^= 0x10
-    before = bad.clone()
-    with pytest.raises(RecordError):
-        check_record_in_place(memoryview(bad.numpy()))
-    assert torch.equal(bad, before)
-
-
-def test_in_place_check_refuses_short_and_mislabelled_buffers(pool, codec):
-    rec = record_of(codec, pool, 1, seed=4)
-    with pytest.raises(RecordError, match="shorter"):
-        check_record_in_place(bytearray(20))
-    with pytest.raises(RecordError, match="header accounts"):
-        check_record_in_place(memoryview(rec[:-8].clone().numpy()))
 
 
 def test_verified_skips_only_the_hash(pool, codec):

@@ -1,0 +1,10 @@
+"""The one native part of kvtier (metadata lives in pyproject.toml): the disk tier's window read,
+``kvtier.server.tiers._recordio`` (copy, header checks and xxh3_64 of a window of records in one call),
+linked against the system's xxHash library (Debian: ``libxxhash-dev``)."""
+
+from setuptools import Extension, setup
+
+setup(ext_modules=[
+    Extension("kvtier.server.tiers._recordio", ["server/tiers/_recordio.c"], libraries=["xxhash"],
+              extra_compile_args=["-O3", "-std=c11", "-Wall", "-Werror"]),
+])
