@@ -18,9 +18,8 @@ the copy evicts, cost ~15 us of a ~45 us record).
 from __future__ import annotations
 
 import ctypes
+import sys
 import threading
-import weakref
-from collections import deque
 
 import numpy as np
 import torch
@@ -93,17 +92,29 @@ def writable_bytes(t: torch.Tensor, nbytes: int) -> memoryview:
     return mv
 
 
+#: ``sys.getrefcount`` of a record's array held by nothing but its chunk's stack entry (the entry,
+#: and the call's own argument): no tensor or view of the record is left.
+_ONLY_STACK = 2
+
+
 class _Chunk:
     """One arena block carved as a stack: records are bumped off ``top`` and ``top`` falls back as
     the records on top of it are dropped."""
 
-    __slots__ = ("arr", "mv", "top", "stack", "dead")
+    __slots__ = ("arr", "mv", "top", "stack")
 
     def __init__(self, arr: np.ndarray) -> None:
         self.arr, self.mv = arr, memoryview(arr)
         self.top = 0
-        self.stack: list[tuple[int, int]] = []  # (offset, aligned size) of records in the order handed out
-        self.dead: set[int] = set()  # offsets of dropped records not yet popped off the stack
+        # (offset, the record's array) in the order handed out; the record's tensor (and every view
+        # of it) holds that array, so the array's reference count says whether the record is alive
+        self.stack: list[tuple[int, np.ndarray]] = []
+
+    def pop_dropped(self) -> None:
+        """Let ``top`` fall back past the records on top of the stack that nothing holds any more."""
+        stack = self.stack
+        while stack and sys.getrefcount(stack[-1][1]) <= _ONLY_STACK:
+            self.top = stack.pop()[0]
 
 
 class ReadChunks:
@@ -116,15 +127,19 @@ class ReadChunks:
     window of records reuses one window's bytes. A chunk that fills up is left to the records in it
     (it goes back to the arena when they are all dropped) and a new one is taken.
 
+    A record counts as dropped when the chunk's stack holds the only reference to its numpy array
+    (``torch.from_numpy`` keeps the array referenced for as long as the tensor's storage lives, so
+    any tensor view or ``.numpy()`` of the record keeps it held): no weak references, callbacks or
+    drop queue (those cost ~2 us a record; BENCHMARKS.md, fix 11).
+
     Args:
         arena: the tier's read arena (faulted in once); None: every buffer is fresh memory.
         chunk_bytes: bytes of a chunk (at most the arena's capacity); a record larger than a chunk
             gets an arena block of its own (or fresh memory when the arena has no room).
 
     Thread safety: one leaf lock around the bookkeeping (nothing is taken or called while it is
-    held; a new chunk is allocated outside it). Drops may come from any thread at any moment (a
-    weakref callback runs wherever the last reference dies), so they are only appended to a deque
-    (atomic) and applied at the next :meth:`take`.
+    held; a new chunk is allocated outside it). A record dropped in another thread while a take
+    looks is seen then or at the next take (reference counts are read under the GIL).
     """
 
     def __init__(self, arena: HostArena | None, chunk_bytes: int = 8 << 20) -> None:
@@ -132,11 +147,6 @@ class ReadChunks:
         self.chunk_bytes = max(RECORD_ALIGN, min(chunk_bytes, arena.capacity if arena is not None else chunk_bytes))
         self._lock = threading.Lock()
         self._chunk: _Chunk | None = None
-        self._serial = 0  # of the current chunk: drops of records in older chunks are ignored
-        self._dropped: deque[weakref.ref] = deque()  # weak references of dropped records
-        # id(weak reference) -> (it, chunk serial, offset): kept here so its callback runs (a plain
-        # weakref.ref with the deque's append as callback: ~1 us a record less than a closure or KeyedRef)
-        self._refs: dict[int, tuple[weakref.ref, int, int]] = {}
 
     def take(self, nbytes: int) -> tuple[torch.Tensor, memoryview]:
         """A ``(nbytes,)`` uint8 host tensor and a writable memoryview of the same bytes (to fill).
@@ -145,17 +155,15 @@ class ReadChunks:
         if size <= self.chunk_bytes:
             for _ in range(2):
                 with self._lock:
-                    if self._dropped:
-                        self._apply_drops()
                     c = self._chunk
-                    if c is not None and c.top + size <= c.arr.size:
+                    if c is not None:
+                        c.pop_dropped()
                         off = c.top
-                        c.top = off + size
-                        c.stack.append((off, size))
-                        arr, mv = c.arr[off:off + nbytes], c.mv[off:off + nbytes]
-                        r = weakref.ref(arr, self._dropped.append)
-                        self._refs[id(r)] = (r, self._serial, off)
-                        return torch.from_numpy(arr), mv
+                        if off + size <= c.arr.size:
+                            c.top = off + size
+                            arr = c.arr[off:off + nbytes]
+                            c.stack.append((off, arr))
+                            return torch.from_numpy(arr), c.mv[off:off + nbytes]
                     self._chunk = None  # full: it goes back once its records are gone
                     del c
                 chunk = self._new_block(self.chunk_bytes)
@@ -164,7 +172,6 @@ class ReadChunks:
                 with self._lock:
                     if self._chunk is None:
                         self._chunk = _Chunk(chunk)
-                        self._serial += 1
                 del chunk
         arr = self._new_block(nbytes)
         if arr is None:
@@ -182,49 +189,27 @@ class ReadChunks:
         mvs: list[memoryview | None] = [None] * k
         i = 0
         with self._lock:
-            if self._dropped:
-                self._apply_drops()
             c = self._chunk
             if c is not None:
-                stack, refs, serial, cb, cap = c.stack, self._refs, self._serial, self._dropped.append, c.arr.size
-                arr_all, mv_all, ref, from_numpy = c.arr, c.mv, weakref.ref, torch.from_numpy
-                for i in range(k):
-                    n = sizes[i]
-                    if not n:
-                        continue
-                    off = c.top
-                    size = -(-n // RECORD_ALIGN) * RECORD_ALIGN
-                    if off + size > cap:
-                        break
-                    c.top = off + size
-                    stack.append((off, size))
-                    arr = arr_all[off:off + n]
-                    r = ref(arr, cb)
-                    refs[id(r)] = (r, serial, off)
-                    tensors[i], mvs[i] = from_numpy(arr), mv_all[off:off + n]
+                c.pop_dropped()
+                top, cap, push, arr_all, mv_all, from_numpy = c.top, c.arr.size, c.stack.append, c.arr, c.mv, torch.from_numpy
+                for i, n in enumerate(sizes):
+                    if n:
+                        end = top + ((n + RECORD_ALIGN - 1) & -RECORD_ALIGN)
+                        if end > cap:
+                            break
+                        arr = arr_all[top:top + n]
+                        push((top, arr))
+                        tensors[i], mvs[i] = from_numpy(arr), mv_all[top:top + n]
+                        top = end
                 else:
+                    c.top = top
                     return tensors, mvs
+                c.top = top
         for j in range(i, k):
             if sizes[j] and tensors[j] is None:
                 tensors[j], mvs[j] = self.take(sizes[j])
         return tensors, mvs
-
-    def _apply_drops(self) -> None:
-        """Pop dropped records off the current chunk's stack (lock held)."""
-        q, c = self._dropped, self._chunk
-        refs = self._refs
-        while q:
-            got = refs.pop(id(q.popleft()), None)
-            if got is None:
-                continue
-            _, serial, off = got
-            if c is not None and serial == self._serial:
-                c.dead.add(off)
-        if c is not None and c.dead:
-            while c.stack and c.stack[-1][0] in c.dead:
-                off, _ = c.stack.pop()
-                c.dead.discard(off)
-                c.top = off
 
     def _new_block(self, nbytes: int) -> np.ndarray | None:
         block = self.arena.alloc(nbytes) if self.arena is not None else None
