@@ -17,7 +17,7 @@ import torch
 
 from kvtier.client.base import BaseClient
 from kvtier.client.errors import FailedPreconditionError
-from kvtier.client.wire import ReceiveBuffers, decode_read_chunk
+from kvtier.client.wire import ReceiveBuffers, decode_read_chunk, encode_write_chunk
 from kvtier.v1 import pool_pb2, pool_pb2_grpc
 
 Slots = Any  # (n,) int torch.Tensor, numpy array or sequence of ints
@@ -164,13 +164,14 @@ class PoolMixin(BaseClient):
                           idempotent=False, timeout=timeout).freed_pages
 
     # ----- KV data ------------------------------------------------------------------------------
-    def _write_requests(self, header: pool_pb2.KVHeader, segments: list[tuple[int, int, memoryview]]) -> Iterator[pool_pb2.WriteKVRequest]:
-        yield pool_pb2.WriteKVRequest(header=header)
+    def _write_requests(self, header: pool_pb2.KVHeader, segments: list[tuple[int, int, memoryview]]) -> Iterator[bytes]:
+        """Serialized ``WriteKVRequest`` messages: the header, then each segment in pieces of
+        ``chunk_bytes`` (each piece's bytes copied once, into its message)."""
+        yield encode_write_chunk(0, 0, 0, [], header=header.SerializeToString())
         step = self.chunk_bytes
         for layer, comp, data in segments:
             for off in range(0, len(data), step):
-                yield pool_pb2.WriteKVRequest(
-                    layer_id=layer, component=comp, offset=off, data=bytes(data[off:off + step]))
+                yield encode_write_chunk(layer, comp, off, [data[off:off + step]])
 
     def write_kv(
         self,
@@ -203,7 +204,7 @@ class PoolMixin(BaseClient):
         cached = self.__dict__.get("_layouts", {}).get(pool_id)
         header = pool_pb2.KVHeader(pool_id=pool_id, slots=slot_list(slots), latent_layers=list(latent), index_layers=list(index),
                                    layout_digest=cached.fingerprint_digest if cached is not None else "")
-        resp = self.unary(self._pool.WriteKV, self._write_requests(header, segs), idempotent=False, timeout=timeout)
+        resp = self.unary(self._write_kv_raw, self._write_requests(header, segs), idempotent=False, timeout=timeout)
         return resp.bytes_written
 
     def read_kv(
@@ -285,6 +286,16 @@ class PoolMixin(BaseClient):
             return out
 
         return self.server_stream(self._read_kv_raw, req, consume, idempotent=True, timeout=timeout)
+
+    @property
+    def _write_kv_raw(self) -> Any:
+        """WriteKV on this client's channel taking requests already serialized (:func:`encode_write_chunk`)."""
+        rpc = self.__dict__.get("_write_kv_rpc")
+        if rpc is None:
+            rpc = self.__dict__["_write_kv_rpc"] = self._channel.stream_unary(
+                f"/{pool_pb2.DESCRIPTOR.services_by_name['PoolService'].full_name}/WriteKV", request_serializer=None,
+                response_deserializer=pool_pb2.WriteKVResponse.FromString)
+        return rpc
 
     @property
     def _read_kv_raw(self) -> Any:

@@ -617,6 +617,9 @@ class WriteKVRequest(_message.Message):
     data); every message's data goes at byte `offset` of segment (layer_id, component). Pieces of a
     segment arrive in order, without gaps or overlap. Nothing is written into the pool until the
     whole stream has arrived and checked out; a stream that breaks off writes nothing.
+    `packed` (set in the first message): every message's data goes at byte `offset` of the
+    concatenation of every segment in stream order instead, layer_id and component left out, and
+    messages may run across segment boundaries (fewer, fuller messages, as ReadKV's packed form).
     (Flat messages: protobuf's Python runtime copies a nested message's bytes once more.)
     """
 
@@ -627,10 +630,13 @@ class WriteKVRequest(_message.Message):
     COMPONENT_FIELD_NUMBER: _builtins.int
     OFFSET_FIELD_NUMBER: _builtins.int
     DATA_FIELD_NUMBER: _builtins.int
+    PACKED_FIELD_NUMBER: _builtins.int
     layer_id: _builtins.int
     component: Global___Component.ValueType
     offset: _builtins.int
     data: _builtins.bytes
+    packed: _builtins.bool
+    """first message only"""
     @_builtins.property
     def header(self) -> Global___KVHeader:
         """first message only"""
@@ -643,10 +649,11 @@ class WriteKVRequest(_message.Message):
         component: Global___Component.ValueType = ...,
         offset: _builtins.int = ...,
         data: _builtins.bytes = ...,
+        packed: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["header", b"header"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["component", b"component", "data", b"data", "header", b"header", "layer_id", b"layer_id", "offset", b"offset"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["component", b"component", "data", b"data", "header", b"header", "layer_id", b"layer_id", "offset", b"offset", "packed", b"packed"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
