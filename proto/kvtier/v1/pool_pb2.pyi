@@ -323,6 +323,7 @@ class PoolInfo(_message.Message):
     LIVE_LAYERS_FIELD_NUMBER: _builtins.int
     LAYERS_FIELD_NUMBER: _builtins.int
     PLAN_FIELD_NUMBER: _builtins.int
+    PACKED_WRITES_FIELD_NUMBER: _builtins.int
     pool_id: _builtins.str
     role: _builtins.str
     device: _builtins.str
@@ -335,6 +336,8 @@ class PoolInfo(_message.Message):
     """bytes allocated: latent + live-layer indexer"""
     latent_size_bytes: _builtins.int
     index_size_bytes: _builtins.int
+    packed_writes: _builtins.bool
+    """the daemon takes WriteKVRequest.packed (a client sends it only then)"""
     @_builtins.property
     def layout(self) -> Global___PoolLayout: ...
     @_builtins.property
@@ -364,10 +367,11 @@ class PoolInfo(_message.Message):
         live_layers: _abc.Iterable[_builtins.int] | None = ...,
         layers: _abc.Iterable[Global___LayerInfo] | None = ...,
         plan: Global___PoolPlan | None = ...,
+        packed_writes: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["layout", b"layout", "plan", b"plan"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["device", b"device", "free_pages", b"free_pages", "index_size_bytes", b"index_size_bytes", "kv_size_bytes", b"kv_size_bytes", "latent_size_bytes", b"latent_size_bytes", "layers", b"layers", "layout", b"layout", "live_layers", b"live_layers", "plan", b"plan", "pool_id", b"pool_id", "role", b"role", "size_tokens", b"size_tokens", "total_pages", b"total_pages", "used_pages", b"used_pages"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["device", b"device", "free_pages", b"free_pages", "index_size_bytes", b"index_size_bytes", "kv_size_bytes", b"kv_size_bytes", "latent_size_bytes", b"latent_size_bytes", "layers", b"layers", "layout", b"layout", "live_layers", b"live_layers", "packed_writes", b"packed_writes", "plan", b"plan", "pool_id", b"pool_id", "role", b"role", "size_tokens", b"size_tokens", "total_pages", b"total_pages", "used_pages", b"used_pages"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
