@@ -256,8 +256,7 @@ def write_kv(registry: PoolRegistry, caller: Caller, buf: KVWriteBuffer) -> int:
         n = slots.numel()
         pool = entry.pool
         sw = pool.index_scale_bytes // 4
-        for layer in sel.latent_layers:
-            pool.set_kv_buffer(layer, slots, buf.tensor(layer, LATENT).view(n, pool.row_bytes))
+        pool.set_kv_buffer_layers(sel.latent_layers, slots, [buf.tensor(x, LATENT).view(n, pool.row_bytes) for x in sel.latent_layers])
         for layer in sel.index_layers:
             keys = buf.tensor(layer, INDEX_K).view(n, pool.index_head_dim)
             scales = buf.tensor(layer, INDEX_SCALE).view(torch.float32).view(n, sw)

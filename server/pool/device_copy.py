@@ -61,17 +61,19 @@ MAX_COPY_RUNS = 16
 more, and numpy's fancy assignment (a block a row) is cheaper than a Python call a run."""
 
 
-def scatter_rows(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
+def scatter_rows(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor, *,
+                 runs: list[tuple[int, int]] | None = None) -> None:
     """``dst[index[i]] = src[i]`` along dim 0 (``index`` distinct, checked by the caller).
 
     On the CPU: rows whose slots make at most :data:`MAX_COPY_RUNS` runs are copied a run at a time
-    (one ``copy_`` of contiguous memory each: 221 MB of 4,096 contiguous slots in 78 layers, 64 ->
-    ~30 ms; BENCHMARKS.md fix 11), others through numpy's fancy assignment, which copies each row as
+    (one ``copy_`` of contiguous memory each; BENCHMARKS.md fix 11), others through numpy's fancy
+    assignment, which copies each row as
     one block: 1.5-1.7x torch's element-wise ``index_copy_`` on the same int64 rows (measured,
-    BENCHMARKS.md). On a device, ``index_copy_``.
+    BENCHMARKS.md). On a device, ``index_copy_``. ``runs``: ``slot_runs(index, MAX_COPY_RUNS)``
+    when the caller has it already (several layers, the same slots).
     """
     if dst.device.type == "cpu":
-        runs = slot_runs(index, MAX_COPY_RUNS)
+        runs = runs if runs is not None else slot_runs(index, MAX_COPY_RUNS)
         if runs is None:
             dst.numpy()[index.numpy()] = src.numpy()
             return
