@@ -193,7 +193,8 @@ class KVWriteBuffer:
             raise InvalidArgument(f"packed chunk at offset {offset}; expected {filled}")
         end = offset + len(data)
         if end > self.nbytes:
-            raise InvalidArgument(f"the stream gets {end} bytes; the header selects {self.nbytes}")
+            raise InvalidArgument(f"the packed stream gets {end} bytes; what the header selects holds {self.nbytes} "
+                                  f"({len(self.segments)} segments of {self.slots.numel()} slots)")
         if len(data) < MIN_CHUNK_BYTES and end != self.nbytes:
             raise InvalidArgument(f"packed chunk of {len(data)} bytes: pieces must hold at least {MIN_CHUNK_BYTES} "
                                   f"bytes unless they end the stream")
