@@ -6,7 +6,7 @@ the message is serialized, on top of the ``bytes`` object the chunk had to be ma
 (per MiB: 72 + 75 + 163 us here; BENCHMARKS.md). A ``ReadKVResponse`` is four scalar fields and the
 data, so the daemon writes its wire form itself -- the field tags and varints, then the chunk joined
 straight from the gathered array -- and registers ReadKV with an identity serializer
-(:func:`with_raw_responses`). The bytes on the wire are what ``ReadKVResponse.SerializeToString``
+(:func:`with_raw_messages`). The bytes on the wire are what ``ReadKVResponse.SerializeToString``
 produces (proto3: fields at their default are left out; checked in the tests), so any client --
 protobuf's own parser included -- reads them unchanged. WriteKV's requests are parsed the other
 way round (:func:`decode_write_request`, registered as the method's request deserializer): the
