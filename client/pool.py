@@ -17,7 +17,7 @@ import torch
 
 from kvtier.client.base import BaseClient
 from kvtier.client.errors import FailedPreconditionError
-from kvtier.client.wire import ReceiveBuffers, decode_read_chunk
+from kvtier.client.wire import ReceiveBuffers, decode_read_chunk, encode_write_chunk
 from kvtier.v1 import pool_pb2, pool_pb2_grpc
 
 Slots = Any  # (n,) int torch.Tensor, numpy array or sequence of ints
@@ -84,7 +84,9 @@ class PoolMixin(BaseClient):
         """Layout of ``pool_id`` (fetched once, then cached)."""
         cache = self.__dict__.setdefault("_layouts", {})
         if pool_id not in cache:
-            cache[pool_id] = self.describe_pool(pool_id).layout
+            info = self.describe_pool(pool_id)
+            cache[pool_id] = info.layout
+            self.__dict__.setdefault("_packed_writes", {})[pool_id] = info.packed_writes
         return cache[pool_id]
 
     # ----- pools --------------------------------------------------------------------------------
@@ -131,6 +133,7 @@ class PoolMixin(BaseClient):
             req.memory_budget_bytes = memory_budget_bytes
         info = self.unary(self._pool.CreatePool, req, idempotent=False, timeout=timeout)
         self.__dict__.setdefault("_layouts", {})[info.pool_id] = info.layout
+        self.__dict__.setdefault("_packed_writes", {})[info.pool_id] = info.packed_writes
         return info
 
     def describe_pool(self, pool_id: str, *, timeout: float | None = None) -> pool_pb2.PoolInfo:
@@ -164,13 +167,32 @@ class PoolMixin(BaseClient):
                           idempotent=False, timeout=timeout).freed_pages
 
     # ----- KV data ------------------------------------------------------------------------------
-    def _write_requests(self, header: pool_pb2.KVHeader, segments: list[tuple[int, int, memoryview]]) -> Iterator[pool_pb2.WriteKVRequest]:
-        yield pool_pb2.WriteKVRequest(header=header)
+    def _write_requests(self, header: pool_pb2.KVHeader, segments: list[tuple[int, int, memoryview]], *,
+                        packed: bool) -> Iterator[bytes]:
+        """Serialized ``WriteKVRequest`` messages (each piece's bytes copied once, into its message):
+        the header, then ``packed``: the segments back to back in full ``chunk_bytes`` messages that
+        run across segment boundaries (a daemon that says ``PoolInfo.packed_writes``), else each
+        segment in pieces of ``chunk_bytes``."""
+        yield encode_write_chunk(0, 0, 0, [], header=header.SerializeToString(), packed=packed)
         step = self.chunk_bytes
-        for layer, comp, data in segments:
-            for off in range(0, len(data), step):
-                yield pool_pb2.WriteKVRequest(
-                    layer_id=layer, component=comp, offset=off, data=bytes(data[off:off + step]))
+        if not packed:
+            for layer, comp, data in segments:
+                for off in range(0, len(data), step):
+                    yield encode_write_chunk(layer, comp, off, [data[off:off + step]])
+            return
+        parts: list[memoryview] = []
+        have = start = 0
+        for _, _, data in segments:
+            pos = 0
+            while pos < len(data):
+                take = min(step - have, len(data) - pos)
+                parts.append(data[pos:pos + take])
+                have, pos = have + take, pos + take
+                if have == step:
+                    yield encode_write_chunk(0, 0, start, parts)
+                    start, parts, have = start + have, [], 0
+        if have:
+            yield encode_write_chunk(0, 0, start, parts)
 
     def write_kv(
         self,
@@ -200,10 +222,11 @@ class PoolMixin(BaseClient):
         for x, (keys, scales) in index.items():
             segs.append((x, _INDEX_K, _as_bytes(keys, f"index[{x}] keys")))
             segs.append((x, _INDEX_SCALE, _as_bytes(scales, f"index[{x}] scales")))
-        cached = self.__dict__.get("_layouts", {}).get(pool_id)
+        lay = self.layout(pool_id)  # cached after the first call (it says whether the daemon takes packed writes)
         header = pool_pb2.KVHeader(pool_id=pool_id, slots=slot_list(slots), latent_layers=list(latent), index_layers=list(index),
-                                   layout_digest=cached.fingerprint_digest if cached is not None else "")
-        resp = self.unary(self._pool.WriteKV, self._write_requests(header, segs), idempotent=False, timeout=timeout)
+                                   layout_digest=lay.fingerprint_digest)
+        packed = self.__dict__.get("_packed_writes", {}).get(pool_id, False)
+        resp = self.unary(self._write_kv_raw, self._write_requests(header, segs, packed=packed), idempotent=False, timeout=timeout)
         return resp.bytes_written
 
     def read_kv(
@@ -285,6 +308,16 @@ class PoolMixin(BaseClient):
             return out
 
         return self.server_stream(self._read_kv_raw, req, consume, idempotent=True, timeout=timeout)
+
+    @property
+    def _write_kv_raw(self) -> Any:
+        """WriteKV on this client's channel taking requests already serialized (:func:`encode_write_chunk`)."""
+        rpc = self.__dict__.get("_write_kv_rpc")
+        if rpc is None:
+            rpc = self.__dict__["_write_kv_rpc"] = self._channel.stream_unary(
+                f"/{pool_pb2.DESCRIPTOR.services_by_name['PoolService'].full_name}/WriteKV", request_serializer=None,
+                response_deserializer=pool_pb2.WriteKVResponse.FromString)
+        return rpc
 
     @property
     def _read_kv_raw(self) -> Any:

@@ -1,5 +1,6 @@
-"""ReadKV responses read without protobuf's message objects: the chunk's bytes are copied once,
-into a receive buffer that is used again once the caller drops the result (:class:`ReceiveBuffers`).
+"""ReadKV responses read and WriteKV requests written without protobuf's message objects: the
+chunk's bytes are copied once, into a receive buffer that is used again once the caller drops the
+result (:class:`ReceiveBuffers`), or into the request's wire bytes (:func:`encode_write_chunk`).
 
 protobuf's Python runtime copies a ``bytes`` field out of the parsed message on every read of it, on
 top of the parse (per MiB: 71 + 75 us here; BENCHMARKS.md). ReadKV's responses are four scalar
@@ -15,6 +16,36 @@ from collections import deque
 
 import numpy as np
 import torch
+
+
+def _put_varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def encode_write_chunk(layer_id: int, component: int, offset: int, parts: list[memoryview], *, packed: bool = False,
+                       header: bytes | None = None) -> bytes:
+    """The wire bytes of ``WriteKVRequest(header, layer_id, component, offset, data, packed)`` with
+    ``data`` the ``parts`` joined (the one copy of the chunk; ``header`` a serialized ``KVHeader``),
+    exactly what protobuf's ``SerializeToString`` writes (fields in number order, defaults left out)."""
+    nbytes = sum(len(p) for p in parts)
+    head = bytearray()
+    if header is not None:
+        head += b"\x0a" + _put_varint(len(header)) + header
+    if layer_id:
+        head += b"\x10" + _put_varint(layer_id)
+    if component:
+        head += b"\x18" + _put_varint(component)
+    if offset:
+        head += b"\x20" + _put_varint(offset)
+    if nbytes:
+        head += b"\x2a" + _put_varint(nbytes)
+    tail = b"\x30\x01" if packed else b""
+    return b"".join((head, *parts, tail))
 
 
 def _varint(buf: bytes, i: int) -> tuple[int, int]:

@@ -19,8 +19,6 @@ by another session are never freed, written, moved onto or restored into (FAILED
 
 from __future__ import annotations
 
-import queue
-import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -120,6 +118,10 @@ def plan_segments(entry: PoolEntry, sel: KVSelection, n_slots: int) -> list[Segm
 class KVWriteBuffer:
     """Host staging for one WriteKV stream: chunks land here, the pool is written only at commit.
 
+    The staging is one block of the pool's host arena (faulted in once, reused by every stream;
+    fresh memory when the arena is full) holding the segments back to back in stream order, so a
+    packed stream (:meth:`add_packed`) and a per-segment one (:meth:`add`) land the same way.
+
     Args:
         entry: the target pool (read only here).
         sel: the stream's header; checked at once (layers, slots) so a bad header fails before any data.
@@ -134,40 +136,77 @@ class KVWriteBuffer:
         if self.slots.numel() == 0:
             raise InvalidArgument("a KV write needs at least one slot")
         self.segments = plan_segments(entry, sel, self.slots.numel())
-        self._bufs = {(s.layer_id, s.component): np.empty(s.nbytes, dtype=np.uint8) for s in self.segments}
-        self._filled = dict.fromkeys(self._bufs, 0)
-
-    @property
-    def nbytes(self) -> int:
+        self._starts: dict[tuple[int, str], int] = {}
+        self._sizes = {(seg.layer_id, seg.component): seg.nbytes for seg in self.segments}
+        total = 0
+        for seg in self.segments:
+            self._starts[(seg.layer_id, seg.component)] = total
+            total += seg.nbytes
+        self.nbytes = total
         """Data bytes the stream must carry."""
-        return sum(s.nbytes for s in self.segments)
+        self._block = entry.pool.host_block(total)
+        self._buf = self._block.numpy()
+        self._filled = dict.fromkeys(self._starts, 0)
+        self._packed_filled: int | None = None  # set once the stream is packed
 
-    def add(self, layer_id: int, component: str, offset: int, data: bytes) -> None:
+    def add(self, layer_id: int, component: str, offset: int, data: bytes | memoryview) -> None:
         """Stage ``data`` at ``offset`` of segment (``layer_id``, ``component``).
 
         Raises:
             InvalidArgument: a segment not in the header, an offset other than the bytes received so
-                far for it (gap, overlap or reordering), more bytes than the segment holds, or a piece
-                under :data:`MIN_CHUNK_BYTES` that does not end its segment.
+                far for it (gap, overlap or reordering), more bytes than the segment holds, a piece
+                under :data:`MIN_CHUNK_BYTES` that does not end its segment, or a packed stream.
         """
         key = (layer_id, component)
-        buf = self._bufs.get(key)
-        if buf is None:
+        start = self._starts.get(key)
+        if start is None:
             raise InvalidArgument(f"chunk for layer {layer_id} {component}, which the header did not select")
+        if self._packed_filled is not None:
+            raise InvalidArgument("a packed WriteKV stream carries offsets in the whole stream, not segment pieces")
+        size = self._sizes[key]
         filled = self._filled[key]
         if offset != filled:
             raise InvalidArgument(f"chunk for layer {layer_id} {component} at offset {offset}; expected {filled}")
         end = offset + len(data)
-        if end > buf.size:
-            raise InvalidArgument(f"layer {layer_id} {component} gets {end} bytes; it holds {buf.size}")
-        if len(data) < MIN_CHUNK_BYTES and end != buf.size:
+        if end > size:
+            raise InvalidArgument(f"layer {layer_id} {component} gets {end} bytes; it holds {size}")
+        if len(data) < MIN_CHUNK_BYTES and end != size:
             raise InvalidArgument(f"chunk of {len(data)} bytes for layer {layer_id} {component}: pieces must hold at "
                                   f"least {MIN_CHUNK_BYTES} bytes unless they end their segment")
-        buf[offset:end] = np.frombuffer(data, dtype=np.uint8)
+        self._buf[start + offset:start + end] = np.frombuffer(data, dtype=np.uint8)
         self._filled[key] = end
+
+    def add_packed(self, offset: int, data: bytes | memoryview) -> None:
+        """Stage ``data`` at byte ``offset`` of the whole stream (every segment back to back, in stream order).
+
+        Raises:
+            InvalidArgument: an offset other than the bytes received so far, more bytes than the
+                stream holds, a piece under :data:`MIN_CHUNK_BYTES` that does not end the stream, or
+                segment pieces received before.
+        """
+        if self._packed_filled is None:
+            if any(self._filled.values()):
+                raise InvalidArgument("a WriteKV stream is packed from its first data message or not at all")
+            self._packed_filled = 0
+        filled = self._packed_filled
+        if offset != filled:
+            raise InvalidArgument(f"packed chunk at offset {offset}; expected {filled}")
+        end = offset + len(data)
+        if end > self.nbytes:
+            raise InvalidArgument(f"the packed stream gets {end} bytes; what the header selects holds {self.nbytes} "
+                                  f"({len(self.segments)} segments of {self.slots.numel()} slots)")
+        if len(data) < MIN_CHUNK_BYTES and end != self.nbytes:
+            raise InvalidArgument(f"packed chunk of {len(data)} bytes: pieces must hold at least {MIN_CHUNK_BYTES} "
+                                  f"bytes unless they end the stream")
+        self._buf[offset:end] = np.frombuffer(data, dtype=np.uint8)
+        self._packed_filled = end
 
     def check_complete(self) -> None:
         """Raise InvalidArgument naming the first segment that did not receive all its bytes."""
+        if self._packed_filled is not None:
+            if self._packed_filled != self.nbytes:
+                raise InvalidArgument(f"the packed stream got {self._packed_filled} of {self.nbytes} bytes")
+            return
         for seg in self.segments:
             got = self._filled[(seg.layer_id, seg.component)]
             if got != seg.nbytes:
@@ -175,7 +214,8 @@ class KVWriteBuffer:
 
     def tensor(self, layer_id: int, component: str) -> torch.Tensor:
         """The staged bytes of a segment as a ``(nbytes,)`` uint8 tensor (shares memory)."""
-        return torch.from_numpy(self._bufs[(layer_id, component)])
+        start = self._starts[(layer_id, component)]
+        return self._block[start:start + self._sizes[(layer_id, component)]]
 
 
 def allocate_slots(registry: PoolRegistry, caller: Caller, pool_id: str, num_tokens: int) -> tuple[torch.Tensor, int]:
@@ -217,8 +257,7 @@ def write_kv(registry: PoolRegistry, caller: Caller, buf: KVWriteBuffer) -> int:
         n = slots.numel()
         pool = entry.pool
         sw = pool.index_scale_bytes // 4
-        for layer in sel.latent_layers:
-            pool.set_kv_buffer(layer, slots, buf.tensor(layer, LATENT).view(n, pool.row_bytes))
+        pool.set_kv_buffer_layers(sel.latent_layers, slots, [buf.tensor(x, LATENT).view(n, pool.row_bytes) for x in sel.latent_layers])
         for layer in sel.index_layers:
             keys = buf.tensor(layer, INDEX_K).view(n, pool.index_head_dim)
             scales = buf.tensor(layer, INDEX_SCALE).view(torch.float32).view(n, sw)
@@ -238,61 +277,6 @@ def read_kv(registry: PoolRegistry, caller: Caller, sel: KVSelection) -> list[tu
     with registry.locked(caller, sel.pool_id, exclusive=False) as entry:
         slots, segs = _plan_read(entry, sel)
         return list(_gather(entry, sel, slots, segs))
-
-
-@dataclass
-class StreamedRead:
-    """A :func:`read_kv_streamed` read: ``nbytes`` in all; iterate for ``(segment, bytes)`` in stream order."""
-
-    nbytes: int
-    segments: Iterator[tuple[Segment, np.ndarray]]
-
-    def __iter__(self) -> Iterator[tuple[Segment, np.ndarray]]:
-        return self.segments
-
-
-def read_kv_streamed(registry: PoolRegistry, caller: Caller, sel: KVSelection) -> StreamedRead:
-    """:func:`read_kv` whose segments come out as they are gathered, so a stream sends the first
-    ones while the rest are still being copied (ReadKV: the gather is ~20% of a read's time; here it
-    runs alongside gRPC's sending instead of before it). A worker thread holds the pool's shared lock
-    for the whole gather (the same consistent snapshot: a write waits until every segment is copied,
-    not until the stream is sent) and releases it when done, also when the caller stops reading.
-
-    Returns:
-        :class:`StreamedRead`; the checks have passed when it is returned.
-
-    Raises:
-        NotFound, InvalidArgument, FailedPrecondition: as :func:`read_kv`, before returning.
-    """
-    q: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
-
-    def work() -> None:
-        try:
-            with registry.locked(caller, sel.pool_id, exclusive=False) as entry:
-                slots, segs = _plan_read(entry, sel)
-                q.put(("planned", sum(seg.nbytes for seg in segs)))
-                for item in _gather(entry, sel, slots, segs):
-                    q.put(("segment", item))
-            q.put(("done", None))
-        except BaseException as e:  # noqa: BLE001 - handed to the reading thread
-            q.put(("error", e))
-
-    threading.Thread(target=work, name="kvtier-readkv-gather", daemon=True).start()
-    kind, value = q.get()
-    if kind == "error":
-        raise value
-
-    def segments() -> Iterator[tuple[Segment, np.ndarray]]:
-        while True:
-            kind, value = q.get()
-            if kind == "segment":
-                yield value
-            elif kind == "done":
-                return
-            else:
-                raise value
-
-    return StreamedRead(value, segments())
 
 
 def _plan_read(entry: PoolEntry, sel: KVSelection) -> tuple[torch.Tensor, list[Segment]]:

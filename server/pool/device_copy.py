@@ -41,15 +41,46 @@ def host_views(flat: torch.Tensor, parts: Sequence[Part]) -> list[torch.Tensor]:
     return views
 
 
-def scatter_rows(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
+def slot_runs(index: torch.Tensor, max_runs: int) -> list[tuple[int, int]] | None:
+    """``(first, count)`` of each run of consecutive values of the 1-D int64 ``index`` (``index[i+1]
+    == index[i] + 1`` inside a run), in order; None when there are more than ``max_runs`` runs.
+    Whole pages of a request's slots are runs of at least ``page_size``."""
+    n = index.numel()
+    if n == 0:
+        return []
+    breaks = torch.nonzero(index[1:] - index[:-1] != 1).reshape(-1)
+    if breaks.numel() + 1 > max_runs:
+        return None
+    starts = [0, *(breaks + 1).tolist()]
+    firsts = index[starts].tolist()
+    return [(f, e - s) for f, s, e in zip(firsts, starts, [*starts[1:], n])]
+
+
+MAX_COPY_RUNS = 16
+"""Up to this many runs of consecutive rows a scatter copies run by run (one block copy each);
+more, and numpy's fancy assignment (a block a row) is cheaper than a Python call a run."""
+
+
+def scatter_rows(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor, *,
+                 runs: list[tuple[int, int]] | None = None) -> None:
     """``dst[index[i]] = src[i]`` along dim 0 (``index`` distinct, checked by the caller).
 
-    On the CPU through numpy's fancy assignment, which copies each row as one block: 1.5-1.7x
-    torch's element-wise ``index_copy_`` on the same int64 rows (measured, BENCHMARKS.md). On a
-    device, ``index_copy_``.
+    On the CPU: rows whose slots make at most :data:`MAX_COPY_RUNS` runs are copied a run at a time
+    (one ``copy_`` of contiguous memory each; BENCHMARKS.md fix 13), others through numpy's fancy
+    assignment, which copies each row as
+    one block: 1.5-1.7x torch's element-wise ``index_copy_`` on the same int64 rows (measured,
+    BENCHMARKS.md). On a device, ``index_copy_``. ``runs``: ``slot_runs(index, MAX_COPY_RUNS)``
+    when the caller has it already (several layers, the same slots).
     """
     if dst.device.type == "cpu":
-        dst.numpy()[index.numpy()] = src.numpy()
+        runs = runs if runs is not None else slot_runs(index, MAX_COPY_RUNS)
+        if runs is None:
+            dst.numpy()[index.numpy()] = src.numpy()
+            return
+        done = 0
+        for first, count in runs:
+            dst[first:first + count].copy_(src[done:done + count])
+            done += count
     else:
         dst.index_copy_(0, index, src)
 

@@ -24,7 +24,7 @@ from kvtier.server.model_config import KV_CACHE_DTYPES, latent_row_bytes
 from kvtier.memfd import SharedMemory
 from kvtier.server.pool.arena import alloc_arena, as_words, check_arena, host_buffer, resolve_device, shared_arena, word_dtype
 from kvtier.server.pool.buffer_info import BufInfos
-from kvtier.server.pool.device_copy import CopyEngine, Part, scatter_rows
+from kvtier.server.pool.device_copy import MAX_COPY_RUNS, CopyEngine, Part, scatter_rows, slot_runs
 from kvtier.server.pool.validation import as_slots, check_layer, check_rows, check_unique
 
 KV_CHUNK_SLOTS = 8192  # get_cpu_copy: latent chunks hold at most this many slots
@@ -246,7 +246,51 @@ class MLATokenToKVPool:
         if slots.numel() == 0:
             return
         data = as_words(data, self._lat_word).to(self.device, non_blocking=True)
-        self._lat_words[layer_id].index_copy_(0, slots, data)
+        scatter_rows(self._lat_words[layer_id], slots, data)
+
+    def set_kv_buffer_layers(self, layer_ids: Sequence[int], loc: Any, rows: Sequence[torch.Tensor]) -> None:
+        """:meth:`set_kv_buffer` of ``rows[i]`` on ``layer_ids[i]``, all with the same slots ``loc``:
+        the slots are checked, and their runs found, once for every layer (a WriteKV commit).
+        Everything is checked before the first row is written.
+
+        Raises:
+            TypeError/ValueError: as :meth:`set_kv_buffer`, or unequal lengths; the pool is unchanged.
+        """
+        if len(layer_ids) != len(rows):
+            raise ValueError(f"{len(layer_ids)} layers but {len(rows)} row tensors")
+        slots = self._slots(loc)
+        check_unique(slots, "slots")
+        n = slots.numel()
+        todo = [(check_layer(x, self.layer_num, self.start_layer),
+                 check_rows(r, n, self.kv_cache_dim, self.store_dtype, self.row_bytes, "rows")) for x, r in zip(layer_ids, rows)]
+        if n == 0:
+            return
+        runs = slot_runs(slots, MAX_COPY_RUNS) if self.device.type == "cpu" else None
+        for pos, data in todo:
+            words = as_words(data, self._lat_word).to(self.device, non_blocking=True)
+            scatter_rows(self._lat_words[pos], slots, words, runs=runs)
+
+    def latent_row_views(self, layer_id: int, loc: Any, max_runs: int) -> list[torch.Tensor] | None:
+        """The latent rows of ``loc`` on model layer ``layer_id`` as uint8 views of the pool's own
+        memory, one ``(count * row_bytes,)`` view per run of consecutive slots, in slot order: a read
+        without a gather. None when the pool is not on the CPU or the slots make more than
+        ``max_runs`` runs (gather with :meth:`get_kv_buffer_rows` then).
+
+        The views alias the pool: they hold the bytes of the moment they are read, so the caller
+        holds the pool's lock while it reads them (a write may change them at any time after).
+
+        Raises:
+            TypeError/ValueError: bad layer or slots.
+        """
+        pos = check_layer(layer_id, self.layer_num, self.start_layer)
+        slots = self._slots(loc)
+        if self.device.type != "cpu":
+            return None
+        runs = slot_runs(slots, max_runs)
+        if runs is None:
+            return None
+        base, rb = pos * self.num_slots, self.row_bytes
+        return [self._lat_arena[(base + first) * rb:(base + first + count) * rb] for first, count in runs]
 
     def get_kv_buffer_rows(self, layer_id: int, loc: Any, out: torch.Tensor | None = None) -> torch.Tensor:
         """Latent rows of ``loc`` on model layer ``layer_id``: ``(n, 1, kv_cache_dim)`` ``store_dtype`` (a copy,

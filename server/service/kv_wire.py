@@ -1,21 +1,28 @@
-"""ReadKV responses serialized by hand: one copy of a chunk's bytes instead of three.
+"""ReadKV responses serialized and WriteKV requests parsed by hand: one copy of a chunk's bytes
+instead of three.
 
 protobuf's Python runtime copies a ``bytes`` field into a message when it is built and again when
 the message is serialized, on top of the ``bytes`` object the chunk had to be made into first
 (per MiB: 72 + 75 + 163 us here; BENCHMARKS.md). A ``ReadKVResponse`` is four scalar fields and the
 data, so the daemon writes its wire form itself -- the field tags and varints, then the chunk joined
 straight from the gathered array -- and registers ReadKV with an identity serializer
-(:func:`with_raw_responses`). The bytes on the wire are what ``ReadKVResponse.SerializeToString``
+(:func:`with_raw_messages`). The bytes on the wire are what ``ReadKVResponse.SerializeToString``
 produces (proto3: fields at their default are left out; checked in the tests), so any client --
-protobuf's own parser included -- reads them unchanged.
+protobuf's own parser included -- reads them unchanged. WriteKV's requests are parsed the other
+way round (:func:`decode_write_request`, registered as the method's request deserializer): the
+header through protobuf, the data left as a view into the received bytes (protobuf's runtime copied
+it once at the parse and once more at each read of ``.data``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
+
+from kvtier.v1 import pool_pb2
 
 
 def _varint(n: int) -> bytes:
@@ -44,62 +51,99 @@ def encode_read_chunk(layer_id: int, component: int, offset: int, data: memoryvi
     return b"".join((head, *parts))  # the one copy of the chunk
 
 
-def segment_pieces(segments: Iterable[tuple[int, int, memoryview]], chunk: int) -> Iterator[tuple[int, int, int, memoryview]]:
-    """ReadKV's first form: ``(layer_id, component, offset in segment, data)`` of each message, each
-    segment ``(layer_id, component, bytes)`` cut into pieces of at most ``chunk`` bytes."""
-    for layer_id, comp, view in segments:
-        for off in range(0, len(view), chunk):
-            yield layer_id, comp, off, view[off:off + chunk]
+@dataclass(frozen=True)
+class WriteChunk:
+    """A ``WriteKVRequest`` read without protobuf's message object (:func:`decode_write_request`):
+    ``data`` is a view into the received bytes (no copy)."""
+
+    header: pool_pb2.KVHeader | None
+    packed: bool
+    layer_id: int
+    component: int
+    offset: int
+    data: memoryview
 
 
-def packed_pieces(segments: Iterable[memoryview], chunk: int) -> Iterator[tuple[int, list[memoryview]]]:
-    """ReadKV's packed form: ``(offset in the whole stream, data parts)`` of each message, the
-    segments' bytes in order cut into full ``chunk``-byte messages (the last one shorter) that run
-    across segment boundaries."""
-    parts: list[memoryview] = []
-    have = start = 0
-    for view in segments:
-        pos = 0
-        while pos < len(view):
-            take = min(chunk - have, len(view) - pos)
-            parts.append(view[pos:pos + take])
-            have += take
-            pos += take
-            if have == chunk:
-                yield start, parts
-                start += have
-                parts, have = [], 0
-    if have:
-        yield start, parts
+def _read_varint(buf: bytes, i: int) -> tuple[int, int]:
+    shift = value = 0
+    while True:
+        if i >= len(buf) or shift > 63:
+            raise ValueError("truncated or overlong varint")
+        b = buf[i]
+        i += 1
+        value |= (b & 0x7F) << shift
+        if b < 0x80:
+            return value, i
+        shift += 7
 
 
-def read_responses(segments: Iterable[tuple[int, int, memoryview]], chunk: int, *, packed: bool) -> Iterator[bytes]:
-    """The wire bytes of each ``ReadKVResponse`` of a read of ``segments`` (``(layer_id, component,
-    bytes)`` in stream order), ``chunk`` data bytes a message: one message sequence a segment, or
-    ``packed``: the segments as one stream of full messages (see ``ReadKVResponse`` in pool.proto)."""
-    if packed:
-        for off, parts in packed_pieces((v for _, _, v in segments), chunk):
-            yield encode_read_chunk(0, 0, off, parts)
-    else:
-        for layer_id, comp, off, piece in segment_pieces(segments, chunk):
-            yield encode_read_chunk(layer_id, comp, off, piece)
+def decode_write_request(buf: bytes) -> WriteChunk:
+    """Parse a serialized ``WriteKVRequest`` as protobuf would (fields 1-6; unknown fields and
+    fields of another wire type skipped, the last value of a repeated scalar kept, header
+    occurrences merged), the data left as a view into ``buf``.
+
+    Raises:
+        ValueError: truncated, a bad varint or an unknown wire type (gRPC's request deserializer;
+            the method then answers INVALID_ARGUMENT).
+    """
+    header: pool_pb2.KVHeader | None = None
+    packed, layer, comp, offset, data = False, 0, 0, 0, memoryview(b"")
+    view = memoryview(buf)
+    i, n = 0, len(buf)
+    while i < n:
+        key, i = _read_varint(buf, i)
+        field, wt = key >> 3, key & 7
+        if wt == 0:
+            v, i = _read_varint(buf, i)
+            if field == 2:
+                layer = v & 0xFFFFFFFF
+            elif field == 3:
+                comp = v & 0xFFFFFFFF
+                comp = comp - (1 << 32) if comp >= 1 << 31 else comp  # an int32 enum
+            elif field == 4:
+                offset = v
+            elif field == 6:
+                packed = v != 0
+        elif wt == 2:
+            ln, i = _read_varint(buf, i)
+            if i + ln > n:
+                raise ValueError("truncated length-delimited field")
+            if field == 5:
+                data = view[i:i + ln]
+            elif field == 1:
+                header = header or pool_pb2.KVHeader()
+                header.MergeFromString(view[i:i + ln].tobytes())
+            i += ln
+        elif wt == 1:
+            i += 8
+        elif wt == 5:
+            i += 4
+        else:
+            raise ValueError(f"unsupported wire type {wt}")
+        if i > n:
+            raise ValueError("truncated fixed-width field")
+    return WriteChunk(header, packed, layer, comp, offset, data)
 
 
-def with_raw_responses(add_to_server: Callable[[Any, grpc.Server], None], methods: Iterable[str]) -> Callable[[Any, grpc.Server], None]:
-    """A generated ``add_XServicer_to_server`` whose ``methods`` send what the servicer yields as is
-    (already serialized bytes); every other method keeps its generated handler.
+def with_raw_messages(add_to_server: Callable[[Any, grpc.Server], None], responses: Iterable[str] = (),
+                      requests: Mapping[str, Callable[[bytes], Any]] | None = None) -> Callable[[Any, grpc.Server], None]:
+    """A generated ``add_XServicer_to_server`` whose ``responses`` methods (server streams) send what
+    the servicer yields as is (already serialized bytes) and whose ``requests`` methods (client
+    streams) read their requests with the given deserializer; every other method keeps its
+    generated handler.
 
     Raises:
         RuntimeError: the generated function did not register its handlers by method name (a
             grpcio-tools version that kvtier's stubs are not generated with).
     """
-    raw = set(methods)
+    raw, readers = set(responses), dict(requests or {})
 
     def add(servicer: Any, server: grpc.Server) -> None:
         rec = _Recorder()
         add_to_server(servicer, rec)  # type: ignore[arg-type]
-        if not rec.handlers or not raw <= set(rec.handlers):
-            raise RuntimeError(f"the generated stubs registered no handlers for {sorted(raw - set(rec.handlers))}")
+        missing = (raw | set(readers)) - set(rec.handlers)
+        if not rec.handlers or missing:
+            raise RuntimeError(f"the generated stubs registered no handlers for {sorted(missing)}")
         handlers = dict(rec.handlers)
         for name in raw:
             h = handlers[name]
@@ -107,6 +151,12 @@ def with_raw_responses(add_to_server: Callable[[Any, grpc.Server], None], method
                 raise RuntimeError(f"{name} is not a server-streaming method")
             handlers[name] = grpc.unary_stream_rpc_method_handler(h.unary_stream, request_deserializer=h.request_deserializer,
                                                                   response_serializer=None)
+        for name, reader in readers.items():
+            h = handlers[name]
+            if not h.stream_unary:
+                raise RuntimeError(f"{name} is not a client-streaming method")
+            handlers[name] = grpc.stream_unary_rpc_method_handler(h.stream_unary, request_deserializer=reader,
+                                                                  response_serializer=h.response_serializer)
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(rec.service, handlers),))
         server.add_registered_method_handlers(rec.service, handlers)
 

@@ -77,7 +77,7 @@ def pool_info(entry: PoolEntry) -> pool_pb2.PoolInfo:
         size_tokens=alloc.size, total_pages=alloc.num_pages, free_pages=alloc.free_pages, used_pages=alloc.used_pages,
         kv_size_bytes=pool.get_kv_size_bytes(), latent_size_bytes=pool.get_kv_size_bytes() - pool.get_index_size_bytes(),
         index_size_bytes=pool.get_index_size_bytes(), live_layers=[pool.start_layer + i for i in pool.live_layers],
-        layers=layers,
+        layers=layers, packed_writes=True,
     )
     if entry.plan is not None:
         info.plan.CopyFrom(pool_plan(entry.plan))

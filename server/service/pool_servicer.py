@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import grpc
 
-from kvtier.server.daemon import kv_ops
+from kvtier.server.daemon import kv_ops, kv_stream
 from kvtier.server.daemon.core import Daemon
 from kvtier.server.daemon.errors import InvalidArgument
 from kvtier.server.daemon.kv_ops import KVSelection
@@ -21,6 +21,11 @@ from kvtier.server.service import kv_wire, messages
 from kvtier.server.service.auth import caller_of
 from kvtier.server.service.streams import StreamGuard
 from kvtier.v1 import pool_pb2, pool_pb2_grpc
+
+
+def _encode_read_piece(p: kv_stream.Piece, data: list[memoryview]) -> bytes:
+    comp = messages.COMPONENT_TO_PROTO[p.component] if p.component else pool_pb2.COMPONENT_UNSPECIFIED
+    return kv_wire.encode_read_chunk(p.layer_id, comp, p.offset, data)
 
 
 def _selection(h: pool_pb2.KVHeader) -> KVSelection:
@@ -77,18 +82,24 @@ class PoolServicer(pool_pb2_grpc.PoolServiceServicer):
         return pool_pb2.FreeSlotsResponse(freed_pages=freed)
 
     # ----- KV data ------------------------------------------------------------------------------
-    def WriteKV(self, request_iterator: Iterator[pool_pb2.WriteKVRequest], context: grpc.ServicerContext) -> pool_pb2.WriteKVResponse:
+    def WriteKV(self, request_iterator: Iterator[kv_wire.WriteChunk], context: grpc.ServicerContext) -> pool_pb2.WriteKVResponse:
         caller = caller_of(context)
         with self.streams.stream(context, "WriteKV") as touch:
             first = next(request_iterator, None)
-            if first is None or not first.HasField("header"):
+            if first is None or first.header is None:
                 raise InvalidArgument("WriteKV must start with a message carrying the header")
             sel = _selection(first.header)
             buf = kv_ops.KVWriteBuffer(self.pools.get(caller, sel.pool_id), sel)
-            for msg in messages.chained(first, request_iterator, touch):
-                if msg is not first and msg.HasField("header"):
-                    raise InvalidArgument("WriteKV takes one header, in its first message")
-                if msg.data:
+            for msg in messages.chained(first, request_iterator, touch):  # kv_wire.WriteChunk: data is a view
+                if msg is not first and (msg.header is not None or msg.packed):
+                    raise InvalidArgument("WriteKV takes one header (and packed), in its first message")
+                if not msg.data:
+                    continue
+                if first.packed:
+                    if msg.layer_id or msg.component:
+                        raise InvalidArgument("a packed WriteKV stream's messages name no layer or component")
+                    buf.add_packed(msg.offset, msg.data)
+                else:
                     buf.add(msg.layer_id, messages.component_name(msg.component), msg.offset, msg.data)
             nbytes = kv_ops.write_kv(self.pools, caller, buf)
         self.state.counters.add(caller, "kv_writes")
@@ -99,10 +110,10 @@ class PoolServicer(pool_pb2_grpc.PoolServiceServicer):
         caller, cfg = caller_of(context), self.state.config
         chunk = kv_ops.chunk_size(request.chunk_bytes, cfg.chunk_bytes, cfg.max_chunk_bytes)
         with self.streams.stream(context, "ReadKV") as touch:
-            read = kv_ops.read_kv_streamed(self.pools, caller, _selection(request.header))
+            read = kv_stream.read_kv_messages(self.pools, caller, _selection(request.header), chunk, packed=request.packed,
+                                              encode=_encode_read_piece)
             self.state.counters.add(caller, "kv_reads")
-            views = ((seg.layer_id, messages.COMPONENT_TO_PROTO[seg.component], memoryview(data)) for seg, data in read)
-            for msg in kv_wire.read_responses(views, chunk, packed=request.packed):  # wire bytes: a raw serializer
+            for msg in read:  # wire bytes: a raw serializer
                 touch()
                 yield msg
             self.state.counters.add(caller, "kv_bytes_read", read.nbytes)

@@ -18,7 +18,7 @@ from typing import Any
 import grpc
 
 from kvtier.server.daemon.core import Daemon
-from kvtier.server.service.kv_wire import with_raw_responses
+from kvtier.server.service.kv_wire import decode_write_request, with_raw_messages
 from kvtier.server.service.pool_servicer import PoolServicer
 from kvtier.server.service.storage_servicer import StorageServicer
 from kvtier.server.service.streams import StreamGuard
@@ -51,8 +51,9 @@ class ServiceEntry:
 
 
 SERVICES: list[ServiceEntry] = [
-    # ReadKV yields wire bytes it serialized itself (one copy of each chunk; kv_wire)
-    ServiceEntry.of(pool_pb2, "PoolService", with_raw_responses(pool_pb2_grpc.add_PoolServiceServicer_to_server, ["ReadKV"]),
+    # ReadKV yields wire bytes it serialized itself, WriteKV parses its requests itself (kv_wire)
+    ServiceEntry.of(pool_pb2, "PoolService", with_raw_messages(pool_pb2_grpc.add_PoolServiceServicer_to_server, ["ReadKV"],
+                                                               {"WriteKV": decode_write_request}),
                     PoolServicer),
     ServiceEntry.of(tier_pb2, "TierService", tier_pb2_grpc.add_TierServiceServicer_to_server, TierServicer),
     ServiceEntry.of(transfer_pb2, "TransferService", transfer_pb2_grpc.add_TransferServiceServicer_to_server, TransferServicer),

@@ -167,3 +167,62 @@ def test_reads_are_packed_into_full_messages_and_the_client_reads_either_form(cl
     real = pool_pb2.ReadKVRequest
     monkeypatch.setattr(client_pool.pool_pb2, "ReadKVRequest", lambda **kw: real(**{**kw, "packed": False}))
     verify_kv(client.read_kv(pool, slots), latent, index)
+
+
+@pytest.mark.parametrize("packed", [True, False])
+@pytest.mark.parametrize("n, order", [(150, "in order"), (64, "permuted"), (257, "pages reversed")])
+def test_writes_in_either_form_round_trip_byte_for_byte(daemon, pool, packed, n, order):
+    """Every layer kind (latent on all 8 layers, keys+scales on the live ones, none on skip layers)
+    written in 4 KiB messages, packed across segment boundaries (what a daemon saying
+    PoolInfo.packed_writes gets) or one sequence a segment (an older daemon), on slots in page order
+    (views of the pool on read), permuted (gathered) and pages out of order, reads back exactly."""
+    from kvtier.client import KVTierClient
+
+    with KVTierClient(daemon.address, timeout=30.0, chunk_bytes=4096) as c:
+        assert c.describe_pool(pool).packed_writes
+        slots = c.allocate_slots(pool, n)
+        if order == "permuted":
+            slots = slots[torch.randperm(n, generator=torch.Generator().manual_seed(5))]
+        elif order == "pages reversed":
+            slots = torch.cat([slots[i:i + 64] for i in range(0, n, 64)][::-1])
+        c.layout(pool)
+        c._packed_writes[pool] = packed
+        latent, index = random_kv(n, seed=31)
+        assert c.write_kv(pool, slots, latent=latent, index=index) == n * (NUM_LAYERS * ROW_BYTES + len(LIVE_LAYERS) * 132)
+        verify_kv(c.read_kv(pool, slots), latent, index)
+        verify_kv(c.read_kv(pool, slots, latent_layers=[3], index_layers=[6]), {3: latent[3]}, {6: index[6]})
+
+
+def test_malformed_or_oversized_write_streams_are_invalid_and_change_nothing(client, pool):
+    """Raw WriteKV streams that break the contract -- a packed message naming a component, a gap, more
+    bytes than the header selects, a second header, bytes that are no message -- are INVALID_ARGUMENT
+    and leave the pool as it was."""
+    import grpc
+
+    from kvtier.client.wire import encode_write_chunk
+    from kvtier.v1 import pool_pb2
+
+    slots = client.allocate_slots(pool, 64)
+    latent, index = random_kv(64, seed=41, layers=[0], live=[0])
+    client.write_kv(pool, slots, latent=latent, index=index)
+    total = 64 * (ROW_BYTES + 132)
+    header = pool_pb2.KVHeader(pool_id=pool, slots=slots.tolist(), latent_layers=[0], index_layers=[0]).SerializeToString()
+    data = memoryview(bytes(range(256)) * (total // 256 + 1))
+
+    def packed(*msgs):
+        return [encode_write_chunk(0, 0, 0, [], header=header, packed=True), *msgs]
+
+    streams = {
+        "names a component": packed(encode_write_chunk(0, 1, 0, [data[:total]])),
+        "a gap": packed(encode_write_chunk(0, 0, 0, [data[:8192]]), encode_write_chunk(0, 0, 9000, [data[:8192]])),
+        "too many bytes": packed(encode_write_chunk(0, 0, 0, [data[:total]]), encode_write_chunk(0, 0, total, [data[:4096]])),
+        "two headers": packed(encode_write_chunk(0, 0, 0, [data[:4096]], header=header)),
+        "segment piece in a packed stream": packed(encode_write_chunk(0, pool_pb2.COMPONENT_LATENT, 0, [data[:4096]])),
+        "no message": [encode_write_chunk(0, 0, 0, [], header=header), b"\x2a\x7f"],
+        "short": packed(encode_write_chunk(0, 0, 0, [data[:total - 1]])),
+    }
+    for why, msgs in streams.items():
+        with pytest.raises(grpc.RpcError) as err:
+            client._write_kv_raw(iter(msgs), timeout=30)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, why
+    verify_kv(client.read_kv(pool, slots, latent_layers=[0], index_layers=[0]), latent, index)

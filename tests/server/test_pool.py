@@ -219,3 +219,31 @@ def test_mla_pool_round_trip_and_move():
         assert torch.equal(pool.kv_buffer[layer].view(torch.uint8).reshape(320, -1), want)
     with pytest.raises(ValueError, match="3 layers"):
         pool.load_cpu_copy({"kv": copy["kv"][:2]}, b)
+
+
+@pytest.mark.parametrize("order", ["runs", "scattered"])
+def test_multi_layer_writes_and_row_views_match_the_per_layer_calls(order):
+    """set_kv_buffer_layers writes what set_kv_buffer writes layer by layer (runs of slots copied a
+    run at a time, scattered slots row by row); latent_row_views are the rows get_kv_buffer_rows
+    gathers, as views of the pool, one a run (None for scattered slots or too many runs)."""
+    a = DSATokenToKVPool(512, 64, 512, 64, 3, "cpu", "fp8")
+    b = DSATokenToKVPool(512, 64, 512, 64, 3, "cpu", "fp8")
+    slots = torch.cat([torch.arange(128, 192), torch.arange(64, 128), torch.arange(300, 310)])
+    if order == "scattered":
+        slots = slots[torch.randperm(slots.numel(), generator=torch.Generator().manual_seed(0))]
+    g = torch.Generator().manual_seed(1)
+    rows = [torch.randint(0, 256, (slots.numel(), a.row_bytes), dtype=torch.uint8, generator=g) for _ in range(3)]
+    a.set_kv_buffer_layers([0, 1, 2], slots, rows)
+    for layer, r in enumerate(rows):
+        b.set_kv_buffer(layer, slots, r)
+    assert all(torch.equal(x, y) for x, y in zip(a.kv_buffer, b.kv_buffer))
+    with pytest.raises(ValueError):
+        a.set_kv_buffer_layers([0, 5], slots, rows[:2])  # a bad layer: nothing written
+    assert torch.equal(a.kv_buffer[0], b.kv_buffer[0])
+    views = a.latent_row_views(1, slots, max_runs=4)
+    if order == "scattered":
+        assert views is None
+    else:
+        assert [v.numel() for v in views] == [64 * a.row_bytes, 64 * a.row_bytes, 10 * a.row_bytes]  # page 2, page 1, 10 slots
+        assert torch.equal(torch.cat(views), rows[1].reshape(-1)) and views[0].data_ptr() == a.kv_buffer[1][128].data_ptr()
+        assert a.latent_row_views(1, slots, max_runs=2) is None

@@ -323,6 +323,7 @@ class PoolInfo(_message.Message):
     LIVE_LAYERS_FIELD_NUMBER: _builtins.int
     LAYERS_FIELD_NUMBER: _builtins.int
     PLAN_FIELD_NUMBER: _builtins.int
+    PACKED_WRITES_FIELD_NUMBER: _builtins.int
     pool_id: _builtins.str
     role: _builtins.str
     device: _builtins.str
@@ -335,6 +336,8 @@ class PoolInfo(_message.Message):
     """bytes allocated: latent + live-layer indexer"""
     latent_size_bytes: _builtins.int
     index_size_bytes: _builtins.int
+    packed_writes: _builtins.bool
+    """the daemon takes WriteKVRequest.packed (a client sends it only then)"""
     @_builtins.property
     def layout(self) -> Global___PoolLayout: ...
     @_builtins.property
@@ -364,10 +367,11 @@ class PoolInfo(_message.Message):
         live_layers: _abc.Iterable[_builtins.int] | None = ...,
         layers: _abc.Iterable[Global___LayerInfo] | None = ...,
         plan: Global___PoolPlan | None = ...,
+        packed_writes: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["layout", b"layout", "plan", b"plan"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["device", b"device", "free_pages", b"free_pages", "index_size_bytes", b"index_size_bytes", "kv_size_bytes", b"kv_size_bytes", "latent_size_bytes", b"latent_size_bytes", "layers", b"layers", "layout", b"layout", "live_layers", b"live_layers", "plan", b"plan", "pool_id", b"pool_id", "role", b"role", "size_tokens", b"size_tokens", "total_pages", b"total_pages", "used_pages", b"used_pages"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["device", b"device", "free_pages", b"free_pages", "index_size_bytes", b"index_size_bytes", "kv_size_bytes", b"kv_size_bytes", "latent_size_bytes", b"latent_size_bytes", "layers", b"layers", "layout", b"layout", "live_layers", b"live_layers", "packed_writes", b"packed_writes", "plan", b"plan", "pool_id", b"pool_id", "role", b"role", "size_tokens", b"size_tokens", "total_pages", b"total_pages", "used_pages", b"used_pages"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -617,6 +621,9 @@ class WriteKVRequest(_message.Message):
     data); every message's data goes at byte `offset` of segment (layer_id, component). Pieces of a
     segment arrive in order, without gaps or overlap. Nothing is written into the pool until the
     whole stream has arrived and checked out; a stream that breaks off writes nothing.
+    `packed` (set in the first message): every message's data goes at byte `offset` of the
+    concatenation of every segment in stream order instead, layer_id and component left out, and
+    messages may run across segment boundaries (fewer, fuller messages, as ReadKV's packed form).
     (Flat messages: protobuf's Python runtime copies a nested message's bytes once more.)
     """
 
@@ -627,10 +634,13 @@ class WriteKVRequest(_message.Message):
     COMPONENT_FIELD_NUMBER: _builtins.int
     OFFSET_FIELD_NUMBER: _builtins.int
     DATA_FIELD_NUMBER: _builtins.int
+    PACKED_FIELD_NUMBER: _builtins.int
     layer_id: _builtins.int
     component: Global___Component.ValueType
     offset: _builtins.int
     data: _builtins.bytes
+    packed: _builtins.bool
+    """first message only"""
     @_builtins.property
     def header(self) -> Global___KVHeader:
         """first message only"""
@@ -643,10 +653,11 @@ class WriteKVRequest(_message.Message):
         component: Global___Component.ValueType = ...,
         offset: _builtins.int = ...,
         data: _builtins.bytes = ...,
+        packed: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["header", b"header"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["component", b"component", "data", b"data", "header", b"header", "layer_id", b"layer_id", "offset", b"offset"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["component", b"component", "data", b"data", "header", b"header", "layer_id", b"layer_id", "offset", b"offset", "packed", b"packed"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

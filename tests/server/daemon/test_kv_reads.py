@@ -1,15 +1,17 @@
-"""ReadKV's gather in process: the streamed read returns read_kv's segments, checks everything
-before it returns, and holds the pool's shared lock only while it gathers (a writer waits for the
-copy, not for the stream, and gets the lock even when the reader stops half way)."""
+"""ReadKV's messages in process: the streamed read carries read_kv's bytes in either form, whatever
+the slots (contiguous runs read as views of the pool, scattered ones gathered), checks everything
+before it returns, and gives the pool's shared lock back when the reader falls behind or stops
+(a writer waits for the copy, not for the stream)."""
 
 from __future__ import annotations
 
 import threading
 
 import pytest
+import torch
 from daemonkit import A, daemon, fill, pool
 
-from kvtier.server.daemon import kv_ops
+from kvtier.server.daemon import kv_ops, kv_stream
 from kvtier.server.daemon.errors import InvalidArgument
 from kvtier.server.daemon.kv_ops import KVSelection
 
@@ -25,39 +27,103 @@ def selection(slots, layers=range(4), live=(0, 1, 2)) -> KVSelection:
     return KVSelection(pool_id="p", slots=slots.tolist(), latent_layers=tuple(layers), index_layers=tuple(live))
 
 
-def test_streamed_read_is_read_kv_segment_for_segment(d):
-    pool(d, A)
-    slots, rows = fill(d, A, "p", 130, seed=4)
+def raw(p: kv_stream.Piece, data: list[memoryview]) -> bytes:
+    """A test encoding: the piece's position, then its bytes."""
+    return repr((p.layer_id, p.component, p.offset)).encode() + b"|" + b"".join(data)
+
+
+def split(msg: bytes) -> tuple[tuple, bytes]:
+    head, _, data = msg.partition(b"|")
+    return eval(head), data  # noqa: S307 - our own repr of ints and a str
+
+
+def whole_and_segments(d, slots):
     want = kv_ops.read_kv(d.pools, A, selection(slots))
-    read = kv_ops.read_kv_streamed(d.pools, A, selection(slots))
-    got = list(read)
-    assert [s for s, _ in got] == [s for s, _ in want]
-    assert all((a == b).all() for (_, a), (_, b) in zip(got, want))
-    assert read.nbytes == sum(s.nbytes for s, _ in want) == sum(a.size for _, a in got)
-    assert (got[0][1].reshape(130, -1) == rows.numpy()).all()
+    return b"".join(a.tobytes() for _, a in want), want
+
+
+@pytest.mark.parametrize("order", ["pages", "reversed pages", "scattered"])
+@pytest.mark.parametrize("packed", [True, False])
+def test_messages_carry_read_kvs_bytes(d, order, packed):
+    """Whole pages in order (views of the pool), pages out of order (runs of 64: still views) and
+    scattered tokens (gathered) give the same bytes as read_kv, cut as the form says."""
+    pool(d, A)
+    base, rows = fill(d, A, "p", 320, seed=4)
+    perm = torch.arange(320)
+    if order == "reversed pages":
+        perm = perm.view(-1, 64).flip(0).reshape(-1)
+    elif order == "scattered":
+        perm = torch.randperm(320, generator=torch.Generator().manual_seed(3))
+    slots = base[perm]
+    whole, segs = whole_and_segments(d, slots)
+    chunk = 5000
+    read = kv_stream.read_kv_messages(d.pools, A, selection(slots), chunk, packed=packed, encode=raw)
+    got = [split(m) for m in read]
+    assert read.nbytes == len(whole)
+    if packed:
+        assert [h for h, _ in got] == [(0, "", off) for off in range(0, len(whole), chunk)]
+        assert all(len(data) == chunk for _, data in got[:-1])
+        assert b"".join(data for _, data in got) == whole
+    else:
+        want = [((s.layer_id, s.component, off), a.tobytes()[off:off + chunk]) for s, a in segs for off in range(0, a.size, chunk)]
+        assert got == want
+    assert whole[:320 * 656] == rows[perm].numpy().tobytes()  # layer 0's latent: the rows written, in slot order
+
+
+def test_plan_pieces_cover_each_segment_once():
+    segs = [kv_ops.Segment(0, "latent", 10), kv_ops.Segment(1, "latent", 3), kv_ops.Segment(1, "index_k", 7)]
+    packed = kv_stream.plan_pieces(segs, 4, packed=True)
+    assert [(p.offset, p.data) for p in packed] == [
+        (0, ((0, 0, 4),)), (4, ((0, 4, 8),)), (8, ((0, 8, 10), (1, 0, 2))), (12, ((1, 2, 3), (2, 0, 3))), (16, ((2, 3, 7),))]
+    flat = kv_stream.plan_pieces(segs, 4, packed=False)
+    assert [(p.layer_id, p.component, p.offset, p.data) for p in flat] == [
+        (0, "latent", 0, ((0, 0, 4),)), (0, "latent", 4, ((0, 4, 8),)), (0, "latent", 8, ((0, 8, 10),)),
+        (1, "latent", 0, ((1, 0, 3),)), (1, "index_k", 0, ((2, 0, 4),)), (1, "index_k", 4, ((2, 4, 7),))]
 
 
 def test_bad_input_fails_before_the_read_returns(d):
     pool(d, A)
     slots, _ = fill(d, A, "p", 64, seed=1)
     with pytest.raises(InvalidArgument):
-        kv_ops.read_kv_streamed(d.pools, A, selection(slots + 10_000))
+        kv_stream.read_kv_messages(d.pools, A, selection(slots + 10_000), 4096, packed=True, encode=raw)
     with pytest.raises(InvalidArgument):
-        kv_ops.read_kv_streamed(d.pools, A, selection(slots, layers=[0, 0]))
+        kv_stream.read_kv_messages(d.pools, A, selection(slots, layers=[0, 0]), 4096, packed=True, encode=raw)
 
 
-def test_the_shared_lock_goes_back_when_the_gather_is_done_even_if_nobody_reads_on(d):
+def test_a_reader_that_stops_gives_the_lock_back_and_still_reads_the_snapshot(d):
+    """The reader takes one message and pauses: a writer gets the exclusive lock (the rest was copied
+    out), changes every row, and the reader then reads on the bytes of before the write."""
     pool(d, A)
     slots, _ = fill(d, A, "p", 256, seed=2)
-    read = kv_ops.read_kv_streamed(d.pools, A, selection(slots))
-    next(iter(read))  # the reader stops after one segment and drops the rest
+    whole, _ = whole_and_segments(d, slots)
+    read = kv_stream.read_kv_messages(d.pools, A, selection(slots), 4096, packed=True, encode=raw, lead=2)
+    it = iter(read)
+    first = split(next(it))[1]
     got = threading.Event()
 
     def writer():
-        with d.pools.locked(A, "p", exclusive=True):
+        with d.pools.locked(A, "p", exclusive=True) as e:
+            for layer in range(e.pool.layer_num):
+                e.pool.set_kv_buffer(layer, slots, torch.zeros(256, e.pool.row_bytes, dtype=torch.uint8))
             got.set()
 
     t = threading.Thread(target=writer)
     t.start()
     t.join(timeout=60)
     assert got.is_set()
+    assert first + b"".join(split(m)[1] for m in it) == whole
+
+
+def test_a_dropped_reader_stops_the_worker_and_frees_the_lock(d):
+    pool(d, A)
+    slots, _ = fill(d, A, "p", 256, seed=2)
+    read = kv_stream.read_kv_messages(d.pools, A, selection(slots), 4096, packed=True, encode=raw, lead=1)
+    it = iter(read)
+    next(it)
+    it.close()
+    with d.pools.locked(A, "p", exclusive=True):
+        pass
+    workers = [t for t in threading.enumerate() if t.name == "kvtier-readkv"]
+    for t in workers:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in workers)

@@ -1,13 +1,16 @@
-"""ReadKV's hand-written wire bytes equal protobuf's own serialization, and the raw registration
+"""ReadKV's hand-written wire bytes equal protobuf's own serialization, WriteKV's requests are parsed
+as protobuf parses them (and the client writes them as protobuf does), and the raw registration
 leaves every other method's handler as generated."""
 
 from __future__ import annotations
 
 import grpc
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtier.server.service.kv_wire import encode_read_chunk, packed_pieces, read_responses, with_raw_responses
+from kvtier.client.wire import encode_write_chunk
+from kvtier.server.service.kv_wire import decode_write_request, encode_read_chunk, with_raw_messages
 from kvtier.v1 import pool_pb2, pool_pb2_grpc
 
 
@@ -21,7 +24,7 @@ def test_encoding_is_protobufs_serialization(layer, comp, offset, data):
     assert (back.layer_id, back.component, back.offset, back.data) == (layer, comp, offset, data)
 
 
-def test_only_the_named_method_loses_its_serializer():
+def test_only_the_named_methods_lose_their_serializers():
     class Recorder:
         def __init__(self):
             self.registered = {}
@@ -33,33 +36,47 @@ def test_only_the_named_method_loses_its_serializer():
             self.service, self.registered = service, handlers
 
     server = Recorder()
-    with_raw_responses(pool_pb2_grpc.add_PoolServiceServicer_to_server, ["ReadKV"])(pool_pb2_grpc.PoolServiceServicer(), server)
+    with_raw_messages(pool_pb2_grpc.add_PoolServiceServicer_to_server, ["ReadKV"], {"WriteKV": decode_write_request})(
+        pool_pb2_grpc.PoolServiceServicer(), server)
     assert server.service == "kvtier.v1.PoolService"
     assert server.registered["ReadKV"].response_serializer is None
     assert server.registered["ReadKV"].request_deserializer == pool_pb2.ReadKVRequest.FromString
     assert server.registered["WriteKV"].response_serializer == pool_pb2.WriteKVResponse.SerializeToString
+    assert server.registered["WriteKV"].request_deserializer is decode_write_request
+    assert server.registered["MoveKV"].request_deserializer == pool_pb2.MoveKVRequest.FromString
     assert isinstance(server.generic[0], grpc.GenericRpcHandler)
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.integers(1, 3000), min_size=1, max_size=8), st.integers(1, 1024), st.randoms(use_true_random=False))
-def test_packed_pieces_are_full_chunks_of_the_segments_back_to_back(sizes, chunk, rnd):
-    """Packed ReadKV: each message but the last carries exactly chunk bytes, at its offset in the
-    concatenation of the segments, and together they are that concatenation."""
-    segs = [bytes(rnd.getrandbits(8) for _ in range(n)) for n in sizes]
-    whole = b"".join(segs)
-    pieces = list(packed_pieces([memoryview(s) for s in segs], chunk))
-    assert [off for off, _ in pieces] == list(range(0, len(whole), chunk))
-    assert all(sum(len(p) for p in parts) == chunk for _, parts in pieces[:-1])
-    assert b"".join(bytes(p) for _, parts in pieces for p in parts) == whole
-    wire = list(read_responses([(1, 1, memoryview(s)) for s in segs], chunk, packed=True))
-    for (off, parts), raw in zip(pieces, wire):
-        want = pool_pb2.ReadKVResponse(offset=off, data=b"".join(bytes(p) for p in parts)).SerializeToString()
-        assert raw == want
+@given(st.one_of(st.none(), st.builds(pool_pb2.KVHeader, pool_id=st.text(max_size=8), slots=st.lists(st.integers(0, 2**40), max_size=5),
+                                      latent_layers=st.lists(st.integers(0, 90), max_size=4))),
+       st.integers(0, 2**32 - 1), st.integers(0, 3), st.integers(0, 2**64 - 1), st.binary(max_size=600), st.booleans())
+def test_write_requests_are_parsed_as_protobuf_parses_them(header, layer, comp, offset, data, packed):
+    msg = pool_pb2.WriteKVRequest(layer_id=layer, component=comp, offset=offset, data=data, packed=packed)
+    if header is not None:
+        msg.header.CopyFrom(header)
+    got = decode_write_request(msg.SerializeToString())
+    assert (got.layer_id, got.component, got.offset, bytes(got.data), got.packed) == (layer, comp, offset, data, packed)
+    assert got.header == (header if header is not None else None)
+    assert encode_write_chunk(layer, comp, offset, [memoryview(data)], packed=packed,
+                              header=header.SerializeToString() if header is not None else None) == msg.SerializeToString()
 
 
-def test_unpacked_responses_are_one_message_sequence_a_segment():
-    segs = [(3, 1, memoryview(b"a" * 5)), (3, 2, memoryview(b"b" * 3))]
-    got = [pool_pb2.ReadKVResponse.FromString(r) for r in read_responses(segs, 2, packed=False)]
-    assert [(m.layer_id, m.component, m.offset, m.data) for m in got] == [
-        (3, 1, 0, b"aa"), (3, 1, 2, b"aa"), (3, 1, 4, b"a"), (3, 2, 0, b"bb"), (3, 2, 2, b"b")]
+def test_write_request_fields_in_any_order_unknown_fields_and_repeats_read_as_protobuf_reads_them():
+    # data, an unknown varint 9, offset twice (the last wins), a fixed32 unknown 11, the header in two parts (merged)
+    h1 = pool_pb2.KVHeader(pool_id="p", slots=[1, 2]).SerializeToString()
+    h2 = pool_pb2.KVHeader(slots=[3], latent_layers=[4]).SerializeToString()
+    raw = (b"\x2a\x02ab" + b"\x48\x05" + b"\x20\x07" + b"\x20\x80\x01" + b"\x5d" + bytes(4)
+           + b"\x0a" + bytes([len(h1)]) + h1 + b"\x0a" + bytes([len(h2)]) + h2 + b"\x18\x02")
+    want = pool_pb2.WriteKVRequest.FromString(raw)
+    got = decode_write_request(raw)
+    assert (got.offset, got.component, bytes(got.data)) == (want.offset, want.component, want.data) == (128, 2, b"ab")
+    assert got.header == want.header and list(got.header.slots) == [1, 2, 3]
+
+
+@pytest.mark.parametrize("raw", [b"\x2a\x05abc", b"\x20", b"\x20\x80", b"\x5d\x00\x00", b"\x0b", b"\x0a\x03\x0a"])
+def test_malformed_write_requests_are_refused(raw):
+    with pytest.raises(Exception):
+        pool_pb2.WriteKVRequest.FromString(raw)  # protobuf refuses them too
+    with pytest.raises(ValueError):
+        decode_write_request(raw)
