@@ -61,6 +61,10 @@ def add_tier_options(command: click.Command) -> click.Command:
                      callback=_remember("disk_max_readers"), help="LMDB reader slots [126]."),
         click.Option(["--disk-sync/--no-disk-sync"], default=None, expose_value=False, callback=_remember("disk_sync"),
                      help="fsync every disk commit [no]."),
+        click.Option(["--disk-write-behind/--no-disk-write-behind"], default=None, expose_value=False,
+                     callback=_remember("disk_write_behind"),
+                     help="Commit disk writes on a writer thread, off the request path (records are read "
+                          "from memory until they commit) [yes]."),
         click.Option(["--write-through/--write-back"], default=None, expose_value=False,
                      callback=_remember("write_through"),
                      help="Host tier writes records to disk on entry (write-through) or on eviction [write-back]."),

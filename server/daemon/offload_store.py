@@ -168,6 +168,11 @@ class OffloadStore:
             except ValueError as e:
                 raise InvalidArgument(f"copy {key!r}: {e}") from None
             placed = self.stack.put(tkey, rec, source="device")
+            stored = [t for t in self.stack.cascade if t.persistent and t.name in placed]
+            for t in stored:  # durable means committed: wait for the disk tier's write-behind
+                t.drain()
+            if any(not t.health.healthy for t in stored):  # its transaction failed: the copy is not there
+                placed = [n for n in placed if all(t.name != n for t in stored if not t.health.healthy)]
             if not placed:
                 sick = next((t for t in self.stack.cascade if not t.health.healthy), None)
                 if sick is not None:

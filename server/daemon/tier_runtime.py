@@ -122,6 +122,7 @@ def build_stack(host_bytes: int, settings: TierSettings, device: str = "cpu") ->
         "host": lambda: HostTierConfig(capacity_bytes=host_bytes, write_back=not settings.write_through, pin_memory=pin),
         "disk": lambda: DiskTierConfig(path=settings.disk_path, capacity_bytes=settings.disk_bytes,
                                        max_readers=settings.disk_max_readers, sync=settings.disk_sync,
+                                       write_behind=settings.disk_write_behind,
                                        reserve_fraction=settings.disk_reserve_fraction,
                                        probe_backoff_max_s=settings.disk_probe_backoff_max_seconds,
                                        probe_backoff_initial_s=min(1.0, settings.disk_probe_backoff_max_seconds),

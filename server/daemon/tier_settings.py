@@ -41,6 +41,9 @@ class TierSettings:
         disk_bytes: the ``--disk-size`` budget: LMDB ``map_size`` in bytes.
         disk_max_readers: LMDB reader slots (concurrent read transactions).
         disk_sync: fsync every disk commit (durable across power loss; slower).
+        disk_write_behind: the disk tier's LMDB transactions run on a writer thread (a spill's
+            decisions are made in the call; its records are read from memory until they commit):
+            see :mod:`kvtier.server.tiers.disk_writer`. False: every disk write commits in the call.
         disk_reserve_fraction: part of the map kept free for LMDB's own pages (see DiskTierConfig).
         write_through: host tier writes every record to disk on entry (else write-back on eviction).
         host_pin_memory: page-locked host records: True, False, or None = when the daemon device is CUDA.
@@ -57,6 +60,7 @@ class TierSettings:
     disk_bytes: int = 4 * GiB
     disk_max_readers: int = 126
     disk_sync: bool = False
+    disk_write_behind: bool = True
     disk_reserve_fraction: float = 0.25
     write_through: bool = False
     host_pin_memory: bool | None = None

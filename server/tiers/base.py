@@ -105,6 +105,11 @@ class Tier(ABC):
         self._stats = TierStats(self.name, capacity_bytes=index.capacity)
         self._stats_lock = threading.Lock()  # leaf: taken after index.lock, never before it
 
+    def drain(self) -> None:
+        """Wait until every write this tier has acknowledged is in its storage (the disk tier's
+        write-behind transactions committed, or failed and the tier unhealthy). Default: writes are
+        stored when ``write`` returns; nothing to wait for."""
+
     def probe(self) -> None:
         """Check that an unhealthy tier can serve again (e.g. a small write and delete); raise an
         exception saying why not. The default has nothing to check."""
@@ -183,7 +188,10 @@ class Tier(ABC):
             TierFullError: a record does not fit (larger than the budget, the rest pinned, or LMDB's
                 map full). Nothing of it is visible; records of the batch stored before it stay
                 (the disk tier commits a batch in transactions of up to ``max_txn_bytes`` and rolls
-                back the whole failing transaction).
+                back the whole failing transaction). The error's ``done`` says how many items
+                of the batch were handled before the failing one, ``written`` which were stored.
+            TierUnavailableError: the tier's storage failed (it marked itself unhealthy); ``done``
+                and ``written`` as for TierFullError.
         """
 
     @abstractmethod

@@ -50,12 +50,13 @@ import logging
 import os
 import struct
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import lmdb
 import torch
 
 from kvtier.server.hostmem import HostArena
+from kvtier.server.hostmem.malloc import keep_freed_memory
 from kvtier.server.tiers.base import EvictHook, RecordLike, Tier
 from kvtier.server.tiers.disk_faults import (
     check_disk_path, check_injected_fault, describe_fault, free_bytes, is_io_fault, open_failure,
@@ -64,6 +65,7 @@ from kvtier.server.tiers.disk_env import (  # noqa: F401 - DiskTierConfig, disk_
     LMDB_PAGE_BYTES, MAX_KEY_BYTES, DiskTierConfig, close_environment, disk_charge, open_environment,
 )
 from kvtier.server.tiers.disk_reads import ABSENT, ReadChunks, copy_records, damage_reason, writable_bytes
+from kvtier.server.tiers.disk_writer import DiskJob, WriteBehind
 from kvtier.server.tiers.errors import EnvironmentInUseError, RecordError, TierFullError, TierUnavailableError
 from kvtier.server.tiers.health import TierHealth
 from kvtier.server.tiers.policy import TierIndex
@@ -161,6 +163,11 @@ class DiskTier(Tier):
         self._read_arena: HostArena | None = None
         self._chunks = ReadChunks(None)  # borrowed records' buffers; the read arena's once it exists
         self.index.on_touch = self._note_touched
+        self._writer = WriteBehind(self._apply, self._writer_failed, max_pending_bytes=config.write_behind_bytes) \
+            if config.write_behind else None
+        self._pending: dict[bytes, tuple[torch.Tensor, memoryview]] = self._writer.pending if self._writer else {}
+        #: ``(records, bytes)`` lost when a write-behind transaction failed; the stack counts them ``disk->gone``.
+        self.on_lost: Callable[[int, int], None] | None = None
 
     # ----- environment ------------------------------------------------------------------------
     def _env(self) -> tuple[lmdb.Environment, lmdb._Database, lmdb._Database, lmdb._Database]:
@@ -169,6 +176,7 @@ class DiskTier(Tier):
                 raise EnvironmentInUseError(f"this disk tier's LMDB environment was opened by process {self._pid} "
                                             f"before fork(); environments must not cross fork(): build tiers after forking")
             if self._env_obj is None:
+                keep_freed_memory()  # LMDB's transaction buffers are reused, not faulted in per spill
                 self._env_obj = open_environment(
                     self.config.path, map_size=self.config.capacity_bytes, max_readers=self.config.max_readers,
                     max_dbs=4, subdir=True, sync=self.config.sync, metasync=False, readahead=False,
@@ -231,8 +239,9 @@ class DiskTier(Tier):
             return False
 
     def _load_index(self, *, scrub: bool) -> None:
-        """Rebuild the in-memory index (and LRU order) from what LMDB holds; drop damaged records
-        and stray order entries when ``scrub``."""
+        """Rebuild the in-memory index (and LRU order) from what LMDB holds (after the write-behind
+        transactions queued so far); drop damaged records and stray order entries when ``scrub``."""
+        self.drain()
         env, records, seqdb, orderdb = self._env_obj, *self._dbs
         sizes: dict[bytes, int] = {}
         bad: list[bytes] = []
@@ -291,11 +300,13 @@ class DiskTier(Tier):
         if not self.health.healthy:
             return [None] * len(keys)
         env, records, _, _ = self._env()
+        pend = self._pending
         try:
             with env.begin(db=records, buffers=True) as txn:
                 out = []
                 for k in keys:
-                    v = txn.get(k)
+                    ent = pend.get(k)
+                    v = ent[1] if ent is not None else txn.get(k)
                     out.append(None if v is None else len(v))
                 return out
         except Exception as e:
@@ -338,6 +349,94 @@ class DiskTier(Tier):
         if s is not None:
             txn.delete(_SEQ.pack(s), db=orderdb)
 
+    def _job(self, victims: list[bytes], puts: list[tuple[bytes, torch.Tensor]], order: list[bytes]) -> DiskJob:
+        """The LMDB work of a planned write (index lock held): the victims' deletes, the puts, and
+        the LRU positions due (:data:`STAMP_BATCH` at a time); the in-memory sequence numbers move now."""
+        seq = self._seq
+        job = DiskJob(deletes=[(v, seq.pop(v, None)) for v in victims], puts=puts)
+        touched, index = self._touched, self.index
+        for key in order:
+            if key in index:
+                touched.pop(key, None)  # its new LRU position: stamped with a batch
+                touched[key] = None
+        if len(touched) >= STAMP_BATCH:
+            job.stamps = self._take_stamps()
+        return job
+
+    def _take_stamps(self) -> list[tuple[bytes, int | None, int]]:
+        """New LRU positions for the touched keys still held, in touch order (index lock held)."""
+        out = []
+        for key in self._touched:
+            if key in self.index:
+                s = self._next_seq
+                self._next_seq += 1
+                out.append((key, self._seq.get(key), s))
+                self._seq[key] = s
+        self._touched.clear()
+        return out
+
+    def _apply(self, job: DiskJob) -> None:
+        """Run a job's transactions: delete the victims (their pages become reusable), then put the
+        records and stamps in one transaction, retrying it briefly when LMDB's map is full while
+        readers still hold the pages the delete freed. Raises what LMDB raises; nothing of a failed
+        transaction is visible."""
+        env = self._env_obj
+        records, seqdb, orderdb = self._dbs
+        if job.deletes:
+            with self._write_txn(env) as txn:
+                delete = txn.delete
+                for key, s in job.deletes:
+                    delete(key, db=records)
+                    delete(key, db=seqdb)
+                    if s is not None:
+                        delete(_SEQ.pack(s), db=orderdb)
+        if not (job.puts or job.stamps):
+            return
+        for attempt, pause in enumerate(MAP_FULL_RETRY_PAUSES_S + (None,)):
+            try:
+                with self._write_txn(env) as txn:
+                    put = txn.put
+                    for key, rec in job.puts:  # its bytes, viewed without numpy (contiguous: checked)
+                        put(key, _bytes_view(rec), db=records)
+                    for key, old, s in job.stamps:
+                        if old is not None:
+                            txn.delete(_SEQ.pack(old), db=orderdb)
+                        put(_SEQ.pack(s), key, db=orderdb)
+                        put(key, _SEQ.pack(s), db=seqdb)
+                return
+            except lmdb.MapFullError:
+                # Pages freed by the eviction commit above are reusable only once every read
+                # transaction older than it has ended; concurrent readers can hold them a moment.
+                # The aborted transaction left nothing behind, so wait briefly and try again.
+                if pause is None:
+                    raise
+                log.debug("LMDB map full while readers hold freed pages; retrying in %.3f s (attempt %d)", pause, attempt + 1)
+                time.sleep(pause)
+
+    def _writer_failed(self, err: BaseException, lost: list[tuple[bytes, torch.Tensor]]) -> None:
+        """A write-behind job failed (writer thread; no index lock): the tier turns unhealthy (its
+        index holds records LMDB never got; the probe reloads it from LMDB), and the records lost are
+        counted (``on_lost``: ``disk->gone`` in the stack's moves) and logged."""
+        if isinstance(err, lmdb.MapFullError):
+            self._count(full_errors=1)
+            self.health.mark_unhealthy(f"write: LMDB map full ({self.config.capacity_bytes} bytes)")
+        elif is_io_fault(err):
+            self._fault(err, "write")
+        else:
+            log.error("disk tier: a write-behind transaction failed: %r", err)
+            self.health.mark_unhealthy(f"write: {err!r}")
+        nbytes = sum(int(r.numel()) for _, r in lost)
+        log.warning("disk tier: %d records (%d bytes) waiting for their LMDB transaction were lost (%s)",
+                    len(lost), nbytes, self.health.snapshot().reason)
+        if lost and self.on_lost is not None:
+            self.on_lost(len(lost), nbytes)
+
+    def drain(self) -> None:
+        """Wait until every write-behind transaction has committed (or failed). A no-op without
+        write-behind; the tier drains by itself before it flushes, closes, removes or reloads."""
+        if self._writer is not None:
+            self._writer.drain()
+
     def write(self, items: Sequence[tuple[bytes, RecordLike]], *, on_evict: EvictHook | None = None,
               replace: bool = False) -> list[bytes]:
         for key, rec in items:
@@ -359,9 +458,15 @@ class DiskTier(Tier):
                 size = 0
             batches[-1].append(item)  # type: ignore[arg-type]
             size += n
+        done = 0
         with self.index.lock:
             for batch in batches:
-                written.extend(self._write_batch(env, records, batch, on_evict, replace))
+                try:
+                    written.extend(self._write_batch(env, records, batch, on_evict, replace))
+                except (TierFullError, TierUnavailableError) as e:  # earlier transactions committed: they stay
+                    e.done, e.written = done, tuple(written)
+                    raise
+                done += len(batch)
         return written
 
     def _write_batch(self, env: lmdb.Environment, records: lmdb._Database, batch: list[tuple[bytes, torch.Tensor]],
@@ -374,6 +479,7 @@ class DiskTier(Tier):
         victims: list[bytes] = []
         puts: list[tuple[bytes, torch.Tensor]] = []
         order: list[bytes] = []  # keys in the order memory saw them (touched or inserted)
+        replaced: set[bytes] = set()  # removed to be written again (``replace``): not evictions
         try:
             for key, rec in batch:
                 if key in self.index:
@@ -383,6 +489,7 @@ class DiskTier(Tier):
                         continue
                     self.index.remove(key)
                     victims.append(key)
+                    replaced.add(key)
                 charge = disk_charge(int(rec.numel()))
                 chosen = self.index.plan_insert(key, charge)
                 self.index.commit_insert(key, charge, chosen)
@@ -390,35 +497,15 @@ class DiskTier(Tier):
                 puts.append((key, rec))
                 order.append(key)
             stored_before = {k: self._sizes[k] for k in victims if k in self._sizes} if victims else {}
-            if victims:
-                puts = [(k, r) for k, r in puts if k in self.index]  # not evicted again within the batch
-                with self._write_txn(env) as txn:
-                    for v in victims:
-                        self._delete(txn, v)
-            recs = dict(puts)
-            for attempt, pause in enumerate(MAP_FULL_RETRY_PAUSES_S + (None,)):
-                try:
-                    with self._write_txn(env) as txn:
-                        put, touched, index = txn.put, self._touched, self.index
-                        for key in order:
-                            if key not in index:
-                                continue  # evicted again within the batch
-                            rec = recs.get(key)
-                            if rec is not None:  # its bytes, viewed without numpy (contiguous: checked)
-                                put(key, _bytes_view(rec), db=records)
-                            touched.pop(key, None)  # its new LRU position: stamped with a batch
-                            touched[key] = None
-                        if len(touched) >= STAMP_BATCH:
-                            self._stamp_touched(txn)
-                    break
-                except lmdb.MapFullError:
-                    # Pages freed by the eviction commit above are reusable only once every read
-                    # transaction older than it has ended; concurrent readers can hold them a moment.
-                    # The aborted transaction left nothing behind, so wait briefly and try again.
-                    if pause is None:
-                        raise
-                    log.debug("LMDB map full while readers hold freed pages; retrying in %.3f s (attempt %d)", pause, attempt + 1)
-                    time.sleep(pause)
+            passing: list[tuple[bytes, torch.Tensor]] = []  # evicted again within the batch: written and
+            if victims:                                       # evicted at once, no bytes reach LMDB
+                passing = [(k, r) for k, r in puts if k not in self.index]
+                puts = [(k, r) for k, r in puts if k in self.index]
+            job = self._job(victims, puts, order)
+            if self._writer is None:
+                self._apply(job)
+            else:
+                self._writer.submit(job, victims)  # applied on the writer thread, in order
         except BaseException as e:
             if not is_io_fault(e):
                 self._load_index(scrub=False)  # the put transaction aborted: back to exactly what LMDB holds
@@ -433,20 +520,22 @@ class DiskTier(Tier):
             if is_io_fault(e):
                 raise self._fault(e, "write") from e
             raise
+        if victims:  # first: a record evicted and then written again within the batch is both
+            evicted = [v for v in dict.fromkeys(victims) if v in stored_before and v not in replaced]
+            self._settle_evictions(evicted, stored_before, on_evict)
         nbytes = 0
         for k, r in puts:
             self._sizes[k] = n = r.numel()
             nbytes += n
             if n > self._largest:
                 self._largest = n
+        passed = {k: int(r.numel()) for k, r in passing}
         with self._stats_lock:
-            self._stats.writes += len(puts)
-            self._stats.bytes_written += nbytes
-        if victims:
-            put_keys = {k for k, _ in puts}
-            evicted = [v for v in dict.fromkeys(victims) if v in stored_before and v not in put_keys]
-            self._settle_evictions(evicted, stored_before, on_evict)
-        return [k for k, _ in puts]
+            self._stats.writes += len(puts) + len(passed)
+            self._stats.bytes_written += nbytes + sum(passed.values())
+        if passed:  # counted as written, then evicted (as one record at a time would have been)
+            self._settle_evictions(list(passed), passed, on_evict)
+        return [k for k, _ in puts] + list(passed)
 
     def _settle_evictions(self, evicted: list[bytes], stored_before: dict[bytes, int], on_evict: EvictHook | None) -> None:
         """Count victims whose delete committed and hand them to ``on_evict``."""
@@ -463,6 +552,7 @@ class DiskTier(Tier):
         if self.health.healthy:
             self._env()  # opened (and the index loaded) before the index is asked
         with self.index.lock:
+            self.drain()  # its delete must follow the queued puts
             present = [k for k in dict.fromkeys(keys) if k in self.index]
             if not present:
                 return 0
@@ -526,7 +616,12 @@ class DiskTier(Tier):
         env, records = self._open_env()
         try:
             with env.begin(db=records, buffers=True) as txn:
-                views = list(map(txn.get, keys))
+                pend = self._pending  # records whose write-behind put has not committed: served from memory
+                if pend:
+                    held = [pend.get(k) for k in keys]  # (keeps them alive while they are copied)
+                    views = [txn.get(k) if ent is None else ent[1] for k, ent in zip(keys, held)]
+                else:
+                    views = list(map(txn.get, keys))
                 sizes = [0 if v is None else len(v) for v in views]
                 if outs is None:
                     bufs, dsts = self._chunks.take_many(sizes)
@@ -576,6 +671,7 @@ class DiskTier(Tier):
     def lmdb_info(self) -> dict[str, int]:
         """LMDB's own view: ``map_size``, pages in use (``last_pgno + 1``) times page size, entries."""
         env, records, _, _ = self._env()
+        self.drain()
         info = env.info()
         with env.begin(db=records) as txn:
             entries = txn.stat(records)["entries"]
@@ -587,7 +683,8 @@ class DiskTier(Tier):
             self._env()  # first use only (opens and scrubs); once open, stats take no index lock
         s = super().stats()
         s.extra = {"scrubbed": self._scrubbed, "map_size": self.config.capacity_bytes,
-                   "tombstones": len(self._tombstones)}
+                   "tombstones": len(self._tombstones),
+                   "write_behind_bytes": self._writer.queued_bytes if self._writer is not None else 0}
         return s
 
     # ----- health -------------------------------------------------------------------------------
@@ -609,6 +706,7 @@ class DiskTier(Tier):
             raise OSError(errno.ENOSPC, f"No space left on device: {free} bytes free on the filesystem of "
                                         f"{self.config.path}, a record needs {need}")
         with self.index.lock:
+            self.drain()
             try:
                 env, _, _, _ = self._env()
                 with self._write_txn(env) as txn:
@@ -639,6 +737,7 @@ class DiskTier(Tier):
         (``env.sync(True)``). A storage failure is logged, not raised (this runs at shutdown)."""
         with self.index.lock:
             if self._env_obj is not None and self._pid == os.getpid():
+                self.drain()
                 try:
                     self.index.apply_touches()
                     if self._touched or self._tombstones:
@@ -656,6 +755,8 @@ class DiskTier(Tier):
 
     def close(self) -> None:
         with self.index.lock:
+            if self._writer is not None:
+                self._writer.close()  # what is queued commits first
             if self._env_obj is not None and self._pid == os.getpid():
                 self.flush()
                 close_environment(self.config.path, self._env_obj)

@@ -91,6 +91,13 @@ class DiskTierConfig(TierConfig):
         probe_backoff_max_s: the longest wait between probes (the wait doubles from the initial one).
         fault_file: tests only: while this file exists every write transaction fails as on a full disk
             (``KVTIER_DISK_FAULT_FILE``, see :mod:`~kvtier.server.tiers.disk_faults`).
+        write_behind: apply each write's LMDB transactions on a writer thread
+            (:mod:`~kvtier.server.tiers.disk_writer`): the write returns once its decisions are made;
+            records wait in memory (and are read from there) until their transaction commits. A
+            storage failure then shows at the next call, and a crash loses the records still
+            waiting (the index is rebuilt from LMDB at the next start). False: every write commits
+            before it returns.
+        write_behind_bytes: record bytes that may wait for the writer before a write blocks.
         read_buffer_bytes: a host arena (made when the environment opens) that
             :meth:`~kvtier.server.tiers.disk.DiskTier.borrow` copies records into, faulted in once; a
             record that does not fit gets fresh memory.
@@ -109,6 +116,8 @@ class DiskTierConfig(TierConfig):
     probe_backoff_max_s: float = 30.0
     fault_file: str = ""
     read_buffer_bytes: int = 64 << 20
+    write_behind: bool = False
+    write_behind_bytes: int = 64 << 20
 
     def validate(self) -> None:
         super().validate()
@@ -116,8 +125,8 @@ class DiskTierConfig(TierConfig):
             raise ValueError("disk tier path must be set")
         if not 0.0 < self.reserve_fraction < 1.0:
             raise ValueError(f"disk reserve_fraction must lie in (0, 1), got {self.reserve_fraction!r}")
-        if self.max_txn_bytes <= 0 or self.max_readers <= 0:
-            raise ValueError("disk max_txn_bytes and max_readers must be positive")
+        if self.max_txn_bytes <= 0 or self.max_readers <= 0 or self.write_behind_bytes <= 0:
+            raise ValueError("disk max_txn_bytes, max_readers and write_behind_bytes must be positive")
         if not 0 < self.probe_backoff_initial_s <= self.probe_backoff_max_s:
             raise ValueError("disk probe backoff must satisfy 0 < initial <= max")
         if self.capacity_bytes and self.capacity_bytes < 64 * LMDB_PAGE_BYTES:

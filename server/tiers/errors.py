@@ -9,7 +9,16 @@ class TierError(Exception):
 
 class TierFullError(TierError):
     """A write could not be placed: the record is larger than the tier, every candidate victim is
-    pinned, or LMDB ran out of map space. Nothing of the failed write is visible afterwards."""
+    pinned, or LMDB ran out of map space. Nothing of the failed write is visible afterwards.
+
+    Attributes:
+        done: items of a batch write handled (stored, or already held and touched) before the one
+            that failed; their effects stay. Set by the tier's ``write``; 0 for a single record.
+        written: keys among those ``done`` items that were stored.
+    """
+
+    done: int = 0
+    written: tuple[bytes, ...] = ()
 
 
 class RecordError(TierError, ValueError):
@@ -43,7 +52,10 @@ class TierUnavailableError(TierError):
         reason: why it is unhealthy.
         written: keys of a batch write stored before the failure (they stay; e.g. the Mooncake Store
             tier's earlier store calls of the batch); empty for a single-record write.
+        done: items of the batch handled (stored or already held) before the failure (0: none).
     """
+
+    done: int = 0
 
     def __init__(self, tier: str, reason: str, *, written: tuple[bytes, ...] = ()) -> None:
         super().__init__(f"the {tier} tier is unhealthy ({reason}); it is bypassed until a probe succeeds")

@@ -25,7 +25,7 @@ import torch
 
 from kvtier.server.hostmem import HostArena
 from kvtier.server.tiers.base import EvictHook, RecordLike, Tier, TierConfig
-from kvtier.server.tiers.errors import RecordError
+from kvtier.server.tiers.errors import RecordError, TierFullError
 from kvtier.server.tiers.policy import TierIndex
 from kvtier.server.tiers.record import verify_record
 
@@ -133,9 +133,9 @@ class HostTier(Tier):
             if not isinstance(key, bytes) or not isinstance(rec, torch.Tensor) or rec.dtype != torch.uint8 \
                     or rec.dim() != 1 or rec.device.type != "cpu":
                 raise ValueError("host tier items must be (bytes key, 1-D uint8 host tensor record)")
-        written = []
+        written: list[bytes] = []
         with self.index.lock:
-            for key, rec in items:
+            for pos, (key, rec) in enumerate(items):
                 if key in self.index:
                     if not replace:
                         self.index.touch(key)
@@ -144,8 +144,10 @@ class HostTier(Tier):
                 n = int(rec.numel())
                 try:
                     victims = self.index.plan_insert(key, n)
-                except Exception:
+                except Exception as e:
                     self._count(full_errors=1)
+                    if isinstance(e, TierFullError):  # the batch's earlier items stay
+                        e.done, e.written = pos, tuple(written)
                     raise
                 owned = self._in_arena(rec)
                 for v in victims:

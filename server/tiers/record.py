@@ -24,6 +24,7 @@ the bytes out.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import struct
 from dataclasses import dataclass
@@ -42,6 +43,7 @@ FORMAT_VERSION = 1
 _FIXED = struct.Struct("<4sHHIIIIQQQQ")  # server/tiers/_recordio.c (the disk tier's reads) checks these fields too
 _CHECKSUM_AT = _FIXED.size - 8
 _ALIGN = 64
+_memmove = ctypes.memmove
 
 
 @dataclass(frozen=True)
@@ -278,11 +280,13 @@ class RecordCodec:
         rec = self._buffer(self.nbytes(ps, 1), pin_memory, out)
         s, lat_n, idx_n = self.header_nbytes, self.latent_nbytes(ps), self.index_nbytes(1)
         L, rb = self.model.num_layers, self.row_bytes
-        rec[s:s + lat_n].view(L, ps, rb).copy_(pool.arena("latent").view(L, pool.num_slots, rb)[:, page * ps:(page + 1) * ps])
-        if idx_n:
-            rows = pool.arena("index_k").view(len(self.live_layers), pool.num_pages, self.index_page_bytes)
-            rec[s + lat_n:s + lat_n + idx_n].view(len(self.live_layers), self.index_page_bytes).copy_(rows[:, page])
-        pool._sync()
+        if not self._copy_page(pool, page, rec.data_ptr(), into_record=True):
+            lat_arena, idx_arena = pool.arena("latent"), pool.arena("index_k")
+            rec[s:s + lat_n].view(L, ps, rb).copy_(lat_arena.view(L, pool.num_slots, rb)[:, page * ps:(page + 1) * ps])
+            if idx_n:
+                rows = idx_arena.view(len(self.live_layers), pool.num_pages, self.index_page_bytes)
+                rec[s + lat_n:s + lat_n + idx_n].view(len(self.live_layers), self.index_page_bytes).copy_(rows[:, page])
+            pool._sync()
         arr = rec.numpy()
         arr[s + lat_n + idx_n:].view(np.int64)[:] = self._page_src + page * ps
         arr[:s] = np.frombuffer(header, dtype=np.uint8)
@@ -290,6 +294,34 @@ class RecordCodec:
         h.update(memoryview(arr[s:]))
         arr[_CHECKSUM_AT:_FIXED.size] = np.frombuffer(struct.pack("<Q", h.intdigest()), dtype=np.uint8)
         return rec
+
+    def _copy_page(self, pool: DSATokenToKVPool, page: int, rec_addr: int, *, into_record: bool) -> bool:
+        """Copy pool page ``page`` (checked by the caller) into the payload of the one-page record at
+        address ``rec_addr`` (``into_record``) or back, by one ``memmove`` per layer's latent rows
+        and per live layer's indexer page row, when the pool lies in host memory; a torch copy of the
+        strided views cost ~25 us more a page (BENCHMARKS.md, fix 14). Returns False (nothing
+        copied) for a device pool: the caller copies with torch.
+
+        Layouts: pool latent ``(layers, slots, row_bytes)`` and indexer ``(live, pages, page_bytes)``
+        arenas (server/pool/dsa.py); record payload ``(layers, page_size, row_bytes)`` then ``(live,
+        page_bytes)`` (this module's docstring)."""
+        lat_arena = pool.arena("latent")
+        if lat_arena.device.type != "cpu":
+            return False
+        ps, rb, ipb = self.page_size, self.row_bytes, self.index_page_bytes
+        chunk = ps * rb
+        rec_at = rec_addr + self.header_nbytes
+        pool_at, stride = lat_arena.data_ptr() + page * chunk, pool.num_slots * rb
+        for layer in range(self.model.num_layers):
+            a, b = rec_at + layer * chunk, pool_at + layer * stride
+            _memmove(a, b, chunk) if into_record else _memmove(b, a, chunk)
+        if self.live_layers:
+            rec_at += self.latent_nbytes(ps)
+            pool_at, stride = pool.arena("index_k").data_ptr() + page * ipb, pool.num_pages * ipb
+            for pos in range(len(self.live_layers)):
+                a, b = rec_at + pos * ipb, pool_at + pos * stride
+                _memmove(a, b, ipb) if into_record else _memmove(b, a, ipb)
+        return True
 
     def load_page(self, pool: DSATokenToKVPool, rec: torch.Tensor, page: int, *, verified: bool = False) -> None:
         """Write a one-page record (checked as :meth:`check` checks it) onto pool page ``page``: one
@@ -317,6 +349,8 @@ class RecordCodec:
             raise RecordError("not a one-page record in slot order")
         if not 0 <= page < pool.num_pages or page >= pool.num_slots // ps:
             raise ValueError(f"page {page} is outside the pool")
+        if arr.flags.c_contiguous and self._copy_page(pool, page, arr.ctypes.data, into_record=False):
+            return
         L, rb, dev = self.model.num_layers, self.row_bytes, pool.device
         t = rec if isinstance(rec, torch.Tensor) else torch.from_numpy(arr)
         dst = pool.arena("latent").view(L, pool.num_slots, rb)[:, page * ps:(page + 1) * ps]

@@ -87,9 +87,9 @@ class SimTier(Tier):
 
     def write(self, items: Sequence[tuple[bytes, RecordLike]], *, on_evict: EvictHook | None = None,
               replace: bool = False) -> list[bytes]:
-        written = []
+        written: list[bytes] = []
         with self.index.lock:
-            for key, rec in items:
+            for pos, (key, rec) in enumerate(items):
                 if key in self.index:
                     if not replace:
                         self.index.touch(key)
@@ -98,8 +98,9 @@ class SimTier(Tier):
                 n = record_nbytes(rec)
                 try:
                     victims = self.index.plan_insert(key, self._charge(n))
-                except TierFullError:
+                except TierFullError as e:
                     self._count(full_errors=1)
+                    e.done, e.written = pos, tuple(written)  # the batch's earlier items stay
                     raise
                 for v in victims:
                     if on_evict is not None:

@@ -24,6 +24,7 @@ backoff.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -87,6 +88,12 @@ class TierStack:
         self.shared = [t for t in self.tiers if is_shared(t)]
         self.moves: dict[str, dict[str, int]] = {}
         self._moves_lock = threading.Lock()
+        for t in self.cascade:  # records a tier lost after it took them (a failed write-behind transaction)
+            if hasattr(t, "on_lost"):
+                t.on_lost = functools.partial(self._count_lost, t.name)  # type: ignore[attr-defined]
+
+    def _count_lost(self, tier: str, records: int, nbytes: int) -> None:
+        self.count_move(tier, "gone", nbytes, records=records)
 
     @classmethod
     def from_configs(cls, configs: Sequence[TierConfig], *, simulate: bool = False) -> TierStack:
@@ -121,43 +128,103 @@ class TierStack:
     def put(self, key: bytes, rec: RecordLike, *, source: str, level: int = 0, count_gone: bool = True) -> list[str]:
         """Store ``rec`` under ``key`` in tier ``level`` (and below it when that tier is
         write-through), cascading evictions down (``level`` indexes :attr:`cascade`: shared tiers are
-        published to, never put into); unhealthy tiers are passed over.
+        published to, never put into); unhealthy tiers are passed over. :meth:`put_many` of one record.
 
         Returns:
             Names of the tiers that now hold the record (empty: it fit nowhere and was counted
             ``source->gone``, unless ``count_gone`` is False).
         """
+        return self.put_many([(key, rec)], source=source, level=level, count_gone=count_gone)[0]
+
+    def put_many(self, items: Sequence[tuple[bytes, RecordLike]], *, source: str, level: int = 0,
+                 count_gone: bool = True) -> list[list[str]]:
+        """:meth:`put` of a batch with one write per tier: the records go into tier ``level`` in one
+        ``write`` call, and the records that write evicts go down together, in eviction order, in one
+        ``write`` of the tier below (for LMDB one transaction pair for the whole batch instead of one
+        per record: BENCHMARKS.md, fix 14). The decisions are those of putting the records one at a
+        time, except that the tier below receives the batch's victims after the batch.
+
+        A record the tier cannot take (``TierFullError``: larger than its budget, the rest pinned; or
+        ``TierUnavailableError``: its storage failed) is passed down as :meth:`put` passes it; the
+        batch's items before it stay where they went (the error's ``done``), those after it are
+        written again (or passed down at once when the tier turned unhealthy).
+
+        Args:
+            items: ``(key, record)`` pairs, keys distinct.
+            source: where the records come from (``device``, ``client``, a tier's name), for the counters.
+            level: index in :attr:`cascade` of the first tier to try.
+            count_gone: count records that fit nowhere as ``source->gone``.
+
+        Returns:
+            For each item, the names of the tiers that now hold it (empty: it fit nowhere).
+        """
+        items = list(items)
+        if not items:
+            return []
         if level >= len(self.cascade):
             if count_gone:
-                self.count_move(source, "gone", record_nbytes(rec))
-            return []
+                self.count_move(source, "gone", sum(record_nbytes(r) for _, r in items), records=len(items))
+            return [[] for _ in items]
         tier = self.cascade[level]
         if not tier.health.healthy:
-            return self.put(key, rec, source=source, level=level + 1, count_gone=count_gone)
+            return self.put_many(items, source=source, level=level + 1, count_gone=count_gone)
         below = level + 1 < len(self.cascade)
+        write_back = _write_back(tier)
+        down: list[tuple[bytes, RecordLike]] = []  # the victims, in eviction order
+        gone = [0, 0]
+
+        evicted: set[bytes] = set()
 
         def on_evict(victim: bytes, vrec: RecordLike | None) -> None:
-            n = record_nbytes(vrec) if vrec is not None else 0
-            if below and vrec is not None and (_write_back(tier) or not self._held_below(victim, level)):
-                self.put(victim, vrec, source=tier.name, level=level + 1)
+            evicted.add(victim)
+            if below and vrec is not None and (write_back or not self._held_below(victim, level)):
+                down.append((victim, vrec))
             else:
-                self.count_move(tier.name, "gone", n)
+                gone[0] += 1
+                gone[1] += record_nbytes(vrec) if vrec is not None else 0
 
-        try:
-            written = tier.write([(key, rec)], on_evict=on_evict)
-        except TierFullError as e:
-            log.info("%s tier: no room for %s (%s); passing it down", tier.name, key.hex(), e)
-            return self.put(key, rec, source=source, level=level + 1, count_gone=count_gone)
-        except TierUnavailableError as e:
-            log.debug("%s", e)
-            return self.put(key, rec, source=source, level=level + 1, count_gone=count_gone)
-        if written:
-            self.count_move(source, tier.name, record_nbytes(rec))
-        placed = [tier.name]
-        if not _write_back(tier) and below:
+        here: list[int] = []  # items this tier holds now
+        passed: list[int] = []  # items it could not take: passed down
+        written: set[bytes] = set()
+        pos = 0
+        while pos < len(items):
+            if not tier.health.healthy:  # turned unhealthy during this batch: the rest go down
+                passed.extend(range(pos, len(items)))
+                break
+            try:
+                written.update(tier.write(items[pos:], on_evict=on_evict))
+                here.extend(range(pos, len(items)))
+                break
+            except (TierFullError, TierUnavailableError) as e:
+                failed = pos + min(max(int(e.done), 0), len(items) - pos - 1)
+                written.update(e.written)
+                here.extend(range(pos, failed))
+                if isinstance(e, TierFullError):
+                    log.info("%s tier: no room for %s (%s); passing it down", tier.name, items[failed][0].hex(), e)
+                else:
+                    log.debug("%s", e)
+                passed.append(failed)
+                pos = failed + 1
+        if gone[0]:
+            self.count_move(tier.name, "gone", gone[1], records=gone[0])
+        stored = [items[i] for i in here if items[i][0] in written]
+        if stored:
+            self.count_move(source, tier.name, sum(record_nbytes(r) for _, r in stored), records=len(stored))
+        went = dict(zip([k for k, _ in down], self.put_many(down, source=tier.name, level=level + 1))) if down else {}
+        placed: list[list[str]] = [[] for _ in items]
+        for i in here:  # an item a later one of the batch evicted is where its eviction took it
+            key = items[i][0]
+            placed[i] = list(went.get(key, [])) if key in evicted else [tier.name]
+        if passed:
+            for i, where in zip(passed, self.put_many([items[i] for i in passed], source=source, level=level + 1,
+                                                      count_gone=count_gone)):
+                placed[i] = where
+        if here and not write_back and below:
             # write-through: a copy below that cannot be made now (tier full or unhealthy) is not
             # "gone" (the record is here); eviction writes it down later if the tier below lacks it
-            placed += self.put(key, rec, source=tier.name, level=level + 1, count_gone=False)
+            for i, where in zip(here, self.put_many([items[i] for i in here], source=tier.name, level=level + 1,
+                                                    count_gone=False)):
+                placed[i] += where
         return placed
 
     def publish(self, keys: Sequence[bytes], make_record: Callable[[int, Any], RecordLike], *, source: str,

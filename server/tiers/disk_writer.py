@@ -1,0 +1,192 @@
+"""Write-behind for the LMDB disk tier: a spill's decisions now, its LMDB transactions on a thread.
+
+A disk write (:meth:`DiskTier.write`) decides everything at once, under the tier's index lock: which
+records go in, which are evicted, the LRU positions, the counters and the ``on_evict`` hand-offs.
+With write-behind the LMDB work of that write -- one transaction that deletes the victims, one that
+puts the records and stamps positions -- becomes a :class:`DiskJob` that a writer thread applies,
+jobs in the order they were made. py-lmdb lets go of the GIL inside ``mdb_put`` and the commit, so
+the copy into LMDB's pages and the ``pwritev`` of a spill run on the other core while the caller
+(a LoadPrefix making room) goes on: BENCHMARKS.md, fix 14.
+
+Until its job commits a record is *pending*: :meth:`WriteBehind.pending` maps its key to the record
+(the host tier's arena block, kept alive here), and reads serve it from there, so a read never misses
+a record the index holds. A later decision about the same key is just a later job (a victim's delete
+follows its put), so applying the jobs in order leaves LMDB exactly as the index says.
+
+Bounds and barriers: at most ``max_pending_bytes`` of records wait (a write that would pass it waits
+for the writer: memory stays bounded when the disk is slower than the spills); :meth:`drain` waits
+until every job has committed (the tier drains before any transaction of its own, a reload of its
+index from LMDB, a flush and close).
+
+Failures: a job whose transaction fails (ENOSPC, EIO, LMDB's map full after the retries) is handed to
+``on_failure`` on the writer thread together with every job still queued; those jobs are dropped
+(nothing of a failed transaction is visible in LMDB) and their records are no longer pending. The
+tier marks itself unhealthy, counts the records it lost and reloads its index from LMDB before it
+serves again. A process killed with jobs queued loses those records the same way: LMDB holds only
+committed transactions, and the index is rebuilt from it at the next start.
+
+Lock order: the writer thread takes only this module's own leaf lock (``_lock``), never the tier's
+index lock; a caller may wait here while it holds the index lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class DiskJob:
+    """The LMDB work of one disk write, applied by :meth:`DiskTier._apply`.
+
+    Attributes:
+        deletes: ``(key, LRU sequence number or None)`` of each victim (its record, seq and order entries).
+        puts: ``(key, record)`` to put, in order; records are contiguous 1-D uint8 host tensors.
+        stamps: ``(key, old sequence number or None, new sequence number)`` LRU positions to persist.
+    """
+
+    deletes: list[tuple[bytes, int | None]] = field(default_factory=list)
+    puts: list[tuple[bytes, torch.Tensor]] = field(default_factory=list)
+    stamps: list[tuple[bytes, int | None, int]] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        """Record bytes this job puts."""
+        return sum(int(r.numel()) for _, r in self.puts)
+
+    def __bool__(self) -> bool:
+        return bool(self.deletes or self.puts or self.stamps)
+
+
+class WriteBehind:
+    """The writer thread and the pending records of one disk tier.
+
+    Args:
+        apply: applies one job's transactions (raises on failure; nothing of a failed transaction is
+            visible). Called on the writer thread, in job order.
+        on_failure: ``(error, lost)``, called on the writer thread after a job failed; every queued
+            job was dropped with it, and ``lost`` are the ``(key, record)`` puts of those jobs that
+            were still pending (records the index holds but LMDB never got).
+        max_pending_bytes: record bytes that may wait before :meth:`submit` blocks.
+        name: the thread's name.
+    """
+
+    def __init__(self, apply: Callable[[DiskJob], None], on_failure: Callable[[BaseException, list[tuple[bytes, torch.Tensor]]], None],
+                 *, max_pending_bytes: int, name: str = "kvtier-disk-writer") -> None:
+        if max_pending_bytes <= 0:
+            raise ValueError(f"max_pending_bytes must be positive, got {max_pending_bytes}")
+        self._apply = apply
+        self._on_failure = on_failure
+        self.max_pending_bytes = max_pending_bytes
+        self.name = name
+        self._lock = threading.Lock()  # leaf
+        self._changed = threading.Condition(self._lock)
+        self._queue: deque[DiskJob] = deque()
+        self._busy = False  # a job is being applied
+        self._bytes = 0  # record bytes of the queued and in-flight jobs
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        #: key -> (record tensor, its bytes as a ``B`` memoryview): records whose put has not committed.
+        #: Read without the lock (one dict lookup); a reader keeps the tuple while it copies.
+        self.pending: dict[bytes, tuple[torch.Tensor, memoryview]] = {}
+        self.jobs_applied = 0
+        self.jobs_failed = 0
+
+    # ----- the caller's side ------------------------------------------------------------------------
+    def submit(self, job: DiskJob, cancelled: list[bytes]) -> None:
+        """Queue ``job``; ``cancelled`` are keys no longer held (victims of this write): a pending
+        put of one stops being served (the job's deletes follow that put in LMDB). Blocks while the
+        pending bytes are over the bound (until the writer catches up or fails).
+
+        """
+        n = job.nbytes
+        with self._changed:
+            while self._bytes and self._bytes + n > self.max_pending_bytes:
+                self._changed.wait()
+            pend = self.pending
+            for k in cancelled:
+                pend.pop(k, None)
+            for k, rec in job.puts:
+                pend[k] = (rec, memoryview(rec.numpy()))
+            self._queue.append(job)
+            self._bytes += n
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+                self._thread.start()
+            self._changed.notify_all()
+
+    def drain(self) -> None:
+        """Wait until every queued job has been applied (or dropped by a failure)."""
+        with self._changed:
+            while self._queue or self._busy:
+                self._changed.wait()
+
+    @property
+    def queued_bytes(self) -> int:
+        """Record bytes waiting for (or in) a transaction (monitoring: no lock)."""
+        return self._bytes
+
+    def close(self) -> None:
+        """Apply what is queued, then stop the thread (idempotent; a later :meth:`submit` starts a
+        new one)."""
+        self.drain()
+        with self._changed:
+            self._closed = True
+            self._changed.notify_all()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=30)
+        with self._changed:
+            self._closed = False
+            self._thread = None
+
+    # ----- the writer thread ------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._changed:
+                while not self._queue and not self._closed:
+                    self._changed.wait()
+                if not self._queue:
+                    return
+                job = self._queue.popleft()
+                self._busy = True
+            try:
+                self._apply(job)
+            except BaseException as e:  # noqa: BLE001 - handed to the tier, which turns unhealthy
+                self._fail(e, job)
+                continue
+            with self._changed:
+                pend = self.pending
+                for k, rec in job.puts:
+                    ent = pend.get(k)
+                    if ent is not None and ent[0] is rec:  # not re-put or cancelled since
+                        del pend[k]
+                self._bytes -= job.nbytes
+                self._busy = False
+                self.jobs_applied += 1
+                self._changed.notify_all()
+
+    def _fail(self, err: BaseException, job: DiskJob) -> None:
+        with self._changed:
+            dropped = [job, *self._queue]
+            pend = self.pending
+            lost = [(k, r) for j in dropped for k, r in j.puts if (ent := pend.get(k)) is not None and ent[0] is r]
+            self._queue.clear()
+            pend.clear()
+            self._bytes = 0
+            self.jobs_failed += len(dropped)
+        try:
+            self._on_failure(err, lost)
+        except BaseException:  # noqa: BLE001 - the thread must go on serving later jobs
+            log.exception("disk tier: handling a failed write-behind job failed")
+        finally:
+            with self._changed:
+                self._busy = False
+                self._changed.notify_all()

@@ -1,0 +1,170 @@
+"""The disk tier's write-behind (server/tiers/disk_writer.py) on a real LMDB environment: records read
+byte-exact from memory while their transaction waits, LMDB left exactly as the index says once the
+jobs commit (evictions of pending records included), the pending bound, a failed transaction (the
+tier turns unhealthy, the records lost are counted, the probe brings it back in step), and close
+committing what waits. The writer is held back by the test's own LMDB write transaction (LMDB has
+one writer at a time), so "pending" is a state the test controls, not a race it hopes to win."""
+
+from __future__ import annotations
+
+import threading
+
+import lmdb
+import pytest
+import torch
+
+from kvtier.server.tiers import DiskTier, DiskTierConfig, HostTierConfig, TierStack, disk_charge
+from kvtier.server.tiers.errors import TierUnavailableError
+from tierkit import record_of
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def records(pool, codec):
+    return {b"wb-%02d" % i: record_of(codec, pool, 1 + i % 8, seed=50 + i) for i in range(12)}
+
+
+def tier_at(path, capacity=8 * MiB, **kw) -> DiskTier:
+    return DiskTier(DiskTierConfig(path=str(path), capacity_bytes=capacity, write_behind=True, **kw))
+
+
+def lmdb_contents(path) -> dict[bytes, bytes]:
+    """Every record LMDB holds, read by a second process-free environment handle after close."""
+    env = lmdb.open(str(path), readonly=True, max_dbs=4, lock=False)
+    try:
+        db = env.open_db(b"records", create=False)
+        with env.begin(db=db) as txn:
+            return {bytes(k): bytes(v) for k, v in txn.cursor()}
+    finally:
+        env.close()
+
+
+class HeldWriter:
+    """Holds LMDB's one write lock (a write transaction of the test's own) so the tier's writer
+    thread waits in ``begin``; ``release`` lets it go."""
+
+    def __init__(self, tier: DiskTier) -> None:
+        tier.open()
+        self.txn = tier._env_obj.begin(write=True)  # noqa: SLF001 - the environment the tier owns
+
+    def release(self) -> None:
+        self.txn.abort()
+
+
+def read(tier: DiskTier, key: bytes, size: int) -> bytes | None:
+    out = torch.empty(size, dtype=torch.uint8)
+    n = tier.read_into([key], [out])[0]
+    return bytes(out[:n].numpy()) if n else None
+
+
+def test_pending_records_read_byte_exact_then_commit(tmp_path, records):
+    """While the writer is held, written records are pending (nothing in LMDB yet) and every read
+    path returns their exact bytes; once released and drained, LMDB holds the same bytes."""
+    tier = tier_at(tmp_path)
+    held = HeldWriter(tier)
+    keys = list(records)[:4]
+    assert tier.write([(k, records[k]) for k in keys]) == keys
+    assert set(tier._pending) == set(keys)  # noqa: SLF001 - the state under test
+    assert tier.contains(keys) == [True] * 4
+    assert tier.nbytes(keys) == [records[k].numel() for k in keys]
+    for k in keys:
+        assert read(tier, k, records[k].numel()) == bytes(records[k].numpy())
+    with tier.borrow(keys) as got:
+        assert [bytes(g.numpy()) for g in got] == [bytes(records[k].numpy()) for k in keys]
+    held.release()
+    tier.drain()
+    assert tier._pending == {}  # noqa: SLF001
+    assert tier.lmdb_info()["entries"] == 4
+    tier.close()
+    assert lmdb_contents(tmp_path) == {k: bytes(records[k].numpy()) for k in keys}
+
+
+def test_evictions_of_pending_records_leave_lmdb_as_the_index_says(tmp_path, records, codec):
+    """A tier of 4 records takes 12 while its writer is held: 8 are evicted, most before their own
+    put ever committed. After the queue drains, LMDB holds exactly the 4 newest, byte-exact, and
+    the evictions were handed over in order as they were decided."""
+    per = disk_charge(codec.page_nbytes())
+    tier = tier_at(tmp_path, capacity=int(per * 4 / 0.5) + 4096, reserve_fraction=0.5)
+    assert tier.index.capacity // per == 4
+    held = HeldWriter(tier)
+    keys = list(records)
+    gone: list[bytes] = []
+    for k in keys:
+        tier.write([(k, records[k])], on_evict=lambda v, _n: gone.append(v))
+    assert gone == keys[:8]
+    assert set(tier._pending) == set(keys[8:])  # noqa: SLF001 - evicted ones are no longer served
+    held.release()
+    tier.close()
+    assert lmdb_contents(tmp_path) == {k: bytes(records[k].numpy()) for k in keys[8:]}
+
+
+def test_a_write_past_the_pending_bound_waits_for_the_writer(tmp_path, records):
+    """With room for two pending records, a third write blocks while the writer is held and
+    completes once it is released."""
+    size = next(iter(records.values())).numel()
+    tier = tier_at(tmp_path, write_behind_bytes=2 * size)
+    held = HeldWriter(tier)
+    keys = list(records)[:3]
+    tier.write([(keys[0], records[keys[0]])])
+    tier.write([(keys[1], records[keys[1]])])
+    third = threading.Thread(target=tier.write, args=([(keys[2], records[keys[2]])],))
+    third.start()
+    third.join(timeout=0.5)
+    assert third.is_alive()  # blocked on the bound: the writer cannot have made progress
+    assert keys[2] not in tier._pending  # noqa: SLF001
+    held.release()
+    third.join(timeout=30)
+    assert not third.is_alive()
+    tier.close()
+    assert set(lmdb_contents(tmp_path)) == set(keys)
+
+
+def test_a_failed_transaction_marks_unhealthy_counts_the_lost_and_the_probe_resyncs(tmp_path, records):
+    """An injected I/O fault hits the writer's transaction after the write returned: the tier turns
+    unhealthy, the records that never reached LMDB are counted ``disk->gone`` in the stack's moves,
+    the next write is refused (the stack passes it on), and the probe reloads the index from LMDB
+    (which holds only what committed before the fault)."""
+    fault = tmp_path / "fault"
+    disk_cfg = DiskTierConfig(path=str(tmp_path / "lmdb"), capacity_bytes=16 * MiB, write_behind=True,
+                              fault_file=str(fault))
+    stack = TierStack.from_configs([HostTierConfig(capacity_bytes=0), disk_cfg])  # the disk tier alone
+    disk = stack.tiers[0]
+    assert isinstance(disk, DiskTier)
+    keys = list(records)
+    assert stack.put_many([(k, records[k]) for k in keys[:2]], source="host") == [["disk"], ["disk"]]
+    disk.drain()
+    held = HeldWriter(disk)
+    assert stack.put_many([(k, records[k]) for k in keys[2:5]], source="host") == [["disk"]] * 3
+    fault.touch()
+    held.release()
+    disk.drain()
+    assert not disk.health.healthy and "injected" in disk.health.snapshot().reason
+    lost = sum(records[k].numel() for k in keys[2:5])
+    assert stack.moves["disk->gone"] == {"count": 3, "bytes": lost}
+    with pytest.raises(TierUnavailableError):
+        disk.write([(keys[5], records[keys[5]])])
+    assert stack.put(keys[5], records[keys[5]], source="host") == []  # passed on: nothing below
+    fault.unlink()
+    disk.probe()
+    disk.health.mark_healthy()
+    assert sorted(disk.index.keys()) == sorted(keys[:2])
+    assert read(disk, keys[0], records[keys[0]].numel()) == bytes(records[keys[0]].numpy())
+    assert read(disk, keys[3], records[keys[3]].numel()) is None
+    stack.close()
+
+
+def test_close_commits_what_waits_and_a_reopened_tier_serves_it(tmp_path, records):
+    """Records written just before close (their transactions still queued) are all in LMDB after
+    it, and a new tier on the same directory serves them byte-exact."""
+    keys = list(records)
+    tier = tier_at(tmp_path)
+    for k in keys:
+        tier.write([(k, records[k])])
+    tier.close()
+    assert lmdb_contents(tmp_path) == {k: bytes(records[k].numpy()) for k in keys}
+    again = tier_at(tmp_path)
+    assert again.contains(keys) == [True] * len(keys)
+    for k in keys:
+        assert read(again, k, records[k].numel()) == bytes(records[k].numpy())
+    again.close()
