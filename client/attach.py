@@ -35,9 +35,16 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvtier.addresses import is_unix
-from kvtier.attach_wire import PROTOCOL_VERSION, SESSION_METADATA, WireError, recv_message, send_message
+import torch
+
+from kvtier.attach_wire import (
+    PROTOCOL_VERSION, SESSION_METADATA, WireError, decode_slots, encode_keys, encode_slots, recv_message, send_message,
+)
 from kvtier.client.base import BaseClient
-from kvtier.client.errors import FailedPreconditionError, KVTierError, UnavailableError, from_code_name
+from kvtier.client.errors import (
+    DeadlineExceededError, FailedPreconditionError, KVTierError, UnavailableError, from_code_name,
+)
+from kvtier.client.tiers import PrefixLease
 
 HANDSHAKE_TIMEOUT_S = 30.0
 
@@ -138,7 +145,11 @@ def request_staging(sock: socket.socket, nbytes: int, timeout: float) -> tuple[i
     sock.settimeout(timeout)
     try:
         send_message(sock, {"kind": "staging", "nbytes": int(nbytes)})
-        got = recv_message(sock, accept_fds=True)
+        while True:
+            got = recv_message(sock, accept_fds=True)
+            if got is None or "id" not in got[0]:
+                break
+            _close_fds(got[1])  # the late reply of a prefix call that timed out
     except (OSError, WireError) as e:
         raise UnavailableError(f"the attach connection to the daemon failed: {e}") from None
     if got is None:
@@ -204,6 +215,7 @@ class AttachedPool:
         self._memory = memory
         self._staging: list[Any] = []
         self._lock = threading.Lock()
+        self._calls = 0  # id of the last request sent on the connection
         self._detached = False
         self._finalizer = weakref.finalize(self, _release, memory, self._staging, sock, client)
 
@@ -241,18 +253,70 @@ class AttachedPool:
         """Per tier, the longest prefix of ``page_keys`` present (pins nothing)."""
         return self.client.lookup_prefix(self.pool_id, page_keys, **kw)
 
-    def load_prefix(self, page_keys: Sequence[bytes], total_tokens: int | None = None, **kw: Any) -> Any:
+    # The prefix calls go over the attach connection itself (one SEQPACKET message each way, no
+    # HTTP/2: ~3x less time a call than gRPC here, BENCHMARKS.md fix 15), with the checks, errors
+    # and lease ownership of the gRPC methods; ``self.client``'s methods are the same calls over gRPC.
+    def load_prefix(self, page_keys: Sequence[bytes], total_tokens: int | None = None, *,
+                    timeout: float | None = None) -> PrefixLease:
         """Load the present prefix into the pool (read it through the tensors once this returns) and
-        allocate fresh slots for the rest; the lease is this session's (released at detach at the latest)."""
-        return self.client.load_prefix(self.pool_id, page_keys, total_tokens, **kw)
+        allocate fresh slots for the rest; the lease is this session's (released at detach at the latest).
 
-    def store_prefix(self, lease: Any, page_keys: Sequence[bytes], slots: Any, **kw: Any) -> int:
-        """Hand the lease's fresh pages, written through the tensors (writes complete first), to the cache."""
-        return self.client.store_prefix(lease, page_keys, slots, **kw)
+        Raises:
+            ResourceExhaustedError: the pool cannot make room; nothing changed. InvalidArgumentError:
+                bad or repeated keys. UnavailableError: a tier is unhealthy, or the connection is gone.
+        """
+        reply = self._call({"kind": "load_prefix", "keys": encode_keys(page_keys), "total_tokens": total_tokens}, timeout)
+        try:
+            raw = decode_slots(reply["slots"])
+            slots = torch.frombuffer(bytearray(raw), dtype=torch.int64) if raw else torch.empty(0, dtype=torch.int64)
+            return PrefixLease(self.pool_id, str(reply["lease_id"]), slots, [str(t) for t in reply["tiers"]])
+        except (KeyError, TypeError, WireError) as e:
+            raise KVTierError(f"the daemon's load_prefix reply is malformed: {e}") from None
 
-    def release_prefix(self, lease: Any, **kw: Any) -> None:
-        """End a lease (its pages may be evicted and reused afterwards: stop reading them first)."""
-        self.client.release_prefix(lease, **kw)
+    def store_prefix(self, lease: PrefixLease, page_keys: Sequence[bytes], slots: Any, *, release: bool = False,
+                     timeout: float | None = None) -> int:
+        """Hand the lease's fresh pages, written through the tensors (writes complete first), to the
+        cache; returns the pages adopted. ``release``: end the lease in the same call.
+
+        Raises:
+            InvalidArgumentError: not the lease's fresh pages, bad keys. NotFoundError: not this session's lease.
+        """
+        raw = torch.as_tensor(slots, dtype=torch.int64).reshape(-1).contiguous().numpy().astype("<i8", copy=False).tobytes()
+        reply = self._call({"kind": "store_prefix", "lease_id": lease.lease_id, "keys": encode_keys(page_keys),
+                            "slots": encode_slots(raw), "release": bool(release)}, timeout)
+        return int(reply.get("stored_pages", 0))
+
+    def release_prefix(self, lease: PrefixLease, *, timeout: float | None = None) -> None:
+        """End a lease (its pages may be evicted and reused afterwards: stop reading them first).
+        Raises NotFoundError for a lease that is not this session's or was released."""
+        self._call({"kind": "release_prefix", "lease_id": lease.lease_id}, timeout)
+
+    def _call(self, message: dict[str, Any], timeout: float | None) -> dict[str, Any]:
+        """Send one request on the session's connection and return its reply (matched by ``id``: a
+        reply that arrives after its call timed out is read and dropped by the next call)."""
+        wait = timeout if timeout is not None else getattr(self.client, "timeout", 30.0)
+        with self._lock:
+            if self._detached:
+                raise RuntimeError("the pool was detached; attach again to use it")
+            self._calls += 1
+            message["id"] = self._calls
+            self._sock.settimeout(wait)
+            try:
+                send_message(self._sock, message)
+                while True:
+                    got = recv_message(self._sock)
+                    if got is None:
+                        raise UnavailableError("the daemon closed the attach session")
+                    reply = got[0]
+                    if reply.get("id") == self._calls:
+                        break  # (older ids: replies of calls that timed out)
+            except TimeoutError:
+                raise DeadlineExceededError(f"the daemon did not answer {message['kind']} within {wait:g} s") from None
+            except (OSError, WireError) as e:
+                raise UnavailableError(f"the attach connection to the daemon failed: {e}") from None
+        if "error" in reply:
+            raise _reply_error(reply)
+        return reply
 
     def offload(self, key: str, slots: Any, *, free_slots: bool = False, **kw: Any) -> Any:
         """Copy ``slots`` (as written through the tensors) into the host tier under ``key``."""

@@ -22,6 +22,14 @@ A message is one JSON object (UTF-8, at most :data:`MAX_MESSAGE_BYTES`), optiona
   ``N`` bytes for page transfers (anonymous shared memory of this session alone), its descriptor
   with the reply ``{"staging": {"index": i, "nbytes": N}}``.
 
+* ``{"kind": "load_prefix", "id": n, "keys": [hex], "total_tokens": N or null}``,
+  ``{"kind": "store_prefix", "id": n, "lease_id": id, "keys": [hex], "slots": b64, "release": bool}``,
+  ``{"kind": "release_prefix", "id": n, "lease_id": id}`` -- later, on an attached connection: the
+  prefix cache's LoadPrefix / StorePrefix / ReleasePrefix on the attached pool, in the session (the
+  same calls and checks as over gRPC, without HTTP/2: a local worker's control path). Page keys
+  travel as hex strings, slots as base64 of little-endian int64 (:func:`encode_slots`). Replies echo
+  ``id``: ``{"id", "lease_id", "slots", "tiers"}``, ``{"id", "stored_pages"}``, ``{"id"}``.
+
 An error reply is ``{"error": {"code": "NOT_FOUND", "message": "..."}}`` with a gRPC status code
 name; after an error in the first message the daemon closes the connection.
 
@@ -30,9 +38,12 @@ gRPC calls made in a session carry ``x-kvtier-session: <session id>`` metadata (
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import socket
 import struct
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +52,8 @@ ATTACH_SUFFIX = ".attach"
 SESSION_METADATA = "x-kvtier-session"
 MAX_MESSAGE_BYTES = 1 << 20
 MAX_FDS = 16
-KINDS = ("attach", "storage", "staging")
+PREFIX_KINDS = ("load_prefix", "store_prefix", "release_prefix")
+KINDS = ("attach", "storage", "staging", *PREFIX_KINDS)
 _PEERCRED = struct.Struct("3i")
 
 
@@ -119,3 +131,45 @@ def _close_all(fds: list[int]) -> None:
 def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
     """``(pid, uid, gid)`` of the process that connected ``sock`` (``SO_PEERCRED``, as of its connect)."""
     return _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+
+
+def encode_slots(slots: Sequence[int] | bytes) -> str:
+    """Slots (ints, or their little-endian int64 bytes) as base64 text for a message."""
+    raw = slots if isinstance(slots, (bytes, bytearray, memoryview)) else struct.pack(f"<{len(slots)}q", *slots)
+    return base64.b64encode(raw).decode("ascii")
+
+
+def decode_slots(text: object, what: str = "slots") -> bytes:
+    """The little-endian int64 bytes of base64 ``text`` (see :func:`encode_slots`).
+
+    Raises:
+        WireError: not base64 text of whole int64s.
+    """
+    if not isinstance(text, str):
+        raise WireError(f"{what} must be base64 text of little-endian int64s")
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raise WireError(f"{what} is not valid base64") from None
+    if len(raw) % 8:
+        raise WireError(f"{what} holds {len(raw)} bytes, not whole int64s")
+    return raw
+
+
+def encode_keys(keys: Sequence[bytes]) -> list[str]:
+    """Page keys as hex strings for a message."""
+    return [bytes(k).hex() for k in keys]
+
+
+def decode_keys(value: object) -> list[bytes]:
+    """Page keys from a message's list of hex strings.
+
+    Raises:
+        WireError: not a list of hex strings.
+    """
+    if not isinstance(value, list) or not all(isinstance(k, str) for k in value):
+        raise WireError("keys must be a list of hex strings")
+    try:
+        return [bytes.fromhex(k) for k in value]
+    except ValueError:
+        raise WireError("keys must be a list of hex strings") from None

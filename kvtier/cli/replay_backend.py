@@ -116,10 +116,9 @@ class AttachedBackend(ClientBackend):
         from kvtier.server.replay.fill import pool_words  # the fill works on the pool core's views
 
         self._words = pool_words(self.attached.pool)
-        self.session = self.attached.client  # LoadPrefix in the session: its leases are the session's
 
     def load(self, keys: Sequence[bytes]) -> tuple[str, np.ndarray, list[str]]:
-        lease = self.session.load_prefix(self.pool_id, keys)
+        lease = self.attached.load_prefix(keys)  # over the attach connection, in the session
         self._leases[lease.lease_id] = lease
         return lease.lease_id, lease.slots.numpy(), lease.tiers
 
@@ -130,12 +129,12 @@ class AttachedBackend(ClientBackend):
         fill.fill_pool(pages, *self._words, slots[::self.page_size] // self.page_size)
 
     def store(self, lease: str, keys: Sequence[bytes], slots: np.ndarray, release: bool = False) -> None:
-        self.session.store_prefix(self._leases[lease], keys, slots, release=release)
+        self.attached.store_prefix(self._leases[lease], keys, slots, release=release)
         if release:
             del self._leases[lease]
 
     def release(self, lease: str) -> None:
-        self.session.release_prefix(self._leases.pop(lease))
+        self.attached.release_prefix(self._leases.pop(lease))
 
     def close(self) -> None:
         self._words = None  # type: ignore[assignment]

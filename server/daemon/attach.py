@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvtier.attach_wire import PROTOCOL_VERSION
+from kvtier.attach_wire import PROTOCOL_VERSION, WireError, decode_keys, decode_slots, encode_slots
 from kvtier.memfd import SharedMemory
 from kvtier.server.daemon.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from kvtier.server.daemon.pools import MAX_POOL_ID_CHARS, PoolEntry
@@ -231,3 +231,53 @@ class AttachService:
         session.staging.append(shm)
         self.daemon.counters.add(Caller(session.tenant), "attach_staging_buffers")
         return {"staging": {"index": len(session.staging) - 1, "nbytes": nbytes}}, shm
+
+    def prefix_call(self, session: AttachSession, request: dict[str, Any]) -> dict[str, Any]:
+        """LoadPrefix, StorePrefix or ReleasePrefix on the session's pool, in the session, from an
+        attach-channel message (``kvtier.attach_wire``: keys hex, slots base64 int64): the same
+        :class:`~kvtier.server.daemon.tier_runtime.TierRuntime` calls, checks and lease ownership as
+        the gRPC methods, without HTTP/2 (a local worker's control path). Returns the reply (``id``
+        echoed).
+
+        Raises:
+            InvalidArgument: a malformed message (keys, slots, lease id, total_tokens), or what the
+                prefix cache refuses. NotFound: the lease is not this session's, or the session ended.
+                ResourceExhausted: the pool cannot make room. Unavailable: a tier is unhealthy.
+        """
+        kind = request.get("kind")
+        caller = Caller(session.tenant, None, session)
+        if session.entry is None:
+            raise FailedPrecondition("prefix calls need an attached pool; a storage session has none")
+        if session.ended:
+            raise NotFound("the attach session has ended")
+        pool_id, tiers = session.pool_id, self.daemon.tiers
+        try:
+            if kind == "load_prefix":
+                keys = decode_keys(request.get("keys"))
+                total = request.get("total_tokens")
+                if total is not None and (isinstance(total, bool) or not isinstance(total, int)):
+                    raise InvalidArgument(f"total_tokens must be an integer or null, got {total!r}")
+                ld = tiers.load(caller, pool_id, keys, total)
+                slots = ld.slots.to(torch.int64).contiguous().numpy().astype("<i8", copy=False).tobytes()
+                reply: dict[str, Any] = {"lease_id": ld.lease, "slots": encode_slots(slots), "tiers": list(ld.tiers)}
+            elif kind in ("store_prefix", "release_prefix"):
+                lease = request.get("lease_id")
+                if not isinstance(lease, str) or not lease:
+                    raise InvalidArgument("lease_id must be a non-empty string")
+                if kind == "release_prefix":
+                    tiers.release(caller, pool_id, lease)
+                    reply = {}
+                else:
+                    keys = decode_keys(request.get("keys"))
+                    raw = decode_slots(request.get("slots"))
+                    release = request.get("release", False)
+                    if not isinstance(release, bool):
+                        raise InvalidArgument("release must be true or false")
+                    slots = torch.frombuffer(bytearray(raw), dtype=torch.int64) if raw else torch.empty(0, dtype=torch.int64)
+                    reply = {"stored_pages": tiers.store(caller, pool_id, lease, keys, slots.tolist(), release=release)}
+            else:
+                raise InvalidArgument(f"unknown prefix call {kind!r}")
+        except WireError as e:
+            raise InvalidArgument(str(e)) from None
+        reply["id"] = request.get("id")
+        return reply

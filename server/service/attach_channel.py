@@ -44,7 +44,7 @@ from typing import Any
 
 import grpc
 
-from kvtier.attach_wire import WireError, peer_credentials, recv_message, send_message
+from kvtier.attach_wire import PREFIX_KINDS, WireError, peer_credentials, recv_message, send_message
 from kvtier.server.daemon.config import MAX_ATTACH_SESSIONS
 from kvtier.server.daemon.core import Daemon
 from kvtier.server.daemon.errors import InvalidArgument, ResourceExhausted
@@ -62,6 +62,7 @@ MAX_CONNECTIONS = MAX_ATTACH_SESSIONS + MAX_HANDSHAKES
 """Open connections at most (every session plus the handshakes): one more is answered
 RESOURCE_EXHAUSTED and closed."""
 WORKERS = 4
+CALL_THREADS = 16  # prefix calls of sessions (they wait for pool locks: never on the channel's workers)
 LISTEN_BACKLOG = 512  # connections the kernel queues before the selector accepts them
 ACCEPTS_PER_ROUND = 32
 
@@ -74,6 +75,7 @@ class _Conn:
     session: AttachSession | None = None
     closed: bool = False
     serving: bool = False  # a worker has it (the selector thread never closes it then)
+    calling: bool = False  # a prefix call of it is running (one at a time a connection)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -197,6 +199,7 @@ class AttachChannel:
         self._refusal_logged = -1e9
         self._ends = _SessionEnds(daemon)
         self._pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="kvtier-attach-work")
+        self._calls = ThreadPoolExecutor(CALL_THREADS, thread_name_prefix="kvtier-attach-call")
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvtier-attach", daemon=True)
         daemon.attach_socket = str(self.path)
@@ -363,8 +366,33 @@ class AttachChannel:
             if not self._send(conn, reply, [shm.fd]):
                 self._ended(conn, "its connection failed")
             return
+        if kind in PREFIX_KINDS:
+            with conn.lock:
+                busy, conn.calling = conn.calling, True
+            if busy:
+                self._answer(conn, {**error_reply(ResourceExhausted("one prefix call at a time on an attach "
+                                                                    "connection; wait for the reply")),
+                                    "id": request.get("id")})
+                return
+            self._calls.submit(self._prefix_call, conn, request)
+            return
         self._answer(conn, error_reply(InvalidArgument(f"unknown request kind {kind!r} on an attached connection; "
-                                                       f"known: 'staging'")))
+                                                       f"known: 'staging', {', '.join(repr(k) for k in PREFIX_KINDS)}")))
+
+    def _prefix_call(self, conn: _Conn, request: dict[str, Any]) -> None:
+        """(A call thread.) Run one prefix call of ``conn``'s session and send its reply."""
+        assert conn.session is not None
+        try:
+            try:
+                reply = self.daemon.attach.prefix_call(conn.session, request)
+            except Exception as e:  # noqa: BLE001 - mapped to a code like a gRPC call's error
+                reply = {**error_reply(e), "id": request.get("id")}
+            with conn.lock:
+                conn.calling = False
+            self._answer(conn, reply)
+        except Exception:  # noqa: BLE001 - one connection's failure never stops the channel
+            log.exception("attach: a prefix call of pid %d failed", conn.peer.pid)
+            self._ended(conn, "the channel failed serving it")
 
     def _send(self, conn: _Conn, reply: dict[str, Any], fds: list[int] | tuple[int, ...] = ()) -> bool:
         """Send ``reply`` without waiting: False if the connection failed, or if its socket buffer is
@@ -418,6 +446,7 @@ class AttachChannel:
         self._wake()
         self._thread.join(5.0)
         self._pool.shutdown(wait=True)
+        self._calls.shutdown(wait=True, cancel_futures=True)
         with self._conns_lock:
             conns = list(self._conns)
         for conn in conns:

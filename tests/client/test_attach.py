@@ -172,12 +172,14 @@ def test_tensors_used_after_detach_never_reach_the_daemon(tiny):
     it had written meanwhile went to another session, which wrote its own bytes. The stale tensor
     reads zeros, and the other session's bytes and the daemon's copy (over gRPC) are untouched."""
     c, pool = tiny.client, tiny.pool_id
+    used = c.describe_pool(pool).used_pages
     ap = c.attach(pool)
     slots = ap.allocate_slots(PAGE_SIZE)
     stale = ap.kv_buffer[1]
     stale[slots] = 7
     ap.detach()
     assert not ap.attached
+    wait_for(lambda: c.describe_pool(pool).used_pages == used, SESSION_END_BOUND_S)  # the session's end frees it
     with pytest.raises(RuntimeError, match="detached"):
         ap.kv_buffer
     with KVTierClient(tiny.address) as c2, c2.attach(pool) as other:

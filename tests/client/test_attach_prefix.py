@@ -1,0 +1,113 @@
+"""Prefix calls over the attach connection (``AttachedPool.load_prefix`` / ``store_prefix`` /
+``release_prefix``: one SEQPACKET message each way, kvtier.attach_wire) against a real daemon
+process (the pytest plugin's tiny daemon, one for the module: a pool of 8 pages): they act on the cache as the gRPC
+methods do, their leases are the session's own, a malformed message is INVALID_ARGUMENT and changes
+nothing, and detach releases what they pinned."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from kvtier.attach_wire import encode_keys, encode_slots, recv_message, send_message
+from kvtier.client import KVTierClient, NotFoundError
+from kvtier.page_keys import page_keys
+from kvtier.pytest_plugin import start_tiny_daemon, stop_tiny_daemon
+
+PAGE = 64
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    d = start_tiny_daemon(tmp_path_factory.mktemp("tiny"), device_pages=8, host_pages=2, disk_pages=24)
+    try:
+        yield d
+    finally:
+        stop_tiny_daemon(d)
+
+
+def keys_of(seed: int, pages: int) -> list[bytes]:
+    return page_keys(list(range(seed * 10_000, seed * 10_000 + pages * PAGE)), PAGE)
+
+
+def device_use(c: KVTierClient, pool_id: str) -> dict[str, int]:
+    return dict(c.tier_stats(pool_id).device)
+
+
+def test_prefix_calls_over_the_channel_act_as_the_grpc_ones(tiny):
+    """A miss, a store with release, then a hit: over the channel and over gRPC (in the same
+    session), the same tiers, the hit on exactly the pages stored, nothing left pinned."""
+    c = tiny.client
+    with c.attach(tiny.pool_id) as ap:
+        for seed, (load, store) in enumerate([
+                (ap.load_prefix, ap.store_prefix),
+                (lambda k: ap.client.load_prefix(tiny.pool_id, k), ap.client.store_prefix)]):
+            keys = keys_of(seed + 1, 3)
+            first = load(keys)
+            assert first.tiers == [] and first.slots.numel() == 3 * PAGE and first.slots.dtype == torch.int64
+            assert store(first, keys, first.slots, release=True) == 3
+            assert c.where_is(tiny.pool_id, keys) == [["device"]] * 3
+            again = load(keys)
+            assert again.tiers == ["device"] * 3
+            assert torch.equal(again.slots, first.slots)  # the very pages stored
+            ap.release_prefix(again) if seed == 0 else ap.client.release_prefix(again)
+        use = device_use(c, tiny.pool_id)
+        assert use["open_leases"] == 0 and use["pinned_pages"] == 0
+
+
+def test_a_channel_lease_is_the_sessions_own(tiny):
+    """A lease taken over the channel cannot be stored or released by a client outside the session
+    (NOT_FOUND, as for an unknown lease); the session releases it once, a second release is NOT_FOUND."""
+    c = tiny.client
+    with c.attach(tiny.pool_id) as ap:
+        keys = keys_of(7, 2)
+        lease = ap.load_prefix(keys)
+        with pytest.raises(NotFoundError):
+            c.store_prefix(lease, keys, lease.slots)
+        with pytest.raises(NotFoundError):
+            c.release_prefix(lease)
+        assert device_use(c, tiny.pool_id)["open_leases"] == 1
+        ap.release_prefix(lease)
+        with pytest.raises(NotFoundError):
+            ap.release_prefix(lease)
+        assert device_use(c, tiny.pool_id)["open_leases"] == 0
+
+
+@pytest.mark.parametrize("message", [
+    {"kind": "load_prefix", "keys": "not a list"},
+    {"kind": "load_prefix", "keys": ["zz"]},
+    {"kind": "load_prefix", "keys": encode_keys([b"k" * 16] * 2)},  # a repeated key
+    {"kind": "load_prefix", "keys": encode_keys([b"k" * 16]), "total_tokens": "64"},
+    {"kind": "load_prefix", "keys": encode_keys([b"k" * 16]), "total_tokens": True},
+    {"kind": "store_prefix", "lease_id": 5, "keys": [], "slots": ""},
+    {"kind": "store_prefix", "lease_id": "x" * 32, "keys": [], "slots": "***"},
+    {"kind": "store_prefix", "lease_id": "x" * 32, "keys": [], "slots": encode_slots(b"\0" * 12)},
+    {"kind": "store_prefix", "lease_id": "x" * 32, "keys": [], "slots": "", "release": "yes"},
+    {"kind": "release_prefix", "lease_id": ""},
+])
+def test_a_malformed_prefix_message_is_invalid_argument_and_changes_nothing(tiny, message):
+    c = tiny.client
+    with c.attach(tiny.pool_id) as ap:
+        before = device_use(c, tiny.pool_id)
+        with ap._lock:  # noqa: SLF001 - the raw connection, as a misbehaving client would use it
+            send_message(ap._sock, {**message, "id": 99})  # noqa: SLF001
+            reply, _ = recv_message(ap._sock)  # noqa: SLF001
+        assert reply["error"]["code"] == "INVALID_ARGUMENT" and reply["id"] == 99, reply
+        assert device_use(c, tiny.pool_id) == before
+        lease = ap.load_prefix(keys_of(9, 1))  # the connection still serves
+        ap.release_prefix(lease)
+
+
+def test_detach_releases_the_leases_the_channel_took(tiny):
+    c = tiny.client
+    ap = c.attach(tiny.pool_id)
+    lease = ap.load_prefix(keys_of(11, 4))
+    assert lease.tiers == [] and device_use(c, tiny.pool_id)["open_leases"] == 1
+    ap.detach()
+    deadline = time.monotonic() + 10
+    while device_use(c, tiny.pool_id)["open_leases"] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    use = device_use(c, tiny.pool_id)
+    assert use["open_leases"] == 0 and use["pinned_pages"] == 0
