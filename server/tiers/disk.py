@@ -413,10 +413,14 @@ class DiskTier(Tier):
                 log.debug("LMDB map full while readers hold freed pages; retrying in %.3f s (attempt %d)", pause, attempt + 1)
                 time.sleep(pause)
 
-    def _writer_failed(self, err: BaseException, lost: list[tuple[bytes, torch.Tensor]]) -> None:
+    def _writer_failed(self, err: BaseException, lost: list[tuple[bytes, torch.Tensor]], deleted: list[bytes]) -> None:
         """A write-behind job failed (writer thread; no index lock): the tier turns unhealthy (its
         index holds records LMDB never got; the probe reloads it from LMDB), and the records lost are
-        counted (``on_lost``: ``disk->gone`` in the stack's moves) and logged."""
+        counted (``on_lost``: ``disk->gone`` in the stack's moves) and logged. The victims whose
+        deletes were dropped with the jobs (already evicted and handed on) become tombstones, which
+        the probe deletes before it reloads the index: otherwise they would come back from LMDB.
+        (Index-lock users of ``_tombstones`` drain first, so none iterates it while this runs.)"""
+        self._tombstones.update(deleted)
         if isinstance(err, lmdb.MapFullError):
             self._count(full_errors=1)
             self.health.mark_unhealthy(f"write: LMDB map full ({self.config.capacity_bytes} bytes)")

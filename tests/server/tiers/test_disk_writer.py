@@ -168,3 +168,37 @@ def test_close_commits_what_waits_and_a_reopened_tier_serves_it(tmp_path, record
     for k in keys:
         assert read(again, k, records[k].numel()) == bytes(records[k].numpy())
     again.close()
+
+
+def test_victims_of_dropped_jobs_do_not_come_back_after_the_probe(tmp_path, records, codec):
+    """A tier of 4 records holds 4 committed ones; with the writer held, 4 more are written, which
+    evicts the first 4 (counted evicted, handed to ``disk->gone``). The first queued job then fails
+    on an injected I/O fault, so every queued job -- the victims' deletes with them -- is dropped.
+    After the probe the evicted records must stay gone (LMDB must not give them back to the index),
+    and every record put in is held, evicted or lost: 8 in = 0 held + 4 evicted + 4 lost."""
+    fault = tmp_path / "fault"
+    per = disk_charge(codec.page_nbytes())
+    disk_cfg = DiskTierConfig(path=str(tmp_path / "lmdb"), capacity_bytes=int(per * 4 / 0.5) + 4096,
+                              reserve_fraction=0.5, write_behind=True, fault_file=str(fault))
+    stack = TierStack.from_configs([HostTierConfig(capacity_bytes=0), disk_cfg])
+    disk = stack.tiers[0]
+    keys = list(records)[:8]
+    for k in keys[:4]:
+        stack.put(k, records[k], source="host")
+    disk.drain()
+    held = HeldWriter(disk)
+    for k in keys[4:]:
+        stack.put(k, records[k], source="host")
+    fault.touch()
+    held.release()
+    disk.drain()
+    assert not disk.health.healthy
+    fault.unlink()
+    disk.probe()
+    disk.health.mark_healthy()
+    s = disk.stats()
+    assert sorted(disk.index.keys()) == []
+    assert (s.writes, s.evictions, s.entries) == (8, 4, 0)
+    assert stack.moves["disk->gone"]["count"] == 4 + 4  # evicted + lost
+    stack.close()
+    assert lmdb_contents(tmp_path / "lmdb") == {}
