@@ -301,11 +301,11 @@ class DiskTier(Tier):
             return [None] * len(keys)
         env, records, _, _ = self._env()
         pend = self._pending
+        held = [pend.get(k) for k in keys]  # before the snapshot (see _read)
         try:
             with env.begin(db=records, buffers=True) as txn:
                 out = []
-                for k in keys:
-                    ent = pend.get(k)
+                for k, ent in zip(keys, held):
                     v = ent[1] if ent is not None else txn.get(k)
                     out.append(None if v is None else len(v))
                 return out
@@ -618,11 +618,14 @@ class DiskTier(Tier):
             self._count(misses=n_keys)
             return [0] * n_keys, [None] * n_keys
         env, records = self._open_env()
+        # Records whose write-behind put has not committed are served from memory. Looked up before
+        # the read transaction begins: a record not pending then had committed, so the snapshot has
+        # it (looked up after, a commit between the two would leave it in neither: a false miss).
+        pend = self._pending
+        held = [pend.get(k) for k in keys] if pend else None  # (keeps them alive while they are copied)
         try:
             with env.begin(db=records, buffers=True) as txn:
-                pend = self._pending  # records whose write-behind put has not committed: served from memory
-                if pend:
-                    held = [pend.get(k) for k in keys]  # (keeps them alive while they are copied)
+                if held is not None:
                     views = [txn.get(k) if ent is None else ent[1] for k, ent in zip(keys, held)]
                 else:
                     views = list(map(txn.get, keys))

@@ -202,3 +202,45 @@ def test_victims_of_dropped_jobs_do_not_come_back_after_the_probe(tmp_path, reco
     assert stack.moves["disk->gone"]["count"] == 4 + 4  # evicted + lost
     stack.close()
     assert lmdb_contents(tmp_path / "lmdb") == {}
+
+
+class _SnapshotThenCommit:
+    """The tier's environment for its reads, whose read transaction begins while a job is held and
+    which then lets that job commit (and the writer drop it from the pending records) before the
+    read goes on: a read snapshot older than the commit."""
+
+    def __init__(self, tier: DiskTier, held: HeldWriter) -> None:
+        self.tier, self.held, self.env = tier, held, tier._env_obj  # noqa: SLF001
+
+    def begin(self, **kw):
+        txn = self.env.begin(**kw)
+        self.held.release()
+        self.tier.drain()
+        return txn
+
+
+@pytest.mark.parametrize("how", ["read_into", "borrow", "nbytes"])
+def test_a_read_whose_snapshot_predates_the_commit_still_finds_the_record(tmp_path, records, how):
+    """A read's LMDB transaction begins before a pending record's job commits; the commit then
+    removes the record from the pending ones before the read looks there. The record the index holds
+    must still be read byte-exact (from memory, looked up before the snapshot), never a miss."""
+    tier = tier_at(tmp_path)
+    held = HeldWriter(tier)
+    key = next(iter(records))
+    rec = records[key]
+    tier.write([(key, rec)])
+    env = _SnapshotThenCommit(tier, held)
+    if how == "nbytes":
+        tier._env = lambda: (env, *tier._dbs)  # noqa: SLF001 - nbytes opens its environment this way
+        assert tier.nbytes([key]) == [rec.numel()]
+        del tier._env
+    else:
+        tier._open_env = lambda: (env, tier._dbs[0])  # noqa: SLF001 - the read path's environment
+        if how == "read_into":
+            assert read(tier, key, rec.numel()) == bytes(rec.numpy())
+        else:
+            with tier.borrow([key]) as (got,):
+                assert got is not None and bytes(got.numpy()) == bytes(rec.numpy())
+        del tier._open_env
+    assert tier._pending == {}  # noqa: SLF001 - the commit did happen inside the read
+    tier.close()
