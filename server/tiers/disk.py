@@ -64,7 +64,7 @@ from kvtier.server.tiers.disk_faults import (
 from kvtier.server.tiers.disk_env import (  # noqa: F401 - DiskTierConfig, disk_charge, open_environment: re-exported
     LMDB_PAGE_BYTES, MAX_KEY_BYTES, DiskTierConfig, close_environment, disk_charge, open_environment,
 )
-from kvtier.server.tiers.disk_reads import ABSENT, ReadChunks, copy_records, damage_reason, writable_bytes
+from kvtier.server.tiers.disk_reads import ABSENT, SHORT, ReadChunks, copy_records, damage_reason, writable_bytes
 from kvtier.server.tiers.disk_writer import DiskJob, WriteBehind
 from kvtier.server.tiers.errors import EnvironmentInUseError, RecordError, TierFullError, TierUnavailableError
 from kvtier.server.tiers.health import TierHealth
@@ -449,6 +449,8 @@ class DiskTier(Tier):
             if not isinstance(rec, torch.Tensor) or rec.dtype != torch.uint8 or rec.dim() != 1 or not rec.is_cpu \
                     or not rec.is_contiguous():
                 raise ValueError("disk tier records must be contiguous 1-D uint8 host tensors")
+            if rec.numel() == 0:
+                raise ValueError(f"disk tier records must not be empty (key {key.hex()})")
         if not self.health.healthy:
             raise self._unavailable()
         env, records = self._open_env()
@@ -638,7 +640,12 @@ class DiskTier(Tier):
                             raise ValueError(f"buffer of {o.numel()} bytes is too small for the {n}-byte record of key {k.hex()}")
                     bufs = [o if n else None for n, o in zip(sizes, outs)]
                     dsts = [writable_bytes(o, o.numel()) if n else None for n, o in zip(sizes, outs)]
+                empty = [i for i, n in enumerate(sizes) if not n and views[i] is not None] if 0 in sizes else []
+                if empty:  # a zero-length value (damaged, or planted): nowhere to copy it, a damaged record
+                    views = [None if i in empty else v for i, v in enumerate(views)]
                 codes = copy_records(views, dsts, self.config.verify_reads)  # one native call a window
+                for i in empty:
+                    codes[i] = SHORT
         except Exception as e:
             if not is_io_fault(e):
                 raise
