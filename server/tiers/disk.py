@@ -64,7 +64,7 @@ from kvtier.server.tiers.disk_faults import (
 from kvtier.server.tiers.disk_env import (  # noqa: F401 - DiskTierConfig, disk_charge, open_environment: re-exported
     LMDB_PAGE_BYTES, MAX_KEY_BYTES, DiskTierConfig, close_environment, disk_charge, open_environment,
 )
-from kvtier.server.tiers.disk_reads import ABSENT, ReadChunks, copy_records, damage_reason, writable_bytes
+from kvtier.server.tiers.disk_reads import ABSENT, SHORT, ReadChunks, copy_records, damage_reason, writable_bytes
 from kvtier.server.tiers.disk_writer import DiskJob, WriteBehind
 from kvtier.server.tiers.errors import EnvironmentInUseError, RecordError, TierFullError, TierUnavailableError
 from kvtier.server.tiers.health import TierHealth
@@ -301,11 +301,11 @@ class DiskTier(Tier):
             return [None] * len(keys)
         env, records, _, _ = self._env()
         pend = self._pending
+        held = [pend.get(k) for k in keys]  # before the snapshot (see _read)
         try:
             with env.begin(db=records, buffers=True) as txn:
                 out = []
-                for k in keys:
-                    ent = pend.get(k)
+                for k, ent in zip(keys, held):
                     v = ent[1] if ent is not None else txn.get(k)
                     out.append(None if v is None else len(v))
                 return out
@@ -413,10 +413,14 @@ class DiskTier(Tier):
                 log.debug("LMDB map full while readers hold freed pages; retrying in %.3f s (attempt %d)", pause, attempt + 1)
                 time.sleep(pause)
 
-    def _writer_failed(self, err: BaseException, lost: list[tuple[bytes, torch.Tensor]]) -> None:
+    def _writer_failed(self, err: BaseException, lost: list[tuple[bytes, torch.Tensor]], deleted: list[bytes]) -> None:
         """A write-behind job failed (writer thread; no index lock): the tier turns unhealthy (its
         index holds records LMDB never got; the probe reloads it from LMDB), and the records lost are
-        counted (``on_lost``: ``disk->gone`` in the stack's moves) and logged."""
+        counted (``on_lost``: ``disk->gone`` in the stack's moves) and logged. The victims whose
+        deletes were dropped with the jobs (already evicted and handed on) become tombstones, which
+        the probe deletes before it reloads the index: otherwise they would come back from LMDB.
+        (Index-lock users of ``_tombstones`` drain first, so none iterates it while this runs.)"""
+        self._tombstones.update(deleted)
         if isinstance(err, lmdb.MapFullError):
             self._count(full_errors=1)
             self.health.mark_unhealthy(f"write: LMDB map full ({self.config.capacity_bytes} bytes)")
@@ -445,6 +449,8 @@ class DiskTier(Tier):
             if not isinstance(rec, torch.Tensor) or rec.dtype != torch.uint8 or rec.dim() != 1 or not rec.is_cpu \
                     or not rec.is_contiguous():
                 raise ValueError("disk tier records must be contiguous 1-D uint8 host tensors")
+            if rec.numel() == 0:
+                raise ValueError(f"disk tier records must not be empty (key {key.hex()})")
         if not self.health.healthy:
             raise self._unavailable()
         env, records = self._open_env()
@@ -614,11 +620,14 @@ class DiskTier(Tier):
             self._count(misses=n_keys)
             return [0] * n_keys, [None] * n_keys
         env, records = self._open_env()
+        # Records whose write-behind put has not committed are served from memory. Looked up before
+        # the read transaction begins: a record not pending then had committed, so the snapshot has
+        # it (looked up after, a commit between the two would leave it in neither: a false miss).
+        pend = self._pending
+        held = [pend.get(k) for k in keys] if pend else None  # (keeps them alive while they are copied)
         try:
             with env.begin(db=records, buffers=True) as txn:
-                pend = self._pending  # records whose write-behind put has not committed: served from memory
-                if pend:
-                    held = [pend.get(k) for k in keys]  # (keeps them alive while they are copied)
+                if held is not None:
                     views = [txn.get(k) if ent is None else ent[1] for k, ent in zip(keys, held)]
                 else:
                     views = list(map(txn.get, keys))
@@ -631,7 +640,12 @@ class DiskTier(Tier):
                             raise ValueError(f"buffer of {o.numel()} bytes is too small for the {n}-byte record of key {k.hex()}")
                     bufs = [o if n else None for n, o in zip(sizes, outs)]
                     dsts = [writable_bytes(o, o.numel()) if n else None for n, o in zip(sizes, outs)]
+                empty = [i for i, n in enumerate(sizes) if not n and views[i] is not None] if 0 in sizes else []
+                if empty:  # a zero-length value (damaged, or planted): nowhere to copy it, a damaged record
+                    views = [None if i in empty else v for i, v in enumerate(views)]
                 codes = copy_records(views, dsts, self.config.verify_reads)  # one native call a window
+                for i in empty:
+                    codes[i] = SHORT
         except Exception as e:
             if not is_io_fault(e):
                 raise

@@ -29,6 +29,8 @@ from kvtier.server.tiers import _recordio
 
 #: :func:`copy_records`' code for a window slot without a record (the key was absent).
 ABSENT = _recordio.NONE_SOURCE
+#: The code of a record too short for its header (a zero-length value among them).
+SHORT = _recordio.ERR_SHORT
 
 _DAMAGE = {
     _recordio.ERR_SHORT: "the record is shorter than its 56-byte header",

@@ -20,7 +20,9 @@ index from LMDB, a flush and close).
 
 Failures: a job whose transaction fails (ENOSPC, EIO, LMDB's map full after the retries) is handed to
 ``on_failure`` on the writer thread together with every job still queued; those jobs are dropped
-(nothing of a failed transaction is visible in LMDB) and their records are no longer pending. The
+(nothing of a failed transaction is visible in LMDB) and their records are no longer pending; the
+victims they were to delete are handed over too (the tier deletes them when it recovers, so a record
+counted evicted never comes back). The
 tier marks itself unhealthy, counts the records it lost and reloads its index from LMDB before it
 serves again. A process killed with jobs queued loses those records the same way: LMDB holds only
 committed transactions, and the index is rebuilt from it at the next start.
@@ -71,14 +73,15 @@ class WriteBehind:
     Args:
         apply: applies one job's transactions (raises on failure; nothing of a failed transaction is
             visible). Called on the writer thread, in job order.
-        on_failure: ``(error, lost)``, called on the writer thread after a job failed; every queued
-            job was dropped with it, and ``lost`` are the ``(key, record)`` puts of those jobs that
-            were still pending (records the index holds but LMDB never got).
+        on_failure: ``(error, lost, deleted)``, called on the writer thread after a job failed; every
+            queued job was dropped with it, ``lost`` are the ``(key, record)`` puts of those jobs that
+            were still pending (records the index holds but LMDB never got) and ``deleted`` the keys
+            those jobs were to delete (victims the index no longer holds but LMDB may still have).
         max_pending_bytes: record bytes that may wait before :meth:`submit` blocks.
         name: the thread's name.
     """
 
-    def __init__(self, apply: Callable[[DiskJob], None], on_failure: Callable[[BaseException, list[tuple[bytes, torch.Tensor]]], None],
+    def __init__(self, apply: Callable[[DiskJob], None], on_failure: Callable[[BaseException, list[tuple[bytes, torch.Tensor]], list[bytes]], None],
                  *, max_pending_bytes: int, name: str = "kvtier-disk-writer") -> None:
         if max_pending_bytes <= 0:
             raise ValueError(f"max_pending_bytes must be positive, got {max_pending_bytes}")
@@ -178,12 +181,13 @@ class WriteBehind:
             dropped = [job, *self._queue]
             pend = self.pending
             lost = [(k, r) for j in dropped for k, r in j.puts if (ent := pend.get(k)) is not None and ent[0] is r]
+            deleted = list(dict.fromkeys(k for j in dropped for k, _ in j.deletes))
             self._queue.clear()
             pend.clear()
             self._bytes = 0
             self.jobs_failed += len(dropped)
         try:
-            self._on_failure(err, lost)
+            self._on_failure(err, lost, deleted)
         except BaseException:  # noqa: BLE001 - the thread must go on serving later jobs
             log.exception("disk tier: handling a failed write-behind job failed")
         finally:

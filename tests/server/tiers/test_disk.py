@@ -338,3 +338,38 @@ def test_lru_positions_are_stamped_in_batches_and_a_crash_loses_only_the_pending
     again.open()
     assert again.index.keys() == k[:4]
     again.close()
+
+
+def _plant_empty_value(path: str, key: bytes) -> None:
+    """Another process puts a zero-length value under ``key`` in the records database (a record
+    damaged to nothing by something else writing the environment)."""
+    import subprocess
+    import sys
+    code = ("import lmdb, sys; env = lmdb.open(sys.argv[1], max_dbs=4, subdir=True); db = env.open_db(b'records');\n"
+            "with env.begin(write=True) as t: t.put(sys.argv[2].encode(), b'', db=db)\nenv.close()")
+    subprocess.run([sys.executable, "-c", code, path, key.decode()], check=True)
+
+
+@pytest.mark.parametrize("write_behind", [False, True])
+def test_an_empty_record_is_refused_and_an_empty_value_reads_as_damaged(tmp_path, records, write_behind):
+    """A zero-length record is bad input (ValueError, nothing written); a zero-length value that
+    another process put into LMDB reads as a damaged record (a miss, counted ``damaged``, dropped)
+    through read_into and borrow, never a TypeError out of the native copy. A good record read in
+    the same batch still comes back byte-exact."""
+    tier = DiskTier(DiskTierConfig(path=str(tmp_path), capacity_bytes=8 * MiB, write_behind=write_behind))
+    tier.open()
+    with pytest.raises(ValueError, match="must not be empty"):
+        tier.write([(b"empty", torch.empty(0, dtype=torch.uint8))])
+    assert tier.contains([b"empty"]) == [False]
+    good_key, good = next(iter(records.items()))
+    tier.write([(good_key, good)])
+    tier.drain()
+    _plant_empty_value(str(tmp_path), b"z1")
+    out = [torch.empty(good.numel(), dtype=torch.uint8) for _ in range(2)]
+    assert tier.read_into([b"z1", good_key], out) == [0, good.numel()]
+    assert bytes(out[1].numpy()) == bytes(good.numpy())
+    _plant_empty_value(str(tmp_path), b"z2")
+    with tier.borrow([b"z2", good_key]) as got:
+        assert got[0] is None and bytes(got[1].numpy()) == bytes(good.numpy())
+    assert tier.stats().damaged == 2
+    tier.close()

@@ -168,3 +168,79 @@ def test_close_commits_what_waits_and_a_reopened_tier_serves_it(tmp_path, record
     for k in keys:
         assert read(again, k, records[k].numel()) == bytes(records[k].numpy())
     again.close()
+
+
+def test_victims_of_dropped_jobs_do_not_come_back_after_the_probe(tmp_path, records, codec):
+    """A tier of 4 records holds 4 committed ones; with the writer held, 4 more are written, which
+    evicts the first 4 (counted evicted, handed to ``disk->gone``). The first queued job then fails
+    on an injected I/O fault, so every queued job -- the victims' deletes with them -- is dropped.
+    After the probe the evicted records must stay gone (LMDB must not give them back to the index),
+    and every record put in is held, evicted or lost: 8 in = 0 held + 4 evicted + 4 lost."""
+    fault = tmp_path / "fault"
+    per = disk_charge(codec.page_nbytes())
+    disk_cfg = DiskTierConfig(path=str(tmp_path / "lmdb"), capacity_bytes=int(per * 4 / 0.5) + 4096,
+                              reserve_fraction=0.5, write_behind=True, fault_file=str(fault))
+    stack = TierStack.from_configs([HostTierConfig(capacity_bytes=0), disk_cfg])
+    disk = stack.tiers[0]
+    keys = list(records)[:8]
+    for k in keys[:4]:
+        stack.put(k, records[k], source="host")
+    disk.drain()
+    held = HeldWriter(disk)
+    for k in keys[4:]:
+        stack.put(k, records[k], source="host")
+    fault.touch()
+    held.release()
+    disk.drain()
+    assert not disk.health.healthy
+    fault.unlink()
+    disk.probe()
+    disk.health.mark_healthy()
+    s = disk.stats()
+    assert sorted(disk.index.keys()) == []
+    assert (s.writes, s.evictions, s.entries) == (8, 4, 0)
+    assert stack.moves["disk->gone"]["count"] == 4 + 4  # evicted + lost
+    stack.close()
+    assert lmdb_contents(tmp_path / "lmdb") == {}
+
+
+class _SnapshotThenCommit:
+    """The tier's environment for its reads, whose read transaction begins while a job is held and
+    which then lets that job commit (and the writer drop it from the pending records) before the
+    read goes on: a read snapshot older than the commit."""
+
+    def __init__(self, tier: DiskTier, held: HeldWriter) -> None:
+        self.tier, self.held, self.env = tier, held, tier._env_obj  # noqa: SLF001
+
+    def begin(self, **kw):
+        txn = self.env.begin(**kw)
+        self.held.release()
+        self.tier.drain()
+        return txn
+
+
+@pytest.mark.parametrize("how", ["read_into", "borrow", "nbytes"])
+def test_a_read_whose_snapshot_predates_the_commit_still_finds_the_record(tmp_path, records, how):
+    """A read's LMDB transaction begins before a pending record's job commits; the commit then
+    removes the record from the pending ones before the read looks there. The record the index holds
+    must still be read byte-exact (from memory, looked up before the snapshot), never a miss."""
+    tier = tier_at(tmp_path)
+    held = HeldWriter(tier)
+    key = next(iter(records))
+    rec = records[key]
+    tier.write([(key, rec)])
+    env = _SnapshotThenCommit(tier, held)
+    if how == "nbytes":
+        tier._env = lambda: (env, *tier._dbs)  # noqa: SLF001 - nbytes opens its environment this way
+        assert tier.nbytes([key]) == [rec.numel()]
+        del tier._env
+    else:
+        tier._open_env = lambda: (env, tier._dbs[0])  # noqa: SLF001 - the read path's environment
+        if how == "read_into":
+            assert read(tier, key, rec.numel()) == bytes(rec.numpy())
+        else:
+            with tier.borrow([key]) as (got,):
+                assert got is not None and bytes(got.numpy()) == bytes(rec.numpy())
+        del tier._open_env
+    assert tier._pending == {}  # noqa: SLF001 - the commit did happen inside the read
+    tier.close()
