@@ -126,6 +126,17 @@ def open_channel(path: str, message: dict[str, Any], timeout: float) -> tuple[so
             raise
 
 
+#: Bytes a prefix call's request or reply may take on the attach connection: under the kernel's
+#: default socket buffer (``net.core.wmem_default``, 208 KiB here), which caps one SEQPACKET message.
+#: A larger call (e.g. LoadPrefix of a 20,000-token prompt: ~11 bytes a slot in base64) goes over gRPC.
+CHANNEL_CALL_BYTES = 160 << 10
+
+
+def _fits(n_slots: int, page_keys: Sequence[bytes]) -> bool:
+    """Whether a prefix call with ``n_slots`` slots and ``page_keys`` fits one attach-connection message."""
+    return 4 * -(-8 * max(int(n_slots), 0) // 3) + sum(2 * len(k) + 8 for k in page_keys) + 512 <= CHANNEL_CALL_BYTES
+
+
 def _reply_error(reply: dict[str, Any]) -> Exception:
     """The client error an attach-channel reply's ``error`` (``{"code", "message"}``) stands for."""
     return from_code_name(reply["error"].get("code", ""), reply["error"].get("message", ""))
@@ -216,6 +227,7 @@ class AttachedPool:
         self._staging: list[Any] = []
         self._lock = threading.Lock()
         self._calls = 0  # id of the last request sent on the connection
+        self._orphans: list[str] = []  # leases of load replies that came after their call timed out
         self._detached = False
         self._finalizer = weakref.finalize(self, _release, memory, self._staging, sock, client)
 
@@ -265,6 +277,9 @@ class AttachedPool:
             ResourceExhaustedError: the pool cannot make room; nothing changed. InvalidArgumentError:
                 bad or repeated keys. UnavailableError: a tier is unhealthy, or the connection is gone.
         """
+        n = total_tokens if total_tokens is not None else len(page_keys) * int(self.pool.page_size)
+        if not _fits(n, page_keys):  # a reply larger than one message of the connection: over gRPC
+            return self.client.load_prefix(self.pool_id, page_keys, total_tokens, timeout=timeout)
         reply = self._call({"kind": "load_prefix", "keys": encode_keys(page_keys), "total_tokens": total_tokens}, timeout)
         try:
             raw = decode_slots(reply["slots"])
@@ -282,6 +297,8 @@ class AttachedPool:
             InvalidArgumentError: not the lease's fresh pages, bad keys. NotFoundError: not this session's lease.
         """
         raw = torch.as_tensor(slots, dtype=torch.int64).reshape(-1).contiguous().numpy().astype("<i8", copy=False).tobytes()
+        if not _fits(len(raw) // 8, page_keys):
+            return self.client.store_prefix(lease, page_keys, slots, release=release, timeout=timeout)
         reply = self._call({"kind": "store_prefix", "lease_id": lease.lease_id, "keys": encode_keys(page_keys),
                             "slots": encode_slots(raw), "release": bool(release)}, timeout)
         return int(reply.get("stored_pages", 0))
@@ -309,7 +326,14 @@ class AttachedPool:
                         raise UnavailableError("the daemon closed the attach session")
                     reply = got[0]
                     if reply.get("id") == self._calls:
-                        break  # (older ids: replies of calls that timed out)
+                        break
+                    if "lease_id" in reply and "slots" in reply:  # a load that timed out: nobody holds its lease
+                        self._orphans.append(str(reply["lease_id"]))
+                while self._orphans:  # released now, best effort (the session's end would release them too)
+                    self._calls += 1
+                    send_message(self._sock, {"kind": "release_prefix", "lease_id": self._orphans.pop(), "id": self._calls})
+                    while (got := recv_message(self._sock)) is not None and got[0].get("id") != self._calls:
+                        pass
             except TimeoutError:
                 raise DeadlineExceededError(f"the daemon did not answer {message['kind']} within {wait:g} s") from None
             except (OSError, WireError) as e:

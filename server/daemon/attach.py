@@ -281,3 +281,13 @@ class AttachService:
             raise InvalidArgument(str(e)) from None
         reply["id"] = request.get("id")
         return reply
+
+    def abandon(self, session: AttachSession, reply: dict[str, Any]) -> None:
+        """A prefix call's reply could not be sent: release the lease it took (the worker never heard
+        of it), as a cancelled LoadPrefix over gRPC is released. Never raises."""
+        lease = reply.get("lease_id")
+        if isinstance(lease, str) and session.entry is not None:
+            try:
+                self.daemon.tiers.release(Caller(session.tenant, None, session), session.pool_id, lease)
+            except Exception:  # noqa: BLE001 - ended meanwhile: the session's end released it
+                log.debug("attach: an unsent lease was released already")

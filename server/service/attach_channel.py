@@ -29,6 +29,7 @@ for the same domain error (the one mapping, :func:`kvtier.server.service.errors.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import queue
@@ -215,30 +216,42 @@ class AttachChannel:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            for key, _ in self._sel.select(timeout=1.0):
-                if key.data == "listen":
-                    self._accept()
-                elif key.data == "wake":
-                    with contextlib.suppress(OSError):
-                        self._wake_r.recv(4096)
-                else:
-                    conn: _Conn = key.data
-                    self._sel.unregister(conn.sock)
-                    conn.serving = True
-                    self._pool.submit(self._serve, conn)
-            while True:
+            try:
+                self._round()
+            except Exception:  # noqa: BLE001 - the listener outlives any one connection's failure
+                log.exception("attach: the channel's selector round failed; going on")
+                self._stop.wait(0.1)
+
+    def _round(self) -> None:
+        """One selector round: accept, hand connections that spoke to workers, watch served ones again."""
+        for key, _ in self._sel.select(timeout=1.0):
+            if key.data == "listen":
+                self._accept()
+            elif key.data == "wake":
+                with contextlib.suppress(OSError):
+                    self._wake_r.recv(4096)
+            else:
+                conn: _Conn = key.data
+                self._sel.unregister(conn.sock)
+                conn.serving = True
+                self._pool.submit(self._serve, conn)
+        while True:
+            try:
+                conn = self._rewatch.get_nowait()
+            except queue.Empty:
+                break
+            if not conn.closed:
                 try:
-                    conn = self._rewatch.get_nowait()
-                except queue.Empty:
-                    break
-                if not conn.closed:
                     self._sel.register(conn.sock, selectors.EVENT_READ, conn)
-            now = time.monotonic()
-            with self._conns_lock:
-                late = [c for c in self._handshaking if c.deadline < now and not c.serving]
-            for conn in late:
-                log.info("attach: pid %d sent no attach request within %.0f s; closed", conn.peer.pid, HANDSHAKE_SECONDS)
-                self._drop_idle(conn)
+                except (KeyError, ValueError, OSError):  # closed meanwhile: end it as a closed one
+                    log.info("attach: pid %d's connection could not be watched again; ended", conn.peer.pid)
+                    self._ended(conn, "its connection failed")
+        now = time.monotonic()
+        with self._conns_lock:
+            late = [c for c in self._handshaking if c.deadline < now and not c.serving]
+        for conn in late:
+            log.info("attach: pid %d sent no attach request within %.0f s; closed", conn.peer.pid, HANDSHAKE_SECONDS)
+            self._drop_idle(conn)
 
     def _accept(self) -> None:
         """Accept what the listen queue holds, at most :data:`ACCEPTS_PER_ROUND` (then the selector
@@ -380,19 +393,34 @@ class AttachChannel:
                                                        f"known: 'staging', {', '.join(repr(k) for k in PREFIX_KINDS)}")))
 
     def _prefix_call(self, conn: _Conn, request: dict[str, Any]) -> None:
-        """(A call thread.) Run one prefix call of ``conn``'s session and send its reply."""
-        assert conn.session is not None
+        """(A call thread.) Run one prefix call of ``conn``'s session and send its reply. The
+        connection is watched by the selector meanwhile, so this thread never closes it: a failed
+        send shuts it down and the selector's worker ends the session (:meth:`_close_later`)."""
+        session = conn.session
+        assert session is not None
         try:
             try:
-                reply = self.daemon.attach.prefix_call(conn.session, request)
+                reply = self.daemon.attach.prefix_call(session, request)
             except Exception as e:  # noqa: BLE001 - mapped to a code like a gRPC call's error
                 reply = {**error_reply(e), "id": request.get("id")}
             with conn.lock:
                 conn.calling = False
-            self._answer(conn, reply)
+            try:
+                send_message(conn.sock, reply)
+                return
+            except (OSError, WireError) as e:
+                too_big = isinstance(e, WireError) or getattr(e, "errno", None) == errno.EMSGSIZE
+            self.daemon.attach.abandon(session, reply)  # a lease nobody was told of: released now
+            if too_big:  # the session goes on; the client makes such calls over gRPC
+                small = {**error_reply(ResourceExhausted("the reply is larger than the attach connection carries in one "
+                                                         "message; make this call over gRPC")), "id": request.get("id")}
+                with contextlib.suppress(OSError, WireError):
+                    send_message(conn.sock, small)
+                    return
+            self._close_later(conn)
         except Exception:  # noqa: BLE001 - one connection's failure never stops the channel
             log.exception("attach: a prefix call of pid %d failed", conn.peer.pid)
-            self._ended(conn, "the channel failed serving it")
+            self._close_later(conn)
 
     def _send(self, conn: _Conn, reply: dict[str, Any], fds: list[int] | tuple[int, ...] = ()) -> bool:
         """Send ``reply`` without waiting: False if the connection failed, or if its socket buffer is

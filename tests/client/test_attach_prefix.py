@@ -111,3 +111,30 @@ def test_detach_releases_the_leases_the_channel_took(tiny):
         time.sleep(0.02)
     use = device_use(c, tiny.pool_id)
     assert use["open_leases"] == 0 and use["pinned_pages"] == 0
+
+
+def test_a_call_too_large_for_one_message_goes_over_grpc_and_nothing_breaks(tiny):
+    """Scenario (the new-user pass): LoadPrefix of a 20,480-token prompt made a reply larger than one
+    SEQPACKET message (the socket buffer, ~208 KiB); the daemon ended the session, and closing a
+    connection the selector still watched later crashed the attach listener for everyone. Now the
+    client sends such calls over gRPC; a raw one gets RESOURCE_EXHAUSTED, its lease is released, the
+    session goes on, and new attaches still work."""
+    c = tiny.client
+    c.create_pool("glm-5.2", num_layers=1, size_tokens=32768, pool_id="big")
+    try:
+        with c.attach("big") as ap:
+            lease = ap.load_prefix([], total_tokens=20480)  # over gRPC, in the session
+            assert lease.slots.numel() == 20480 and device_use(c, "big")["open_leases"] == 1
+            ap.release_prefix(lease)
+            with ap._lock:  # noqa: SLF001 - the same call sent raw on the attach connection
+                send_message(ap._sock, {"kind": "load_prefix", "keys": [], "total_tokens": 20480, "id": 7})  # noqa: SLF001
+                reply, _ = recv_message(ap._sock)  # noqa: SLF001
+            assert reply["error"]["code"] == "RESOURCE_EXHAUSTED" and reply["id"] == 7, reply
+            assert device_use(c, "big")["open_leases"] == 0  # the unsent reply's lease was released
+            small = ap.load_prefix([], total_tokens=PAGE)  # the session goes on
+            ap.release_prefix(small)
+            for _ in range(3):  # the listener still takes new connections
+                with c.attach("big") as again:
+                    again.release_prefix(again.load_prefix([], total_tokens=PAGE))
+    finally:
+        c.delete_pool("big", force=True)
