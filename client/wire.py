@@ -17,14 +17,7 @@ from collections import deque
 import numpy as np
 import torch
 
-
-def _put_varint(n: int) -> bytes:
-    out = bytearray()
-    while n > 0x7F:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
+from kvtier.protowire import encode_varint, read_varint
 
 
 def encode_write_chunk(layer_id: int, component: int, offset: int, parts: list[memoryview], *, packed: bool = False,
@@ -35,30 +28,21 @@ def encode_write_chunk(layer_id: int, component: int, offset: int, parts: list[m
     nbytes = sum(len(p) for p in parts)
     head = bytearray()
     if header is not None:
-        head += b"\x0a" + _put_varint(len(header)) + header
+        head += b"\x0a" + encode_varint(len(header)) + header
     if layer_id:
-        head += b"\x10" + _put_varint(layer_id)
+        head += b"\x10" + encode_varint(layer_id)
     if component:
-        head += b"\x18" + _put_varint(component)
+        head += b"\x18" + encode_varint(component)
     if offset:
-        head += b"\x20" + _put_varint(offset)
+        head += b"\x20" + encode_varint(offset)
     if nbytes:
-        head += b"\x2a" + _put_varint(nbytes)
+        head += b"\x2a" + encode_varint(nbytes)
     tail = b"\x30\x01" if packed else b""
     return b"".join((head, *parts, tail))
 
 
 def _varint(buf: bytes, i: int) -> tuple[int, int]:
-    shift = value = 0
-    while True:
-        if i >= len(buf) or shift > 63:
-            raise ValueError("ReadKVResponse: truncated or overlong varint")
-        b = buf[i]
-        i += 1
-        value |= (b & 0x7F) << shift
-        if b < 0x80:
-            return value, i
-        shift += 7
+    return read_varint(buf, i, "ReadKVResponse: ")
 
 
 def decode_read_chunk(buf: bytes) -> tuple[int, int, int, memoryview]:

@@ -22,16 +22,8 @@ from typing import Any
 
 import grpc
 
+from kvtier.protowire import encode_varint, read_varint
 from kvtier.v1 import pool_pb2
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while n > 0x7F:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
 
 
 def encode_read_chunk(layer_id: int, component: int, offset: int, data: memoryview | bytes | Sequence[memoryview]) -> bytes:
@@ -41,13 +33,13 @@ def encode_read_chunk(layer_id: int, component: int, offset: int, data: memoryvi
     nbytes = sum(len(p) for p in parts)
     head = bytearray()
     if layer_id:
-        head += b"\x08" + _varint(layer_id)
+        head += b"\x08" + encode_varint(layer_id)
     if component:
-        head += b"\x10" + _varint(component)
+        head += b"\x10" + encode_varint(component)
     if offset:
-        head += b"\x18" + _varint(offset)
+        head += b"\x18" + encode_varint(offset)
     if nbytes:
-        head += b"\x22" + _varint(nbytes)
+        head += b"\x22" + encode_varint(nbytes)
     return b"".join((head, *parts))  # the one copy of the chunk
 
 
@@ -64,19 +56,6 @@ class WriteChunk:
     data: memoryview
 
 
-def _read_varint(buf: bytes, i: int) -> tuple[int, int]:
-    shift = value = 0
-    while True:
-        if i >= len(buf) or shift > 63:
-            raise ValueError("truncated or overlong varint")
-        b = buf[i]
-        i += 1
-        value |= (b & 0x7F) << shift
-        if b < 0x80:
-            return value, i
-        shift += 7
-
-
 def decode_write_request(buf: bytes) -> WriteChunk:
     """Parse a serialized ``WriteKVRequest`` as protobuf would (fields 1-6; unknown fields and
     fields of another wire type skipped, the last value of a repeated scalar kept, header
@@ -91,10 +70,10 @@ def decode_write_request(buf: bytes) -> WriteChunk:
     view = memoryview(buf)
     i, n = 0, len(buf)
     while i < n:
-        key, i = _read_varint(buf, i)
+        key, i = read_varint(buf, i)
         field, wt = key >> 3, key & 7
         if wt == 0:
-            v, i = _read_varint(buf, i)
+            v, i = read_varint(buf, i)
             if field == 2:
                 layer = v & 0xFFFFFFFF
             elif field == 3:
@@ -105,7 +84,7 @@ def decode_write_request(buf: bytes) -> WriteChunk:
             elif field == 6:
                 packed = v != 0
         elif wt == 2:
-            ln, i = _read_varint(buf, i)
+            ln, i = read_varint(buf, i)
             if i + ln > n:
                 raise ValueError("truncated length-delimited field")
             if field == 5:

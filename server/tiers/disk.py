@@ -316,30 +316,12 @@ class DiskTier(Tier):
             return [None] * len(keys)
 
     # ----- writes -----------------------------------------------------------------------------
-    def _stamp(self, txn: lmdb.Transaction, key: bytes) -> None:
-        _, seqdb, orderdb = self._dbs  # a transaction is open: so is the environment
-        old = self._seq.get(key)
-        if old is not None:
-            txn.delete(_SEQ.pack(old), db=orderdb)
-        s = self._next_seq
-        self._next_seq += 1
-        txn.put(_SEQ.pack(s), key, db=orderdb)
-        txn.put(key, _SEQ.pack(s), db=seqdb)
-        self._seq[key] = s
-
     def _note_touched(self, keys: list[bytes]) -> None:
         """Read hits the index has just applied (its lock held): their positions are to be stamped."""
         touched = self._touched
         for k in keys:
             touched.pop(k, None)
             touched[k] = None
-
-    def _stamp_touched(self, txn: lmdb.Transaction) -> None:
-        """Persist the LRU positions of read hits (deferred so a read never needs a write txn)."""
-        for key in self._touched:
-            if key in self.index:
-                self._stamp(txn, key)
-        self._touched.clear()
 
     def _delete(self, txn: lmdb.Transaction, key: bytes) -> None:
         records, seqdb, orderdb = self._dbs
@@ -755,10 +737,8 @@ class DiskTier(Tier):
                 try:
                     self.index.apply_touches()
                     if self._touched or self._tombstones:
-                        with self._write_txn(self._env_obj) as txn:
-                            for k in self._tombstones:
-                                self._delete(txn, k)
-                            self._stamp_touched(txn)
+                        self._apply(DiskJob(deletes=[(k, self._seq.pop(k, None)) for k in self._tombstones],
+                                            stamps=self._take_stamps()))
                         self._tombstones.clear()
                     self._env_obj.sync(True)
                 except Exception as e:
