@@ -65,7 +65,7 @@ from kvtier.server.tiers.disk_env import (  # noqa: F401 - DiskTierConfig, disk_
     LMDB_PAGE_BYTES, MAX_KEY_BYTES, DiskTierConfig, close_environment, disk_charge, open_environment,
 )
 from kvtier.server.tiers.disk_reads import ABSENT, SHORT, ReadChunks, copy_records, damage_reason, writable_bytes
-from kvtier.server.tiers.disk_writer import DiskJob, WriteBehind
+from kvtier.server.tiers.disk_writer import DiskJob, WriteBehind, WriteBehindFailed
 from kvtier.server.tiers.errors import EnvironmentInUseError, RecordError, TierFullError, TierUnavailableError
 from kvtier.server.tiers.health import TierHealth
 from kvtier.server.tiers.policy import TierIndex
@@ -245,9 +245,12 @@ class DiskTier(Tier):
         env, records, seqdb, orderdb = self._env_obj, *self._dbs
         sizes: dict[bytes, int] = {}
         bad: list[bytes] = []
+        gone = self._tombstones  # removed (or evicted by a dropped job): deleted by the probe, never back
         with env.begin(db=records, buffers=True) as txn:
             for k, v in txn.cursor():
                 key = bytes(k)
+                if key in gone:
+                    continue
                 if scrub:
                     try:
                         verify_record(v)
@@ -257,7 +260,7 @@ class DiskTier(Tier):
                         continue
                 sizes[key] = len(v)
             ordered: list[tuple[int, bytes]] = [(_SEQ.unpack(bytes(s))[0], bytes(k)) for s, k in txn.cursor(db=orderdb)]
-        stray = [(s, k) for s, k in ordered if k not in sizes]
+        stray = [(s, k) for s, k in ordered if k not in sizes and k not in gone]  # (a tombstone's: the probe's)
         ordered = [(s, k) for s, k in ordered if k in sizes]
         known = {k for _, k in ordered}
         unordered = [k for k in sizes if k not in known]
@@ -495,6 +498,9 @@ class DiskTier(Tier):
             else:
                 self._writer.submit(job, victims)  # applied on the writer thread, in order
         except BaseException as e:
+            if isinstance(e, WriteBehindFailed):  # nothing queued; planned on an index an earlier job's
+                self._reload_or_forget()           # failure made stale: back to what LMDB holds
+                raise TierUnavailableError(self.name, f"write: {e}") from None
             if not is_io_fault(e):
                 self._load_index(scrub=False)  # the put transaction aborted: back to exactly what LMDB holds
             elif self._reload_or_forget():
@@ -718,6 +724,8 @@ class DiskTier(Tier):
                         self._delete(txn, k)
                 self._tombstones.clear()
             self._load_index(scrub=False)
+            if self._writer is not None:
+                self._writer.resume()  # in step with LMDB again: write-behind jobs are taken again
 
     def _reopen(self) -> None:
         """Close a panicked environment; the next use opens it again (with the startup scrub)."""

@@ -24,7 +24,12 @@ Failures: a job whose transaction fails (ENOSPC, EIO, LMDB's map full after the 
 victims they were to delete are handed over too (the tier deletes them when it recovers, so a record
 counted evicted never comes back). The
 tier marks itself unhealthy, counts the records it lost and reloads its index from LMDB before it
-serves again. A process killed with jobs queued loses those records the same way: LMDB holds only
+serves again. From the failure until that resync (:meth:`WriteBehind.resume`) :meth:`~WriteBehind.submit`
+refuses every job with :class:`WriteBehindFailed`: a write that passed the tier's health check before
+the failure (or waited for room in ``submit`` while it happened) was planned on an index the failure
+made stale, and its job could re-put a victim the failure handed over for deletion -- the resync
+would then delete a record counted written, neither evicted nor lost. The tier turns the refusal into
+``TierUnavailableError`` (the stack passes the record on), so every record is held, evicted or lost. A process killed with jobs queued loses those records the same way: LMDB holds only
 committed transactions, and the index is rebuilt from it at the next start.
 
 Lock order: the writer thread takes only this module's own leaf lock (``_lock``), never the tier's
@@ -42,6 +47,11 @@ from dataclasses import dataclass, field
 import torch
 
 log = logging.getLogger(__name__)
+
+
+class WriteBehindFailed(RuntimeError):
+    """A job was refused: an earlier job failed and the tier has not resynced with LMDB yet
+    (:meth:`WriteBehind.resume`). Nothing of the refused job was queued."""
 
 
 @dataclass
@@ -101,6 +111,9 @@ class WriteBehind:
         self.pending: dict[bytes, tuple[torch.Tensor, memoryview]] = {}
         self.jobs_applied = 0
         self.jobs_failed = 0
+        self.jobs_refused = 0
+        #: Why the last job failed, until :meth:`resume` (monitoring reads it without the lock).
+        self.failure: str | None = None
 
     # ----- the caller's side ------------------------------------------------------------------------
     def submit(self, job: DiskJob, cancelled: list[bytes]) -> None:
@@ -108,10 +121,19 @@ class WriteBehind:
         put of one stops being served (the job's deletes follow that put in LMDB). Blocks while the
         pending bytes are over the bound (until the writer catches up or fails).
 
+        Raises:
+            WriteBehindFailed: a job failed since the last :meth:`resume` (also one that failed
+                while this call waited for room); nothing was queued.
         """
         n = job.nbytes
         with self._changed:
-            while self._bytes and self._bytes + n > self.max_pending_bytes:
+            while True:
+                if self.failure is not None:
+                    self.jobs_refused += 1
+                    raise WriteBehindFailed(f"an earlier write-behind transaction failed ({self.failure}); "
+                                            f"no write is queued until the tier has resynced with LMDB")
+                if not (self._bytes and self._bytes + n > self.max_pending_bytes):
+                    break
                 self._changed.wait()
             pend = self.pending
             for k in cancelled:
@@ -130,6 +152,12 @@ class WriteBehind:
         with self._changed:
             while self._queue or self._busy:
                 self._changed.wait()
+
+    def resume(self) -> None:
+        """Take jobs again after a failure: the tier calls it once its index is back in step with
+        LMDB (the probe's resync, after :meth:`drain`)."""
+        with self._changed:
+            self.failure = None
 
     @property
     def queued_bytes(self) -> int:
@@ -186,6 +214,7 @@ class WriteBehind:
             pend.clear()
             self._bytes = 0
             self.jobs_failed += len(dropped)
+            self.failure = " ".join(str(err).split()) or type(err).__name__  # submit refuses from now on
         try:
             self._on_failure(err, lost, deleted)
         except BaseException:  # noqa: BLE001 - the thread must go on serving later jobs

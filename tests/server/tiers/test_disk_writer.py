@@ -8,6 +8,7 @@ one writer at a time), so "pending" is a state the test controls, not a race it 
 from __future__ import annotations
 
 import threading
+import time
 
 import lmdb
 import pytest
@@ -244,3 +245,64 @@ def test_a_read_whose_snapshot_predates_the_commit_still_finds_the_record(tmp_pa
         del tier._open_env
     assert tier._pending == {}  # noqa: SLF001 - the commit did happen inside the read
     tier.close()
+
+
+def test_a_write_planned_before_a_failure_is_refused_until_the_probe_resyncs(tmp_path, records, codec):
+    """A tier of 4 records holds k0..k3 committed. With the writer held (and room for one pending
+    record), k4 is written: its job deletes the victim k0 and puts k4. A second write, of k0 again,
+    passes the health check, plans (evicting k1) and waits in ``submit`` for room. Then the first job
+    fails on an injected I/O fault (k0 becomes a tombstone, k4 is lost) and, at that very moment,
+    space comes back (the fault file goes in the tier's ``on_lost`` hand-off). Before the fix the
+    waiting job was queued and committed, the probe then deleted the re-put k0 as a tombstone, and k0
+    was counted neither held, evicted nor lost (6 in, 2 + 2 + 1 accounted). The writer must refuse
+    every job after a failure until the probe's resync: the second write fails (the stack drops k0,
+    counted ``host->gone``), k1 was never evicted, and in = held + evicted + lost: 5 = 3 + 1 + 1."""
+    fault = tmp_path / "fault"
+    per = disk_charge(codec.page_nbytes())
+    size = codec.page_nbytes()
+    disk_cfg = DiskTierConfig(path=str(tmp_path / "lmdb"), capacity_bytes=int(per * 4 / 0.5) + 4096,
+                              reserve_fraction=0.5, write_behind=True, write_behind_bytes=size, fault_file=str(fault))
+    stack = TierStack.from_configs([HostTierConfig(capacity_bytes=0), disk_cfg])
+    disk = stack.tiers[0]
+    keys = list(records)[:5]
+    assert all(records[k].numel() == size for k in keys)
+    for k in keys[:4]:
+        stack.put(k, records[k], source="host")
+    disk.drain()
+    held = HeldWriter(disk)
+    stack.put(keys[4], records[keys[4]], source="host")  # job A: delete k0, put k4 (pending)
+    assert keys[0] not in disk.index
+    fault.touch()
+    second = threading.Thread(target=stack.put, args=(keys[0], records[keys[0]]), kwargs={"source": "host"})
+    second.start()
+    deadline = time.monotonic() + 30
+    while keys[0] not in disk.index:  # planned: past the health check, waiting for room in submit
+        assert time.monotonic() < deadline and second.is_alive()
+        time.sleep(0.001)
+    count_lost = disk.on_lost
+
+    def space_comes_back(n: int, nbytes: int) -> None:
+        fault.unlink()
+        count_lost(n, nbytes)
+
+    disk.on_lost = space_comes_back
+    held.release()
+    second.join(timeout=30)
+    assert not second.is_alive()
+    disk.drain()
+    assert not disk.health.healthy and not fault.exists()
+    assert not disk.held_while_unhealthy(keys[0])  # tombstoned: not back from LMDB, even before the probe
+    assert all(disk.held_while_unhealthy(k) for k in keys[1:4])  # k1's eviction was refused with its job
+    disk.probe()
+    disk.health.mark_healthy()
+    s = disk.stats()
+    lost = stack.moves["disk->gone"]["count"] - s.evictions
+    assert sorted(disk.index.keys()) == sorted(keys[1:4])
+    assert (s.writes, s.evictions, s.entries, lost) == (5, 1, 3, 1)
+    assert s.writes == s.entries + s.evictions + lost
+    assert stack.moves["host->gone"]["count"] == 1  # the refused k0
+    for k in keys[1:4]:
+        assert read(disk, k, size) == bytes(records[k].numpy())
+    assert read(disk, keys[0], size) is None
+    stack.close()
+    assert set(lmdb_contents(tmp_path / "lmdb")) == set(keys[1:4])
