@@ -101,6 +101,22 @@ def check_arena(t: object, nbytes: int, device: torch.device, what: str) -> torc
 
 
 def host_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Uninitialised host tensor for copies off ``device``: pinned when the pool lives on CUDA."""
+    """Uninitialised host tensor for copies off ``device``: pinned when the pool lives on CUDA.
+
+    Raises:
+        MemoryError: the host (or pinned) memory cannot be allocated. torch's allocators raise a
+            plain ``RuntimeError`` ("DefaultCPUAllocator: can't allocate memory", CUDA's pinned
+            "out of memory"); a caller -- a ReadKV stream copying its rest off the pool, a
+            ``get_cpu_copy`` -- gets the type that says "no memory now, retry" (the daemon's
+            RESOURCE_EXHAUSTED), never one that reads as a bug.
+    """
     pin = device.type == "cuda"
-    return torch.empty(shape, dtype=dtype, pin_memory=pin)
+    try:
+        return torch.empty(shape, dtype=dtype, pin_memory=pin)
+    except RuntimeError as e:  # shape and dtype are ours: an allocation failure
+        nbytes = dtype.itemsize
+        for n in shape:
+            nbytes *= n
+        reason = " ".join(str(e).split())
+        raise MemoryError(f"cannot allocate {nbytes} bytes of {'pinned ' if pin else ''}host memory for a copy off "
+                          f"the pool ({reason[:200]}); retry when memory is free, or copy fewer slots a call") from e

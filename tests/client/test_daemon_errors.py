@@ -5,6 +5,7 @@ The daemon under test has a 4 MiB host tier and a 256 MiB cap on all pools (conf
 
 from __future__ import annotations
 
+import resource
 import time
 
 import grpc
@@ -12,7 +13,8 @@ import pytest
 import torch
 from kv_helpers import NUM_LAYERS, ROW_BYTES, random_kv, verify_same
 
-from kvtier.client import KVTierError
+from kvtier.client import KVTierClient, KVTierError
+from kvtier.client.spawn import DaemonProcess
 from kvtier.v1 import pool_pb2, pool_pb2_grpc
 
 INVALID, NOT_FOUND, EXHAUSTED, PRECONDITION, EXISTS = (
@@ -224,3 +226,56 @@ def test_a_status_message_that_echoes_a_huge_input_keeps_its_code(client, pool):
     assert e.value.code == grpc.StatusCode.NOT_FOUND, e.value.details[:200]
     assert len(e.value.details) <= 1024
     assert e.value.details.startswith("no pool 'ppp") and "characters left out" in e.value.details
+
+
+ROW1K_MODEL = {"model_type": "row1k", "num_hidden_layers": 8, "kv_lora_rank": 448, "qk_rope_head_dim": 64,
+               "index_head_dim": 128}  # bf16: 1024-byte latent rows, so a 1 MiB message holds 1,024 rows
+
+
+def _vm_data(pid: int) -> int:
+    """The process's private writable memory now (``VmData``, what ``RLIMIT_DATA`` caps), in bytes."""
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmData:"))
+
+
+def test_read_kv_whose_copy_out_cannot_get_memory_is_resource_exhausted_mid_stream():
+    """A ReadKV of 255 MiB (8 layers of 32,704 bf16 1 KiB rows) on a daemon whose host tier (1 MiB)
+    cannot hold the copy and whose memory is then capped (``RLIMIT_DATA`` at its use now + 64 MiB: a
+    machine out of memory). The reader takes the first message, then reads no more; a MoveKV (the
+    pool's exclusive lock) returns only once the worker has let the shared lock go, i.e. after it
+    tried to copy the rest off the pool: that fresh host block cannot be allocated. The stream must
+    end RESOURCE_EXHAUSTED naming host memory after the messages sent (it was INTERNAL: torch's
+    allocator raises a plain RuntimeError), the first message must carry the rows written, and the
+    pool must serve writes and reads again once memory is back."""
+    n, mib = 32768 - 64, 1 << 20
+    with DaemonProcess(extra_args=["--device", "cpu", "--host-memory", "1MiB", "--log-level", "WARNING"]) as d, \
+            KVTierClient(d.address) as c:
+        c.create_pool(ROW1K_MODEL, kv_cache_dtype="bf16", size_tokens=n + 64, pool_id="big")
+        slots = c.allocate_slots("big", n)
+        rows = torch.randint(0, 256, (1024, 1024), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))
+        c.write_kv("big", slots[:1024], latent={0: rows})
+        pid = d.process.pid
+        soft, hard = resource.prlimit(pid, resource.RLIMIT_DATA)
+        cap = _vm_data(pid) + 64 * mib  # room for the messages in flight, not for the ~240 MiB left to copy
+        resource.prlimit(pid, resource.RLIMIT_DATA, (cap, hard))
+        try:
+            with grpc.insecure_channel(d.address) as ch:
+                header = pool_pb2.KVHeader(pool_id="big", slots=slots.tolist(), latent_layers=list(range(8)))
+                stream = pool_pb2_grpc.PoolServiceStub(ch).ReadKV(
+                    pool_pb2.ReadKVRequest(header=header, chunk_bytes=mib, packed=True), timeout=120)
+                first = next(stream)
+                assert first.offset == 0 and first.data == rows.numpy().tobytes()
+                assert c.move_kv("big", slots[1024:1025], slots[1025:1026]) == 1  # the shared lock was let go
+                got = 1
+                with pytest.raises(grpc.RpcError) as err:
+                    for _ in stream:
+                        got += 1
+        finally:
+            resource.prlimit(pid, resource.RLIMIT_DATA, (soft, hard))
+        assert err.value.code() == EXHAUSTED, err.value.details()
+        assert "host memory" in err.value.details()
+        assert 1 < got < n * 8 // 1024  # it failed after the first message, before the last
+        back = c.read_kv("big", slots[:1024], latent_layers=[0], index_layers=[])
+        assert bytes(back.latent[0].contiguous().view(torch.uint8).reshape(-1).numpy()) == rows.numpy().tobytes()
+        c.write_kv("big", slots[:1], latent={0: rows[:1]})
+        assert c.delete_pool("big", force=True) is not None
