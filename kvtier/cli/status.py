@@ -13,7 +13,8 @@ from kvtier.cli.common import call_daemon, console, message_to_dict, server_opti
 @server_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
 def status(server: str | None, timeout: float, as_json: bool) -> None:
-    """Health, version, uptime, tier usage and health, and counters of a running daemon.
+    """Health, version, uptime, tier usage and health, your pools (with their open prefix leases and
+    the pages those pin), and counters of a running daemon.
 
     A tier whose storage failed (e.g. the disk tier on a full filesystem) shows UNHEALTHY with the
     reason and when it is probed next; the daemon bypasses it meanwhile and brings it back by itself.
@@ -45,6 +46,14 @@ def status(server: str | None, timeout: float, as_json: bool) -> None:
         t.add_row(tier.tier, _health(tier), f"{tier.used_bytes:,}", f"{tier.budget_bytes:,}" if tier.budget_bytes else "-",
                   f"{tier.entries:,}", f"{tier.tenant_used_bytes:,}", quota)
     con.print(t)
+    if stats.pools:
+        pt = Table(title="pools (yours)")
+        for col in ("pool", "model", "used tokens", "size tokens", "open leases", "pinned pages"):
+            pt.add_column(col, justify="left" if col in ("pool", "model") else "right")
+        for p in stats.pools:
+            pt.add_row(p.pool_id, p.model_name, f"{p.used_tokens:,}", f"{p.size_tokens:,}", f"{p.open_leases:,}",
+                       f"{p.pinned_pages:,}")
+        con.print(pt)
     if stats.counters:
         ct = Table(title="counters")
         ct.add_column("counter")

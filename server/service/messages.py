@@ -102,10 +102,12 @@ def stats(s: DaemonStats, max_message_bytes: int) -> pool_pb2.StatsResponse:
     pools = []
     for e in s.pools:
         used = e.allocator.used_pages * e.page_size
+        cache = e.prefix_cache.device_use() if e.prefix_cache is not None else {"pinned_pages": 0, "open_leases": 0}
         pools.append(pool_pb2.PoolStats(
             pool_id=e.pool_id, model_name=e.model.name, role=e.role, device=str(e.pool.device),
             size_tokens=e.allocator.size, used_tokens=used, free_tokens=e.allocator.free_tokens,
-            kv_size_bytes=e.pool.get_kv_size_bytes()))
+            kv_size_bytes=e.pool.get_kv_size_bytes(), pinned_pages=cache["pinned_pages"],
+            open_leases=cache["open_leases"]))
     tiers = [pool_pb2.TierStats(tier=t.tier, used_bytes=t.used_bytes, budget_bytes=t.budget_bytes, entries=t.entries,
                                 tenant_used_bytes=t.tenant_used_bytes, tenant_quota_bytes=t.tenant_quota_bytes,
                                 unhealthy=not t.healthy, unhealthy_reason=t.reason, next_probe_seconds=t.next_probe_in_s)

@@ -503,7 +503,13 @@ class PrefixCache:
         the cache, the pool or a tier index (plain integers, dict lengths and a copy of a dict whose
         keys never change), so it never waits for a load, store or eviction in progress."""
         out = self.stack.stats()
-        out["device"] = {"pages": len(self._pages), "pinned_pages": self._device.pinned_keys,
-                         "free_pages": self.allocator.free_pages, "open_leases": len(self._leases)}
+        out["device"] = self.device_use()
         out["counters"] = dict(self.counters)
         return out
+
+    def device_use(self) -> dict[str, int]:
+        """The pool pages the cache holds (``pages``), those pinned by open leases (``pinned_pages``),
+        the pool's ``free_pages`` and the ``open_leases``: plain reads, no lock (monitoring: GetStats,
+        ``kvtier status``)."""
+        return {"pages": len(self._pages), "pinned_pages": self._device.pinned_keys,
+                "free_pages": self.allocator.free_pages, "open_leases": len(self._leases)}

@@ -49,6 +49,40 @@ def test_status_json_and_table(daemon, pool):
     assert t.exit_code == 0 and "SERVING" in t.output and "host" in t.output
 
 
+def test_status_shows_each_pools_open_leases_and_pinned_pages(daemon, client, pool):
+    """Scenario: 3 pages are stored in the pool's prefix cache (keys k0-k2), then three leases are
+    opened: k0-k1 (2 cached pages), k0-k2 (3 cached pages; k0 and k1 now pinned twice) and a new key
+    (1 fresh page, which is the lease's own, not a pinned cached page). ``kvtier status --json``
+    must show the pool with 3 open leases and 3 pinned pages (the distinct cached pages the leases
+    hold; they were only in GetTierStats before), the table the same row, and 0 and 0 once every
+    lease is released."""
+    keys = [b"status-leases-%d" % i for i in range(4)]
+    first = client.load_prefix(pool, keys[:3])
+    assert client.store_prefix(first, keys[:3], first.slots, release=True) == 3
+    leases = [client.load_prefix(pool, keys[:2]), client.load_prefix(pool, keys[:3]), client.load_prefix(pool, keys[3:])]
+    assert [len(x.slots) for x in leases] == [2 * 64, 3 * 64, 64]
+
+    def mine() -> dict:
+        r = CliRunner().invoke(main, ["status", "--server", daemon.address, "--json"])
+        assert r.exit_code == 0, r.output
+        return next(p for p in json.loads(r.output)["pools"] if p["pool_id"] == pool)
+
+    try:
+        got = mine()
+        assert (got["open_leases"], got["pinned_pages"]) == (3, 3)
+        assert got["used_tokens"] == (3 + 1) * 64  # the 3 cached pages and the fresh one
+        t = CliRunner().invoke(main, ["status", "--server", daemon.address], terminal_width=200)
+        assert t.exit_code == 0, t.output
+        row = next(line for line in t.output.splitlines() if pool in line)
+        cells = [c.strip() for c in row.strip().strip("│").split("│")]
+        assert cells == [pool, "glm-5.2", "256", "1,024", "3", "3"], row
+    finally:
+        for lease in leases:
+            client.release_prefix(lease)
+    got = mine()
+    assert (got["open_leases"], got["pinned_pages"]) == (0, 0)
+
+
 def test_status_of_no_daemon_is_a_clean_error(tmp_path):
     r = CliRunner().invoke(main, ["status", "--server", f"unix://{tmp_path}/none.sock", "--timeout", "2"])
     assert r.exit_code == 1 and "UNAVAILABLE" in r.output and "Traceback" not in r.output

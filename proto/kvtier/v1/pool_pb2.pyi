@@ -1074,6 +1074,8 @@ class PoolStats(_message.Message):
     USED_TOKENS_FIELD_NUMBER: _builtins.int
     FREE_TOKENS_FIELD_NUMBER: _builtins.int
     KV_SIZE_BYTES_FIELD_NUMBER: _builtins.int
+    PINNED_PAGES_FIELD_NUMBER: _builtins.int
+    OPEN_LEASES_FIELD_NUMBER: _builtins.int
     pool_id: _builtins.str
     model_name: _builtins.str
     role: _builtins.str
@@ -1083,6 +1085,10 @@ class PoolStats(_message.Message):
     """used_pages * page_size"""
     free_tokens: _builtins.int
     kv_size_bytes: _builtins.int
+    pinned_pages: _builtins.int
+    """prefix-cache pages pinned by open leases (0 before any prefix call)"""
+    open_leases: _builtins.int
+    """prefix leases not yet released (LoadPrefix, on gRPC or an attach connection)"""
     def __init__(
         self,
         *,
@@ -1094,10 +1100,12 @@ class PoolStats(_message.Message):
         used_tokens: _builtins.int = ...,
         free_tokens: _builtins.int = ...,
         kv_size_bytes: _builtins.int = ...,
+        pinned_pages: _builtins.int = ...,
+        open_leases: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["device", b"device", "free_tokens", b"free_tokens", "kv_size_bytes", b"kv_size_bytes", "model_name", b"model_name", "pool_id", b"pool_id", "role", b"role", "size_tokens", b"size_tokens", "used_tokens", b"used_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["device", b"device", "free_tokens", b"free_tokens", "kv_size_bytes", b"kv_size_bytes", "model_name", b"model_name", "open_leases", b"open_leases", "pinned_pages", b"pinned_pages", "pool_id", b"pool_id", "role", b"role", "size_tokens", b"size_tokens", "used_tokens", b"used_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
