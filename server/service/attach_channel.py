@@ -24,6 +24,11 @@ oldest idle one is closed for the new one); a connection that has not sent its f
 
 Errors go back as ``{"error": {"code", "message"}}`` with the status code the gRPC side would use
 for the same domain error (the one mapping, :func:`kvtier.server.service.errors.status_code_for`).
+
+Metrics: each prefix call (also one refused because another runs on its connection) is timed into
+the RPC histogram ``kvtier_rpc_duration_seconds`` like a gRPC call, under the method label of
+:data:`ATTACH_METHODS` (``kvtier.attach/LoadPrefix``, ...), its reply's code (``CANCELLED`` when the
+reply could not be sent) and the session's tenant; from the request's hand-off to its reply's send.
 """
 
 from __future__ import annotations
@@ -66,6 +71,10 @@ WORKERS = 4
 CALL_THREADS = 16  # prefix calls of sessions (they wait for pool locks: never on the channel's workers)
 LISTEN_BACKLOG = 512  # connections the kernel queues before the selector accepts them
 ACCEPTS_PER_ROUND = 32
+ATTACH_METHODS = {"load_prefix": "kvtier.attach/LoadPrefix", "store_prefix": "kvtier.attach/StorePrefix",
+                  "release_prefix": "kvtier.attach/ReleasePrefix"}
+"""The ``method`` label of each attach-connection prefix call in the RPC metrics (the gRPC methods'
+names under ``kvtier.attach``: the same calls, told apart by the way they came)."""
 
 
 @dataclass(eq=False)
@@ -380,24 +389,27 @@ class AttachChannel:
                 self._ended(conn, "its connection failed")
             return
         if kind in PREFIX_KINDS:
+            start = time.perf_counter()
             with conn.lock:
                 busy, conn.calling = conn.calling, True
             if busy:
                 self._answer(conn, {**error_reply(ResourceExhausted("one prefix call at a time on an attach "
                                                                     "connection; wait for the reply")),
                                     "id": request.get("id")})
+                self._observe(kind, "RESOURCE_EXHAUSTED", conn.session, start)
                 return
-            self._calls.submit(self._prefix_call, conn, request)
+            self._calls.submit(self._prefix_call, conn, request, start)
             return
         self._answer(conn, error_reply(InvalidArgument(f"unknown request kind {kind!r} on an attached connection; "
                                                        f"known: 'staging', {', '.join(repr(k) for k in PREFIX_KINDS)}")))
 
-    def _prefix_call(self, conn: _Conn, request: dict[str, Any]) -> None:
+    def _prefix_call(self, conn: _Conn, request: dict[str, Any], start: float) -> None:
         """(A call thread.) Run one prefix call of ``conn``'s session and send its reply. The
         connection is watched by the selector meanwhile, so this thread never closes it: a failed
         send shuts it down and the selector's worker ends the session (:meth:`_close_later`)."""
         session = conn.session
         assert session is not None
+        code = "CANCELLED"  # the reply never reached the peer (unless set below)
         try:
             try:
                 reply = self.daemon.attach.prefix_call(session, request)
@@ -407,6 +419,7 @@ class AttachChannel:
                 conn.calling = False
             try:
                 send_message(conn.sock, reply)
+                code = reply["error"]["code"] if "error" in reply else "OK"
                 return
             except (OSError, WireError) as e:
                 too_big = isinstance(e, WireError) or getattr(e, "errno", None) == errno.EMSGSIZE
@@ -416,11 +429,22 @@ class AttachChannel:
                                                          "message; make this call over gRPC")), "id": request.get("id")}
                 with contextlib.suppress(OSError, WireError):
                     send_message(conn.sock, small)
+                    code = "RESOURCE_EXHAUSTED"
                     return
             self._close_later(conn)
         except Exception:  # noqa: BLE001 - one connection's failure never stops the channel
             log.exception("attach: a prefix call of pid %d failed", conn.peer.pid)
             self._close_later(conn)
+        finally:
+            self._observe(str(request.get("kind")), code, session, start)
+
+    def _observe(self, kind: str, code: str, session: AttachSession | None, start: float) -> None:
+        """Time one prefix call into the RPC histogram (when the daemon has metrics): after its reply,
+        outside every lock."""
+        metrics = self.daemon.metrics
+        if metrics is not None:
+            metrics.rpc.observe(time.perf_counter() - start, method=ATTACH_METHODS[kind], code=code,
+                                tenant=session.tenant if session is not None else "")
 
     def _send(self, conn: _Conn, reply: dict[str, Any], fds: list[int] | tuple[int, ...] = ()) -> bool:
         """Send ``reply`` without waiting: False if the connection failed, or if its socket buffer is

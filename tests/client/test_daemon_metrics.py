@@ -93,6 +93,41 @@ def test_metrics_hold_what_the_test_did(tmp_path):
                            "kvtier_rpc_duration_seconds_bucket"}, with_tenant
 
 
+def test_prefix_calls_on_the_attach_connection_are_timed_like_rpcs():
+    """A worker attached to an 8-page pool makes its prefix calls on the attach connection: a load
+    of 3 new keys (a miss: 3 fresh pages), their store with release, the same load again (3 hits),
+    its release, then a second release and a store of that released lease (both NOT_FOUND). The RPC
+    histogram must count them under ``kvtier.attach/<Method>`` with each reply's code and the
+    session's tenant -- 2 loads OK, 1 store OK and 1 NOT_FOUND, 1 release OK and 1 NOT_FOUND -- and
+    none under the gRPC method names (the calls never went over gRPC; before, they were not timed)."""
+    args = ["--device", "cpu", "--pool", "default=glm-5.2:512", "--pool-layers", "4", "--metrics-port", "0",
+            "--host-memory", "16MiB"]
+    keys = page_keys(list(range(3 * PAGE_SIZE)), PAGE_SIZE)
+    with DaemonProcess(extra_args=args) as d, KVTierClient(d.address, timeout=60) as c:
+        with c.attach("default") as ap:
+            miss = ap.load_prefix(keys)
+            assert miss.tiers == [] and miss.slots.numel() == 3 * PAGE_SIZE
+            assert ap.store_prefix(miss, keys, miss.slots, release=True) == 3
+            hit = ap.load_prefix(keys)
+            assert hit.tiers == ["device"] * 3
+            ap.release_prefix(hit)
+            with pytest.raises(NotFoundError):
+                ap.release_prefix(hit)
+            with pytest.raises(NotFoundError):
+                ap.store_prefix(hit, keys, hit.slots)
+            m = scrape(c.stats().metrics_address)
+
+    rpc = "kvtier_rpc_duration_seconds_count"
+    counts = {(dict(k[1])["method"], dict(k[1])["code"]): v for k, v in m.items()
+              if k[0] == rpc and "Prefix" in dict(k[1])["method"]}
+    assert counts == {("kvtier.attach/LoadPrefix", "OK"): 2, ("kvtier.attach/StorePrefix", "OK"): 1,
+                      ("kvtier.attach/StorePrefix", "NOT_FOUND"): 1, ("kvtier.attach/ReleasePrefix", "OK"): 1,
+                      ("kvtier.attach/ReleasePrefix", "NOT_FOUND"): 1}, counts
+    assert value(m, rpc, method="kvtier.attach/LoadPrefix", code="OK", tenant="default") == 2
+    assert value(m, "kvtier_rpc_duration_seconds_bucket", method="kvtier.attach/ReleasePrefix", code="NOT_FOUND",
+                 tenant="default", le="+Inf") == 1
+
+
 TOKEN_A = "metrics-team-a-0123456789abcdef"
 TOKEN_B = "metrics-team-b-0123456789abcdef"
 
