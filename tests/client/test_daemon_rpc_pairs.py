@@ -2,9 +2,12 @@
 
 Issue 8, defect 1: a stats poll racing an offload deadlocked the daemon. The cause was two locks
 taken in opposite orders; the fix is one lock order for the whole daemon (README "Concurrency").
-This test keeps it honest: each of the 32 kinds -- every PoolService, TierService, TransferService
-and StorageService RPC (the staged ones through a storage session's shared memory), plus health and
-what ``kvtier status`` calls -- runs beside every kind (itself included: 528 pairs), each side a small scenario that checks its own bytes, every call with
+This test keeps it honest: each of the 35 kinds -- every PoolService, TierService, TransferService
+and StorageService RPC (the staged ones through a storage session's shared memory), the three prefix
+calls of an attach connection (``AttachedPool.load_prefix`` / ``store_prefix`` / ``release_prefix``:
+each side has its own attach session on the prefix pool, its pages read and written through the
+mapped tensors), plus health and what ``kvtier status`` calls -- runs beside every kind (itself
+included: 630 pairs), each side a small scenario that checks its own bytes, every call with
 a 30 s deadline (a hang fails instead of stalling). At the end the reference KV, the reference copy,
 the reference prefix pages and the reference units are still byte-exact, and nothing is left
 allocated, pinned or waiting.
@@ -23,6 +26,7 @@ import pytest
 import torch
 
 from kvtier.client import InvalidArgumentError, KVTierClient, NotFoundError
+from kvtier.client.attach import AttachedPool
 from kvtier.client.spawn import DaemonProcess
 from kvtier.client.storage import UnitSpaceSpec
 from kvtier.page_keys import page_keys
@@ -55,6 +59,20 @@ def key_seed(key: bytes) -> int:
     return int.from_bytes(hashlib.sha256(key).digest()[:4], "little")
 
 
+def mapped_same(ap: AttachedPool, slots: torch.Tensor, latent, index) -> bool:
+    """The attached pool's mapped tensors hold ``latent``/``index`` at ``slots`` (the worker's view)."""
+    return (all(torch.equal(ap.kv_buffer[x][slots].view(-1, 656), latent[x]) for x in latent)
+            and all(all(torch.equal(a, b) for a, b in zip(ap.get_index_k_scale(x, slots), index[x])) for x in index))
+
+
+def write_mapped(ap: AttachedPool, slots: torch.Tensor, latent, index) -> None:
+    """Write KV onto ``slots`` through the attached pool's mapped tensors, as an engine does."""
+    for x, rows in latent.items():
+        ap.kv_buffer[x][slots] = rows.view(-1, 1, 656)
+    for x, (keys, scales) in index.items():
+        ap.set_index_k_scale_buffer(x, slots, keys, scales)
+
+
 def same(kv, latent, index, rows: slice = slice(None)) -> bool:
     return (all(torch.equal(kv.latent[x][rows], latent[x]) for x in latent)
             and all(torch.equal(kv.index_k[x][rows], index[x][0]) and torch.equal(kv.index_scale[x][rows], index[x][1])
@@ -83,6 +101,19 @@ class Scene:
             c.release_prefix(lease)
             self.units = unit_bytes(4, 2)
             assert c.put_units(UNITS, [b"ref-0", b"ref-1"], "both", self.units).completed == 2
+        self._attached: dict[int, AttachedPool] = {}  # id(client) -> its attach session on "pfx"
+
+    def attached(self, c: KVTierClient) -> AttachedPool:
+        """``c``'s attach session on the prefix pool (one a client: a side's calls on it are one at a time)."""
+        ap = self._attached.get(id(c))
+        if ap is None:
+            ap = self._attached[id(c)] = c.attach("pfx")
+        return ap
+
+    def detach_all(self) -> None:
+        for ap in self._attached.values():
+            ap.detach()
+        self._attached.clear()
 
     # ----- one scenario per RPC kind ----------------------------------------------------------
     def CreatePool(self, c: KVTierClient) -> None:
@@ -194,6 +225,40 @@ class Scene:
         with pytest.raises(NotFoundError, match="unknown or released"):
             c.release_prefix(lease)
 
+    # ----- the prefix calls of an attach connection (one SEQPACKET message each way) -------------
+    def AttachLoadPrefix(self, c: KVTierClient) -> None:
+        ap = self.attached(c)
+        lease = ap.load_prefix(REF_KEYS)
+        try:
+            assert lease.loaded_pages == 2 and mapped_same(ap, lease.slots, *self.pfx)
+        finally:
+            ap.release_prefix(lease)
+
+    def AttachStorePrefix(self, c: KVTierClient) -> None:
+        ap = self.attached(c)
+        key = STORE_KEYS[uuid.uuid4().int % len(STORE_KEYS)]  # shared with StorePrefix: the same bytes a key
+        lat, idx = content(key_seed(key), PS)
+        lease = ap.load_prefix([key])
+        if lease.loaded_pages:
+            try:
+                assert mapped_same(ap, lease.slots, lat, idx)
+            finally:
+                ap.release_prefix(lease)
+            return
+        try:
+            write_mapped(ap, lease.slots, lat, idx)
+        except BaseException:
+            ap.release_prefix(lease)
+            raise
+        assert ap.store_prefix(lease, [key], lease.slots, release=True) == 1
+
+    def AttachReleasePrefix(self, c: KVTierClient) -> None:
+        ap = self.attached(c)
+        lease = ap.load_prefix(REF_KEYS[:1])
+        ap.release_prefix(lease)
+        with pytest.raises(NotFoundError, match="unknown or released"):
+            ap.release_prefix(lease)
+
     def WhereIs(self, c: KVTierClient) -> None:
         assert all(w for w in c.where_is("pfx", REF_KEYS))
 
@@ -284,7 +349,8 @@ KINDS = ["CreatePool", "DescribePool", "ListPools", "DeletePool", "AllocateSlots
          "MoveKV", "Offload", "Restore", "Drop", "GetBufferInfos", "GetStats", "LookupPrefix", "LoadPrefix",
          "StorePrefix", "ReleasePrefix", "WhereIs", "GetTierStats", "GetTransferLayout", "PullKV", "ReadPages",
          "ExistUnits", "PutUnits", "GetUnits", "ClearUnits", "GetUnitStats", "PutUnitsStaged", "GetUnitsStaged",
-         "health", "status"]
+         "AttachLoadPrefix", "AttachStorePrefix", "AttachReleasePrefix", "health", "status"]
+ATTACH_KINDS = {"AttachLoadPrefix", "AttachStorePrefix", "AttachReleasePrefix"}
 
 
 def test_the_kinds_cover_every_rpc():
@@ -293,7 +359,10 @@ def test_the_kinds_cover_every_rpc():
     rpcs = {m.name for mod, svc in ((pool_pb2, "PoolService"), (tier_pb2, "TierService"), (transfer_pb2, "TransferService"),
                                     (storage_pb2, "StorageService"))
             for m in mod.DESCRIPTOR.services_by_name[svc].methods}
-    assert rpcs <= set(KINDS) and len(KINDS) == len(rpcs) + 2
+    assert rpcs <= set(KINDS) and len(KINDS) == len(rpcs) + len(ATTACH_KINDS) + 2
+    from kvtier.attach_wire import PREFIX_KINDS
+
+    assert {"Attach" + "".join(w.title() for w in k.split("_")) for k in PREFIX_KINDS} == ATTACH_KINDS
 
 
 @pytest.fixture(scope="module")
@@ -345,11 +414,13 @@ def test_every_pair_of_rpc_kinds_at_once(scene):
             scene.LoadPrefix(c)
             assert c.describe_pool("shared").used_pages == 2 and c.describe_pool("dst").used_pages == 0
             t = c.tier_stats("pfx")
-            assert t.device["pinned_pages"] == 0 and t.device["open_leases"] == 0
+            assert t.device["pinned_pages"] == 0 and t.device["open_leases"] == 0  # before detach releases any
+            scene.detach_all()
             assert all(row["pinned"] == 0 for row in t.tiers.values())
             assert sorted(p.pool_id for p in c.list_pools()) == ["dst", "pfx", "shared"]
             scene.GetUnits(c)
             assert c.unit_stats()["parts_pending"] == 0
     finally:
+        scene.detach_all()
         for c in clients:
             c.close()
