@@ -2,16 +2,18 @@
 ``release_prefix``: one SEQPACKET message each way, kvtier.attach_wire) against a real daemon
 process (the pytest plugin's tiny daemon, one for the module: a pool of 8 pages): they act on the cache as the gRPC
 methods do, their leases are the session's own, a malformed message is INVALID_ARGUMENT and changes
-nothing, and detach releases what they pinned."""
+nothing, a second call while one runs on the connection is RESOURCE_EXHAUSTED (a daemon of its own,
+the first call held by LMDB's write lock, which the test takes), and detach releases what they pinned."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
 import torch
 
-from kvtier.attach_wire import encode_keys, encode_slots, recv_message, send_message
+from kvtier.attach_wire import decode_slots, encode_keys, encode_slots, recv_message, send_message
 from kvtier.client import KVTierClient, NotFoundError
 from kvtier.page_keys import page_keys
 from kvtier.pytest_plugin import start_tiny_daemon, stop_tiny_daemon
@@ -138,3 +140,64 @@ def test_a_call_too_large_for_one_message_goes_over_grpc_and_nothing_breaks(tiny
                     again.release_prefix(again.load_prefix([], total_tokens=PAGE))
     finally:
         c.delete_pool("big", force=True)
+
+
+def test_a_second_prefix_call_while_the_first_runs_is_refused_and_the_first_completes(tmp_path):
+    """Scenario: a daemon without disk write-behind (a disk write commits in the call) whose 8-page
+    pool is full of cached prefix pages and whose host tier holds no record, so a load of a new key
+    must evict a page straight to LMDB. The test holds LMDB's one write lock itself (a write
+    transaction of its own process on the daemon's environment) and sends two requests back to back
+    on one raw attach connection: that load (id 1), then a load of two cached keys (id 2, which would
+    pin both). The first load waits inside the daemon for the lock the test holds, so the second
+    always arrives while it runs: it must be answered first, RESOURCE_EXHAUSTED ("one prefix call at
+    a time"), and change nothing (no lease, no pin); once the test lets the lock go, the first load
+    completes with one fresh page and the evicted page is on disk. The refusal is also counted in the
+    RPC metrics under its method and code."""
+    import lmdb
+
+    from kvtier.attach_wire import PROTOCOL_VERSION
+    from kvtier.client.attach import open_channel
+    from kvtier.client.spawn import DaemonProcess
+    from metrics_kit import scrape, value
+
+    disk = tmp_path / "disk"
+    args = ["--device", "cpu", "--pool", "glm-5.2:512", "--pool-layers", "4", "--host-memory", "4KiB",
+            "--disk-path", str(disk), "--disk-size", "64MiB", "--no-disk-write-behind", "--metrics-port", "0"]
+    keys = keys_of(7, 9)
+    with DaemonProcess(extra_args=args) as d, KVTierClient(d.address, timeout=60) as c:
+        cached = c.load_prefix("default", keys[:8])
+        assert c.store_prefix(cached, keys[:8], cached.slots, release=True) == 8
+        assert c.describe_pool("default").free_pages == 0 and c.tier_stats("").tiers["disk"]["entries"] == 0
+        sock, reply, fds = open_channel(c.attach_socket(), {"kind": "attach", "version": PROTOCOL_VERSION,
+                                                            "token": None, "pool_id": "default"}, 30)
+        for fd in fds:
+            os.close(fd)  # the pool's memory: not needed here
+        env = lmdb.open(str(disk), max_dbs=4, map_size=64 << 20)
+        try:
+            sock.settimeout(60)
+            held = env.begin(write=True)  # LMDB's writer lock, across processes
+            try:
+                send_message(sock, {"kind": "load_prefix", "id": 1, "keys": encode_keys(keys[8:]), "total_tokens": None})
+                send_message(sock, {"kind": "load_prefix", "id": 2, "keys": encode_keys(keys[1:3]), "total_tokens": None})
+                second, _ = recv_message(sock)
+            finally:
+                held.abort()
+            first, _ = recv_message(sock)
+            assert second == {"id": 2, "error": {"code": "RESOURCE_EXHAUSTED", "message": second["error"]["message"]}}
+            assert "one prefix call at a time" in second["error"]["message"]
+            assert first["id"] == 1 and "error" not in first and first["tiers"] == []
+            assert len(decode_slots(first["slots"])) == PAGE * 8  # one fresh page of int64 slots
+            assert c.where_is("default", keys[:1]) == [["disk"]]  # the LRU page went to LMDB in the load
+            use = device_use(c, "default")
+            assert (use["open_leases"], use["pinned_pages"]) == (1, 0)  # the first load's fresh page only
+            send_message(sock, {"kind": "release_prefix", "id": 3, "lease_id": first["lease_id"]})
+            assert recv_message(sock)[0] == {"id": 3}
+            assert device_use(c, "default")["open_leases"] == 0
+        finally:
+            env.close()
+            sock.close()
+        m = scrape(c.stats().metrics_address)
+    rpc = "kvtier_rpc_duration_seconds_count"
+    assert value(m, rpc, method="kvtier.attach/LoadPrefix", code="RESOURCE_EXHAUSTED", tenant="default") == 1
+    assert value(m, rpc, method="kvtier.attach/LoadPrefix", code="OK", tenant="default") == 1
+    assert value(m, rpc, method="kvtier.attach/ReleasePrefix", code="OK", tenant="default") == 1
