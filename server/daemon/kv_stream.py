@@ -26,7 +26,6 @@ lock), then the hold watch's registry lock (a leaf).
 from __future__ import annotations
 
 import bisect
-import logging
 import threading
 import time
 import weakref
@@ -183,10 +182,18 @@ class _Snapshot:
         self.holding = True
         self.next = 0  # the next piece to build
         self.away_since: float | None = self.since  # the sender is away (in gRPC's send, or not started) since
+        self.error: BaseException | None = None  # the hold watch's copy-out failed: the sender raises it
 
     def build(self, i: int) -> bytes:
-        """Piece ``i``'s message (the sender, in order)."""
+        """Piece ``i``'s message (the sender, in order).
+
+        Raises:
+            MemoryError: the copy-out (here or by the hold watch) could not get host memory; the
+                lock is released and the read ends (RESOURCE_EXHAUSTED at the client).
+        """
         with self.mutex:
+            if self.error is not None:
+                raise self.error
             p = self.pieces[i]
             msg = self.encode(p, [v for s, a, b in p.data for v in self.sources[s].slice(a, b)])
             self.next = i + 1
@@ -204,7 +211,12 @@ class _Snapshot:
         with self.mutex:
             if self.holding and self.away_since is not None and \
                     (now - self.away_since >= self.patience_s or now - self.since >= self.max_hold_s):
-                self._release_rest()
+                try:
+                    self._release_rest()
+                except BaseException as e:  # noqa: BLE001 - no memory for the copy: the read ends, the lock goes
+                    self.error = e
+                    self.holding = False
+                    self.lock.close()
 
     def _release_rest(self) -> None:  # mutex held
         self.sources = _copy_rest(self.entry, self.sources, self.pieces, self.next)
@@ -251,10 +263,7 @@ class _HoldWatch:
                 if not r.holding:
                     self.remove(r)
                     continue
-                try:
-                    r.check(now)
-                except BaseException:  # noqa: BLE001 - the copy-out failed: the sender finds the lock still held
-                    logging.getLogger(__name__).warning("a ReadKV's copy-out failed; its lock stays held", exc_info=True)
+                r.check(now)
             del reads
 
 

@@ -168,3 +168,32 @@ def test_a_read_held_past_max_hold_releases_between_messages(d):
     with d.pools.locked(A, "p", exclusive=True) as e:
         e.pool.set_kv_buffer(0, slots, torch.zeros(128, e.pool.row_bytes, dtype=torch.uint8))
     assert first + b"".join(split(m)[1] for m in it) == whole
+
+
+def test_a_copy_out_without_memory_ends_the_read_and_frees_the_lock(d, monkeypatch):
+    """The hold watch's copy-out of a stalled reader's rest cannot get host memory: the pool's shared
+    lock is released all the same (a writer gets in) and the reader's next message raises the
+    MemoryError (RESOURCE_EXHAUSTED at a client), instead of the lock staying held."""
+    pool(d, A)
+    slots, _ = fill(d, A, "p", 256, seed=2)
+
+    def no_memory(*_args, **_kw):
+        raise MemoryError("cannot allocate the copy")
+
+    monkeypatch.setattr(kv_stream, "_copy_rest", no_memory)
+    read = kv_stream.read_kv_messages(d.pools, A, selection(slots), 4096, packed=True, encode=raw, patience_s=0.02)
+    it = iter(read)
+    next(it)
+    got = threading.Event()
+
+    def writer():
+        with d.pools.locked(A, "p", exclusive=True):
+            got.set()
+
+    t = threading.Thread(target=writer)
+    t.start()
+    t.join(timeout=60)
+    assert got.is_set()
+    with pytest.raises(MemoryError, match="cannot allocate"):
+        next(it)
+    assert d.pools.get(A, "p").lock._readers == 0
