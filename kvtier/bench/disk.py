@@ -9,10 +9,12 @@ interleaved (each phase starts at the next function every round, so none always 
   freed and reuses (a daemon's disk tier fills once, then every write recycles an evicted record's
   pages). The first fill of a new environment (a fresh one each round, its file growing) is
   measured too, as ``spill_fresh``;
-* spill: each record by its own ``DiskTier.write([(key, record)])`` call (one transaction a record,
-  as the host tier's write-back cascade writes them) and 8 a call, vs ``write()`` of the same bytes
-  to a new plain file; with fsync (``sync=True``: LMDB syncs every commit; the file is fsynced after
-  every record) and without;
+* spill: as the daemon spills, the host tier's victims of one eviction batch
+  (:data:`~kvtier.server.tiers.prefix.EVICT_BATCH`, 64 pages) in one ``DiskTier.write`` call (one
+  transaction a batch: ``TierStack.put_many``, BENCHMARKS.md fix 14), and each record by its own
+  call (one transaction a record), vs ``write()`` of the same bytes to a new plain file; with fsync
+  (``sync=True``: LMDB syncs every commit, here one record a commit; the file is fsynced after every
+  record) and without;
 * restore, checksum verified: ``DiskTier.borrow`` as the prefix cache calls it (a request's pages
   ``DiskTier.borrow_batch`` (4) at a time) and one record a call (``Restore``, ``spill_down``), and
   ``read_into`` one reused buffer; vs ``readinto`` of the same bytes from the plain file into one
@@ -39,6 +41,7 @@ from kvtier.server.pool import create_pool, slots_of_pages
 from kvtier.server.replay.scale import ReplayScale
 from kvtier.server.tiers import DiskTier, DiskTierConfig, RecordCodec
 from kvtier.server.tiers.disk import BORROW_BATCH
+from kvtier.server.tiers.prefix import EVICT_BATCH
 
 
 def page_records(n: int, seed: int = 0) -> list[torch.Tensor]:
@@ -95,8 +98,9 @@ class DiskRound:
         for k, r in zip(self.keys, self.records):
             self.fresh.write([(k, r)])
 
-    def lmdb_spill_batch(self, per_call: int = 8) -> None:
-        """The same records, ``per_call`` a ``write`` (one transaction each batch)."""
+    def lmdb_spill_batch(self, per_call: int = EVICT_BATCH) -> None:
+        """The same records, ``per_call`` a ``write`` (one transaction each batch), as the victims of
+        one eviction batch go down the stack."""
         items = list(zip(self.batch_keys, self.records))
         for i in range(0, len(items), per_call):
             self.disk.write(items[i:i + per_call])
@@ -250,10 +254,11 @@ class DiskCase(Case):
         gb = lambda label, secs: throughput(label, total, secs)  # noqa: E731
         file_w, file_r = gb("plain file write()", t["file_spill"]), gb("plain file readinto()", t["file_read"])
         c = res.comparisons
-        c.append(Comparison("disk.spill_vs_file", "spill host->disk into a warm environment, one transaction a record, no fsync, vs plain file write()",
-                            "GB/s", gb("LMDB tier write()", t["lmdb_spill"]), file_w, target=0.8))
-        c.append(Comparison("disk.spill_batch_vs_file", "spill 8 records a write (one transaction a batch), no fsync, vs plain file write()",
-                            "GB/s", gb("LMDB tier write(8 records)", t["lmdb_spill_batch"]), file_w))
+        c.append(Comparison("disk.spill_vs_file", f"spill host->disk as the daemon evicts ({EVICT_BATCH} records a write, one transaction a batch), "
+                            "warm environment, no fsync, vs plain file write()",
+                            "GB/s", gb(f"LMDB tier write({EVICT_BATCH} records)", t["lmdb_spill_batch"]), file_w, target=0.8))
+        c.append(Comparison("disk.spill_one_vs_file", "spill one record a write (one transaction a record), no fsync, vs plain file write()",
+                            "GB/s", gb("LMDB tier write(1 record)", t["lmdb_spill"]), file_w))
         c.append(Comparison("disk.spill_fresh_vs_file", "first fill: spill into a new environment (its file growing), no fsync, vs plain file write()",
                             "GB/s", gb("LMDB tier write(), new environment", t["lmdb_spill_fresh"]), file_w))
         c.append(Comparison("disk.spill_fsync_vs_file", "spill with fsync (LMDB syncs every commit), warm environment, vs plain file write()+fsync a record",

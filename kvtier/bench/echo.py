@@ -1,7 +1,9 @@
 """A plain gRPC bytes echo service, the daemon data path's baseline (``python -m kvtier.bench.echo``).
 
 ``Upload`` (client stream of raw bytes -> their count) and ``Download`` (n bytes in chunks), generic
-handlers with no protobuf messages: only what gRPC itself costs. Run as its own process:
+handlers with no protobuf messages: only what gRPC itself costs, in a process with the daemon's glibc
+malloc settings (:func:`~kvtier.server.hostmem.malloc.keep_freed_memory`, which the daemon sets at
+start) so that neither side refaults its message buffers. Run as its own process:
 ``python -m kvtier.bench.echo ADDRESS PAYLOAD_BYTES CHUNK_BYTES READY_FILE`` (serves until killed).
 """
 
@@ -15,11 +17,14 @@ from pathlib import Path
 import grpc
 import numpy as np
 
+from kvtier.server.hostmem.malloc import keep_freed_memory
+
 SERVICE = "kvtierbench.Echo"
 OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
 
 
 def serve(address: str, payload_bytes: int, chunk: int, ready: str) -> None:
+    keep_freed_memory()  # the daemon's malloc settings (server/hostmem/malloc.py): the same process, minus kvtier
     data = np.random.default_rng(0).integers(0, 256, payload_bytes, dtype=np.uint8).tobytes()
     view = memoryview(data)
 

@@ -29,8 +29,10 @@ def _case_names() -> list[str]:
                    "(env KVTIER_SGLANG_PYTHON). Default: this interpreter, if it imports sglang.")
 @click.option("--torch-threads", type=click.IntRange(min=1), default=1, show_default=True,
               help="torch intra-op threads for every case (the daemon's default is 1 too).")
+@click.option("--check", is_flag=True,
+              help="Exit with status 1 when a comparison misses its target (the results are written first).")
 def bench(quick: bool, out: Path, as_json: bool, only: tuple[str, ...], sglang_python: str | None,
-          torch_threads: int) -> None:
+          torch_threads: int, check: bool) -> None:
     """Measure kvtier against plain baselines of the same bytes, in one run.
 
     Each case times kvtier and its baseline interleaved (medians after a warm-up) and reports
@@ -75,3 +77,8 @@ def bench(quick: bool, out: Path, as_json: bool, only: tuple[str, ...], sglang_p
     else:
         print_table(results, console)
         console.print(f"wrote {written[0]} and {len(written) - 1} plots")
+    missed = [c.key for r in results for c in r.comparisons if c.meets_target is False]
+    if check and missed:
+        click.echo(f"error: {len(missed)} comparison(s) missed their target: {', '.join(missed)}; "
+                   f"see {written[0]}", err=True)
+        raise SystemExit(1)

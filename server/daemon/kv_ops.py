@@ -258,10 +258,10 @@ def write_kv(registry: PoolRegistry, caller: Caller, buf: KVWriteBuffer) -> int:
         pool = entry.pool
         sw = pool.index_scale_bytes // 4
         pool.set_kv_buffer_layers(sel.latent_layers, slots, [buf.tensor(x, LATENT).view(n, pool.row_bytes) for x in sel.latent_layers])
-        for layer in sel.index_layers:
-            keys = buf.tensor(layer, INDEX_K).view(n, pool.index_head_dim)
-            scales = buf.tensor(layer, INDEX_SCALE).view(torch.float32).view(n, sw)
-            pool.set_index_k_scale_buffer(layer, slots, keys, scales)
+        if sel.index_layers:
+            pool.set_index_k_scale_layers(sel.index_layers, slots,
+                                          [buf.tensor(x, INDEX_K).view(n, pool.index_head_dim) for x in sel.index_layers],
+                                          [buf.tensor(x, INDEX_SCALE).view(torch.float32).view(n, sw) for x in sel.index_layers])
     return buf.nbytes
 
 

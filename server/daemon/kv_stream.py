@@ -1,28 +1,34 @@
 """A KV read as a stream of messages built straight from the pool's memory (ReadKV).
 
 A read is a consistent snapshot: its bytes are those of one moment, taken under the pool's shared
-lock. The messages are built in a worker thread that holds the lock: where a segment's slots make
-runs of consecutive slots (whole pages do) on a CPU pool, each message's bytes are joined straight
+lock. Each message is built on the thread that sends it, just before it is sent: where a segment's
+slots make runs of consecutive slots (whole pages do) on a CPU pool, its bytes are joined straight
 from views of the pool's rows (:meth:`~kvtier.server.pool.mla.MLATokenToKVPool.latent_row_views`):
 one copy of each byte in the daemon, the one a plain byte server makes too; other segments (a
 device pool, scattered slots, the indexer's keys and scales) are gathered into host memory first.
+No other thread and no queue stand between the pool and gRPC (a worker thread handing messages over
+a queue cost ~25 ms of CPU a 221 MB read: BENCHMARKS.md, fix 16).
 
-The worker builds at most ``lead`` messages ahead of the sender (a bounded queue: no more memory
-than that in flight, and that memory stays hot), so while the reader keeps up the lock is held
-for the stream's duration. A reader that falls behind must not keep writers out: when the queue
-stays full for ``patience_s``, or the lock has been held ``max_hold_s``, the worker copies every
-byte not yet sent into one host block, releases the lock and builds the rest from that copy (the
-same snapshot). A reader that goes away (the iterator is closed or dropped) stops the worker.
+While the reader keeps up, the lock is held for the stream's duration. A reader that falls behind
+must not keep writers out: when the sending thread has been away in gRPC's send for ``patience_s``
+(the reader stopped reading and flow control holds the send), or the lock has been held
+``max_hold_s``, every byte not yet sent is copied into one host block, the lock is released and the
+rest is built from that copy (the same snapshot). The sender itself does this between messages; for
+a sender stuck in a send, the *hold watch* (one daemon thread, ``kvtier-readkv-watch``, awake only
+while reads hold a lock) does it. A reader that goes away (the iterator is closed or dropped)
+releases the lock at once.
 
-Lock order: the pool's shared lock only (taken by the worker; the queue is not a lock).
+Lock order: the pool's shared lock (level 2), then the read's own mutex (held to build a message or
+to copy the rest out; under it only the host arena's allocation and the release of the pool's shared
+lock), then the hold watch's registry lock (a leaf).
 """
 
 from __future__ import annotations
 
 import bisect
-import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -105,24 +111,26 @@ class _Source:
 
 def _sources(entry: PoolEntry, sel: KVSelection, slots: torch.Tensor, segs: list[Segment]) -> list[_Source]:
     """Each segment's bytes (the pool's lock is held by the caller): views of the pool's latent rows
-    where possible, else gathered into host memory."""
+    where possible, else gathered into host memory; the indexer's keys and scales gathered into one
+    host block."""
     pool = entry.pool
     n = slots.numel()
-    max_runs = max(1, n // VIEW_MIN_RUN_ROWS)
-    views = {x: pool.latent_row_views(x, slots, max_runs) for x in sel.latent_layers}
-    gather = [x for x in sel.latent_layers if views[x] is None]
-    lat_bytes = n * pool.row_bytes
-    flat = pool.host_block(lat_bytes * len(gather)) if gather else None
-    for i, x in enumerate(gather):
-        views[x] = [pool.get_kv_buffer_rows(x, slots, out=flat[i * lat_bytes:(i + 1) * lat_bytes]).view(torch.uint8).reshape(-1)]
-    index: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    lat = list(sel.latent_layers)
+    found = pool.latent_row_views(lat, slots, max(1, n // VIEW_MIN_RUN_ROWS)) if lat else []
+    if found is not None:
+        views = dict(zip(lat, found))
+    else:
+        lat_bytes = n * pool.row_bytes
+        flat = pool.host_block(lat_bytes * len(lat))
+        views = {x: [pool.get_kv_buffer_rows(x, slots, out=flat[i * lat_bytes:(i + 1) * lat_bytes]).view(torch.uint8).reshape(-1)]
+                 for i, x in enumerate(lat)}
+    index_layers = list(sel.index_layers)
+    index = dict(zip(index_layers, pool.get_index_k_scale_layers(index_layers, slots))) if index_layers else {}
     out = []
     for seg in segs:
         if seg.component == LATENT:
             out.append(_Source(views[seg.layer_id]))
             continue
-        if seg.layer_id not in index:
-            index[seg.layer_id] = pool.get_index_k_scale(seg.layer_id, slots)
         keys, scales = index[seg.layer_id]
         t = keys if seg.component == "index_k" else scales
         out.append(_Source([t.cpu().contiguous().view(torch.uint8).reshape(-1)]))
@@ -161,88 +169,145 @@ class StreamedRead:
         return self.messages
 
 
+class _Snapshot:
+    """One read's pieces and where their bytes are: the pool (under its shared lock) or, once the rest
+    was copied out, one host block. Shared by the sending thread and the hold watch (``mutex``)."""
+
+    def __init__(self, entry: PoolEntry, lock: ExitStack, sources: list[_Source], pieces: list[Piece],
+                 encode: Callable[[Piece, list[memoryview]], bytes], patience_s: float, max_hold_s: float) -> None:
+        self.mutex = threading.Lock()
+        self.entry, self.lock, self.sources, self.pieces, self.encode = entry, lock, sources, pieces, encode
+        self.patience_s, self.max_hold_s = patience_s, max_hold_s
+        self.since = time.monotonic()  # when the lock was taken
+        self.holding = True
+        self.next = 0  # the next piece to build
+        self.away_since: float | None = self.since  # the sender is away (in gRPC's send, or not started) since
+        self.error: BaseException | None = None  # the hold watch's copy-out failed: the sender raises it
+
+    def build(self, i: int) -> bytes:
+        """Piece ``i``'s message (the sender, in order).
+
+        Raises:
+            MemoryError: the copy-out (here or by the hold watch) could not get host memory; the
+                lock is released and the read ends (RESOURCE_EXHAUSTED at the client).
+        """
+        with self.mutex:
+            if self.error is not None:
+                raise self.error
+            p = self.pieces[i]
+            msg = self.encode(p, [v for s, a, b in p.data for v in self.sources[s].slice(a, b)])
+            self.next = i + 1
+            now = time.monotonic()
+            if self.holding and now - self.since >= self.max_hold_s:
+                self._release_rest()
+            self.away_since = now
+        return msg
+
+    def check(self, now: float) -> None:
+        """The hold watch: copy the rest out and release the lock if the sender has been away too
+        long, or the lock held too long."""
+        if not self.holding:
+            return
+        with self.mutex:
+            if self.holding and self.away_since is not None and \
+                    (now - self.away_since >= self.patience_s or now - self.since >= self.max_hold_s):
+                try:
+                    self._release_rest()
+                except BaseException as e:  # noqa: BLE001 - no memory for the copy: the read ends, the lock goes
+                    self.error = e
+                    self.holding = False
+                    self.lock.close()
+
+    def _release_rest(self) -> None:  # mutex held
+        self.sources = _copy_rest(self.entry, self.sources, self.pieces, self.next)
+        self.holding = False
+        self.lock.close()
+
+    def close(self) -> None:
+        """Release the lock if it is still held (the read ended, failed or was dropped)."""
+        with self.mutex:
+            self.holding = False
+            self.lock.close()
+
+
+class _HoldWatch:
+    """The daemon's one thread that releases the locks of reads whose sender is stuck in a send."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())  # leaf: a set update or a copy of it
+        self._reads: weakref.WeakSet[_Snapshot] = weakref.WeakSet()
+        self._thread: threading.Thread | None = None
+
+    def add(self, snap: _Snapshot) -> None:
+        with self._cond:
+            self._reads.add(snap)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="kvtier-readkv-watch", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def remove(self, snap: _Snapshot) -> None:
+        with self._cond:
+            self._reads.discard(snap)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._reads:
+                    self._cond.wait()
+                reads = list(self._reads)
+                tick = min(0.05, max(0.005, min(r.patience_s for r in reads) / 2))
+                self._cond.wait(tick)
+            now = time.monotonic()
+            for r in reads:
+                if not r.holding:
+                    self.remove(r)
+                    continue
+                r.check(now)
+            del reads
+
+
+_watch = _HoldWatch()
+
+
 def read_kv_messages(registry: PoolRegistry, caller: Caller, sel: KVSelection, chunk: int, *, packed: bool,
-                     encode: Callable[[Piece, list[memoryview]], bytes], lead: int = 8, patience_s: float = 0.1,
+                     encode: Callable[[Piece, list[memoryview]], bytes], patience_s: float = 0.1,
                      max_hold_s: float = 1.0) -> StreamedRead:
     """Read ``sel`` as messages of ``chunk`` data bytes (:func:`plan_pieces`), each built by
-    ``encode(piece, data views)`` (which must copy the views: they are valid only during the call).
+    ``encode(piece, data views)`` (which must copy the views: they are valid only during the call)
+    on the thread that iterates, just before it is yielded.
 
     Args:
-        lead: messages built ahead of the reader at most.
-        patience_s, max_hold_s: a queue full for this long, or the shared lock held this long, and
-            the rest is copied out and the lock released (see the module doc).
+        patience_s, max_hold_s: a sender away in a send this long, or the shared lock held this long,
+            and the rest is copied out and the lock released (see the module doc).
 
     Returns:
-        :class:`StreamedRead`; every check has passed when it is returned.
+        :class:`StreamedRead`; every check has passed and the snapshot is taken when it is returned.
 
     Raises:
         NotFound, InvalidArgument, FailedPrecondition: see :func:`~kvtier.server.daemon.kv_ops.plan_segments`
             and :meth:`PoolEntry.slots`, before returning.
     """
-    q: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=max(1, lead))
-    closed = threading.Event()
-
-    def put(item: tuple[str, Any], timeout: float | None) -> bool:
-        """False: the queue stayed full for ``timeout`` (None: wait until the reader takes it or goes away)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while not closed.is_set():
-            wait = 0.05 if deadline is None else min(0.05, deadline - time.monotonic())
-            if wait <= 0:
-                return False
-            try:
-                q.put(item, timeout=wait)
-                return True
-            except queue.Full:
-                continue
-        return True  # the reader went away: nothing more to deliver
-
-    def work() -> None:
-        lock = ExitStack()  # the pool's shared lock while it is held
-        try:
-            entry = lock.enter_context(registry.locked(caller, sel.pool_id, exclusive=False))
-            since, holding = time.monotonic(), True
-            slots = entry.slots(sel.slots)
-            if slots.numel() == 0:
-                raise InvalidArgument("a KV read needs at least one slot")
-            segs = plan_segments(entry, sel, slots.numel())
-            pieces = plan_pieces(segs, chunk, packed=packed)
-            q.put(("planned", sum(s.nbytes for s in segs)))
-            sources = _sources(entry, sel, slots, segs)
-            for i, p in enumerate(pieces):
-                if closed.is_set():
-                    return
-                msg = encode(p, [v for s, a, b in p.data for v in sources[s].slice(a, b)])
-                if holding:
-                    if put(("message", msg), min(patience_s, max(0.0, max_hold_s - (time.monotonic() - since)))):
-                        continue
-                    sources = _copy_rest(entry, sources, pieces, i + 1)  # the reader fell behind
-                    lock.close()
-                    holding = False
-                put(("message", msg), None)
-            lock.close()
-            put(("done", None), None)
-        except BaseException as e:  # noqa: BLE001 - handed to the reading thread
-            lock.close()
-            put(("error", e), None)
-        finally:
-            lock.close()
-
-    threading.Thread(target=work, name="kvtier-readkv", daemon=True).start()
-    kind, value = q.get()
-    if kind == "error":
-        raise value
+    lock = ExitStack()  # the pool's shared lock while it is held
+    try:
+        entry = lock.enter_context(registry.locked(caller, sel.pool_id, exclusive=False))
+        slots = entry.slots(sel.slots)
+        if slots.numel() == 0:
+            raise InvalidArgument("a KV read needs at least one slot")
+        segs = plan_segments(entry, sel, slots.numel())
+        pieces = plan_pieces(segs, chunk, packed=packed)
+        snap = _Snapshot(entry, lock, _sources(entry, sel, slots, segs), pieces, encode, patience_s, max_hold_s)
+    except BaseException:
+        lock.close()
+        raise
+    _watch.add(snap)
 
     def messages() -> Iterator[bytes]:
         try:
-            while True:
-                kind, value = q.get()
-                if kind == "message":
-                    yield value
-                elif kind == "done":
-                    return
-                else:
-                    raise value
+            for i in range(len(pieces)):
+                yield snap.build(i)
         finally:
-            closed.set()
+            snap.close()
+            _watch.remove(snap)
 
-    return StreamedRead(value, messages())
+    return StreamedRead(sum(s.nbytes for s in segs), messages())

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -54,6 +55,74 @@ def slot_runs(index: torch.Tensor, max_runs: int) -> list[tuple[int, int]] | Non
     starts = [0, *(breaks + 1).tolist()]
     firsts = index[starts].tolist()
     return [(f, e - s) for f, s, e in zip(firsts, starts, [*starts[1:], n])]
+
+
+COPY_THREADS = 2
+"""Threads a large host copy (:func:`copy_pairs`) runs on: the caller's and one helper's."""
+
+PARALLEL_MIN_BYTES = 8 << 20
+"""A :func:`copy_pairs` call moving less than this runs on the caller's thread alone."""
+
+_helpers: ThreadPoolExecutor | None = None
+_idle = threading.Semaphore(COPY_THREADS - 1)
+_helpers_lock = threading.Lock()
+
+
+def _helper_pool() -> ThreadPoolExecutor:
+    global _helpers
+    with _helpers_lock:
+        if _helpers is None:
+            _helpers = ThreadPoolExecutor(COPY_THREADS - 1, thread_name_prefix="kvtier-copy")
+        return _helpers
+
+
+def _copy_all(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    for dst, src in pairs:
+        dst.copy_(src)
+
+
+def _run_helper(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    try:
+        _copy_all(pairs)
+    finally:
+        _idle.release()
+
+
+def copy_pairs(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """``dst.copy_(src)`` for every ``(dst, src)`` pair of host tensors (same shapes; the pairs'
+    destinations do not overlap), complete when this returns.
+
+    With :data:`PARALLEL_MIN_BYTES` or more in all, the pairs are cut in two halves of about equal
+    bytes and the second runs on a helper thread while the caller copies the first (torch's ``copy_``
+    releases the GIL): two memory streams, 1.9-2.0x one on this machine, for the copies that run while
+    the client waits (a WriteKV commit). Plain threads, not torch's OpenMP threads, which spin and
+    made copies ~30x slower on a busy 2-core machine (README "Performance"). When the helper is busy
+    (another call's half), or its half has not started by the time the caller's is done, the caller
+    copies it too: a call never waits behind another.
+
+    Lock order: none taken (the helper is a leaf; callers may hold a pool's lock).
+    """
+    total = sum(dst.numel() * dst.element_size() for dst, _ in pairs)
+    if total < PARALLEL_MIN_BYTES or len(pairs) < 2 or COPY_THREADS < 2 or not _idle.acquire(blocking=False):
+        _copy_all(pairs)
+        return
+    cut, done = 0, 0
+    while cut < len(pairs) - 1 and done + pairs[cut][0].numel() * pairs[cut][0].element_size() <= total // 2:
+        done += pairs[cut][0].numel() * pairs[cut][0].element_size()
+        cut += 1
+    cut = max(cut, 1)
+    try:
+        fut = _helper_pool().submit(_run_helper, pairs[cut:])
+    except RuntimeError:  # interpreter shutting down
+        _idle.release()
+        _copy_all(pairs)
+        return
+    _copy_all(pairs[:cut])
+    if fut.cancel():  # never started: copy it here
+        _idle.release()
+        _copy_all(pairs[cut:])
+        return
+    fut.result()
 
 
 MAX_COPY_RUNS = 16

@@ -226,10 +226,77 @@ class DSATokenToKVPool(MLATokenToKVPool):
         keys, scales = self._check_keys_scales(index_k, scale, slots.numel())
         if slots.numel() == 0:
             return
-        page, off = slots // self.page_size, slots % self.page_size
         pos = self._live_pos[local]
+        pages = whole_pages(slots, self.page_size, self._keys.shape[1])
+        if pages is not None:  # whole pages in order (every request's): a block copy a page, not a row a token
+            k = pages.numel()
+            self._keys[pos].index_copy_(0, pages, keys.view(k, self.page_size, -1))
+            self._scales[pos].index_copy_(0, pages, scales.view(k, self.page_size, -1))
+            return
+        page, off = slots // self.page_size, slots % self.page_size
         self._keys[pos].index_put_((page, off), keys)
         self._scales[pos].index_put_((page, off), scales)
+
+    def set_index_k_scale_layers(self, layer_ids: Sequence[int], loc: Any, index_k: Sequence[torch.Tensor],
+                                 scale: Sequence[torch.Tensor]) -> None:
+        """:meth:`set_index_k_scale_buffer` of ``index_k[i]``, ``scale[i]`` on live layer
+        ``layer_ids[i]``, all with the same slots ``loc``: the slots are checked (and found to be
+        whole pages or not) once for every layer, and everything is checked before the first key is
+        written (a WriteKV commit).
+
+        Raises:
+            TypeError/ValueError: as :meth:`set_index_k_scale_buffer`, or unequal lengths; the pool is unchanged.
+        """
+        if not len(layer_ids) == len(index_k) == len(scale):
+            raise ValueError(f"{len(layer_ids)} layers but {len(index_k)} key and {len(scale)} scale tensors")
+        slots = self._index_slots(loc)
+        check_unique(slots, "slots")
+        n = slots.numel()
+        todo = [(self._live_pos[self._check_live_layer(x)], *self._check_keys_scales(k, sc, n))
+                for x, k, sc in zip(layer_ids, index_k, scale)]
+        if n == 0 or not todo:
+            return
+        pages = whole_pages(slots, self.page_size, self._keys.shape[1])
+        if pages is None:
+            page, off = slots // self.page_size, slots % self.page_size
+            for pos, keys, scales in todo:
+                self._keys[pos].index_put_((page, off), keys)
+                self._scales[pos].index_put_((page, off), scales)
+            return
+        k = pages.numel()
+        for pos, keys, scales in todo:
+            self._keys[pos].index_copy_(0, pages, keys.view(k, self.page_size, -1))
+            self._scales[pos].index_copy_(0, pages, scales.view(k, self.page_size, -1))
+
+    def get_index_k_scale_layers(self, layer_ids: Sequence[int], loc: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """:meth:`get_index_k_scale` of each live layer of ``layer_ids``, all with the same slots
+        ``loc`` (checked, and found to be whole pages or not, once), gathered into one host block of
+        the pool's host arena (faulted in already) on a CPU pool.
+
+        Returns:
+            ``[(index_k (n, index_head_dim) uint8, scale (n,) or (n, k) float32)]`` in the order of
+            ``layer_ids``, views of that block.
+
+        Raises:
+            TypeError/ValueError: a skip layer, bad slots.
+        """
+        positions = [self._live_pos[self._check_live_layer(x)] for x in layer_ids]
+        slots = self._index_slots(loc)
+        pages = whole_pages(slots, self.page_size, self._keys.shape[1])
+        if pages is None or self.device.type != "cpu" or not positions:
+            return [self.get_index_k_scale(x, slots) for x in layer_ids]
+        n, hd, sb = slots.numel(), self.index_head_dim, self.index_scale_bytes
+        block = self.host_block(len(positions) * n * (hd + sb))
+        out = []
+        for i, pos in enumerate(positions):
+            at = i * n * (hd + sb)
+            keys = block[at:at + n * hd]
+            scales = block[at + n * hd:at + n * (hd + sb)]
+            torch.index_select(self._keys[pos], 0, pages, out=keys.view(self._keys.dtype).view(pages.numel(), self.page_size, -1))
+            torch.index_select(self._scales[pos], 0, pages, out=scales.view(torch.int32).view(pages.numel(), self.page_size, -1))
+            s = scales.view(torch.float32)
+            out.append((keys.view(n, hd), s if sb == 4 else s.view(n, sb // 4)))
+        return out
 
     def get_index_k_scale(self, layer_id: int, loc: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Indexer data of slots ``loc`` on one live layer.

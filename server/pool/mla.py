@@ -24,7 +24,7 @@ from kvtier.server.model_config import KV_CACHE_DTYPES, latent_row_bytes
 from kvtier.memfd import SharedMemory
 from kvtier.server.pool.arena import alloc_arena, as_words, check_arena, host_buffer, resolve_device, shared_arena, word_dtype
 from kvtier.server.pool.buffer_info import BufInfos
-from kvtier.server.pool.device_copy import MAX_COPY_RUNS, CopyEngine, Part, scatter_rows, slot_runs
+from kvtier.server.pool.device_copy import MAX_COPY_RUNS, CopyEngine, Part, copy_pairs, scatter_rows, slot_runs
 from kvtier.server.pool.validation import as_slots, check_layer, check_rows, check_unique
 
 KV_CHUNK_SLOTS = 8192  # get_cpu_copy: latent chunks hold at most this many slots
@@ -266,14 +266,24 @@ class MLATokenToKVPool:
         if n == 0:
             return
         runs = slot_runs(slots, MAX_COPY_RUNS) if self.device.type == "cpu" else None
+        if runs is not None:  # a CPU pool, runs of slots (whole pages): block copies, on two threads
+            pairs = []
+            for pos, data in todo:
+                words, done = as_words(data, self._lat_word), 0
+                for first, count in runs:
+                    pairs.append((self._lat_words[pos][first:first + count], words[done:done + count]))
+                    done += count
+            copy_pairs(pairs)
+            return
         for pos, data in todo:
             words = as_words(data, self._lat_word).to(self.device, non_blocking=True)
             scatter_rows(self._lat_words[pos], slots, words, runs=runs)
 
-    def latent_row_views(self, layer_id: int, loc: Any, max_runs: int) -> list[torch.Tensor] | None:
-        """The latent rows of ``loc`` on model layer ``layer_id`` as uint8 views of the pool's own
-        memory, one ``(count * row_bytes,)`` view per run of consecutive slots, in slot order: a read
-        without a gather. None when the pool is not on the CPU or the slots make more than
+    def latent_row_views(self, layer_ids: Sequence[int], loc: Any, max_runs: int) -> list[list[torch.Tensor]] | None:
+        """The latent rows of ``loc`` on each model layer of ``layer_ids`` as uint8 views of the
+        pool's own memory: for each layer, one ``(count * row_bytes,)`` view per run of consecutive
+        slots, in slot order (a read without a gather; the slots are checked and their runs found
+        once for every layer). None when the pool is not on the CPU or the slots make more than
         ``max_runs`` runs (gather with :meth:`get_kv_buffer_rows` then).
 
         The views alias the pool: they hold the bytes of the moment they are read, so the caller
@@ -282,15 +292,19 @@ class MLATokenToKVPool:
         Raises:
             TypeError/ValueError: bad layer or slots.
         """
-        pos = check_layer(layer_id, self.layer_num, self.start_layer)
+        positions = [check_layer(x, self.layer_num, self.start_layer) for x in layer_ids]
         slots = self._slots(loc)
         if self.device.type != "cpu":
             return None
         runs = slot_runs(slots, max_runs)
         if runs is None:
             return None
-        base, rb = pos * self.num_slots, self.row_bytes
-        return [self._lat_arena[(base + first) * rb:(base + first + count) * rb] for first, count in runs]
+        rb = self.row_bytes
+        out = []
+        for pos in positions:
+            base = pos * self.num_slots
+            out.append([self._lat_arena[(base + first) * rb:(base + first + count) * rb] for first, count in runs])
+        return out
 
     def get_kv_buffer_rows(self, layer_id: int, loc: Any, out: torch.Tensor | None = None) -> torch.Tensor:
         """Latent rows of ``loc`` on model layer ``layer_id``: ``(n, 1, kv_cache_dim)`` ``store_dtype`` (a copy,

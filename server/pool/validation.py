@@ -31,7 +31,8 @@ def as_slots(loc: Any, *, limit: int, what: str = "slots", device: torch.device 
         t = torch.from_numpy(np.ascontiguousarray(loc).astype(np.int64, copy=False))
     else:
         seq = list(loc)
-        if any(isinstance(x, bool) or not isinstance(x, (int, np.integer)) for x in seq):
+        if not set(map(type, seq)) <= {int} and \
+                any(isinstance(x, bool) or not isinstance(x, (int, np.integer)) for x in seq):
             raise TypeError(f"{what} must be integers")
         t = torch.tensor(seq, dtype=torch.int64)
     if t.dtype not in _INT_DTYPES:

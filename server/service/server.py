@@ -38,6 +38,7 @@ from kvtier.addresses import (
 from kvtier.server.daemon.config import DaemonConfig
 from kvtier.server.daemon.core import Daemon
 from kvtier.server.observe.logs import configure_logging
+from kvtier.server.hostmem.malloc import keep_freed_memory
 from kvtier.attach_wire import attach_socket_path
 from kvtier.server.service.attach_channel import AttachChannel
 from kvtier.server.service.auth import AuthInterceptor
@@ -256,6 +257,7 @@ def serve(config: DaemonConfig) -> int:
     import torch
 
     torch.set_num_threads(config.torch_threads)
+    keep_freed_memory()  # gRPC's message buffers and LMDB's transaction pages are reused, not faulted in per call
     state = Daemon(config)
     state.create_configured_pools()
     hs = health.HealthServicer()

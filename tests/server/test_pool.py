@@ -12,7 +12,7 @@ import torch
 from kvtier.server.model_config import DSAModelConfig
 from kvtier.server.pool import DSATokenToKVPool, MLATokenToKVPool, create_pool, resolve_device
 from kvtier.server.pool_configurator import plan_pool
-from pool_reference import SMALL_LIVE, RefPool, assert_same_bytes, latent_view, small_pool, snapshot
+from pool_reference import SMALL_LIVE, RefPool, assert_same_bytes, latent_view, randomize, small_pool, snapshot
 
 PS = 64
 GLM52_LIVE = [0, 1, 2] + list(range(6, 75, 4))
@@ -123,6 +123,44 @@ def test_index_k_scale_lands_at_page_offset_bytes():
             assert np.array_equal(raw[page, 64 * 128 + 4 * t: 64 * 128 + 4 * t + 4], scale_bytes[i])
         k, s = pool.get_index_k_scale(layer, slots)
         assert torch.equal(k, keys) and torch.equal(s, scales)
+
+
+@pytest.mark.parametrize("order", ["whole pages", "pages reversed", "tokens"])
+def test_multi_layer_index_writes_and_reads_land_at_page_offset_bytes(order):
+    """set_index_k_scale_layers puts each layer's keys and scales at DESIGN.md's bytes (the hand-made
+    reference), whole pages (a block a page) or single tokens alike, touches nothing else, and
+    get_index_k_scale_layers gathers them back per layer; a skip layer anywhere fails with the pool
+    unchanged."""
+    pool = small_pool()
+    randomize(pool, 9)
+    before = RefPool(pool)
+    slots = torch.arange(64 * 2, 64 * 5)
+    if order == "pages reversed":
+        slots = slots.view(-1, 64).flip(0).reshape(-1)
+    elif order == "tokens":
+        slots = torch.tensor([64 * 3 + 5, 64 * 3 + 63, 64 * 7, 1])
+    n = slots.numel()
+    layers = list(SMALL_LIVE)
+    g = torch.Generator().manual_seed(2)
+    keys = [torch.randint(0, 256, (n, 128), dtype=torch.uint8, generator=g) for _ in layers]
+    scales = [torch.rand(n, generator=g) * 10 for _ in layers]
+    skip = next(x for x in range(pool.layer_num) if x not in SMALL_LIVE)
+    untouched = snapshot(pool)
+    with pytest.raises(ValueError):
+        pool.set_index_k_scale_layers([layers[0], skip], slots, keys[:2], scales[:2])
+    assert_same_bytes(untouched, snapshot(pool))
+    pool.set_index_k_scale_layers(layers, slots, keys, scales)
+    for x, k, sc in zip(layers, keys, scales):
+        for i, loc in enumerate(slots.tolist()):
+            before.key(x, loc)[:] = k[i].numpy()
+            before.scale(x, loc)[:] = np.frombuffer(sc[i].numpy().tobytes(), dtype=np.uint8)
+    assert_same_bytes(before.buffers(), snapshot(pool))
+    got = pool.get_index_k_scale_layers(layers[::-1], slots)
+    for (k, sc), x in zip(got, layers[::-1]):
+        i = layers.index(x)
+        assert torch.equal(k, keys[i]) and torch.equal(sc, scales[i])
+    with pytest.raises(ValueError):
+        pool.get_index_k_scale_layers([skip], slots)
 
 
 def test_index_write_touches_only_the_written_tokens():
@@ -240,10 +278,14 @@ def test_multi_layer_writes_and_row_views_match_the_per_layer_calls(order):
     with pytest.raises(ValueError):
         a.set_kv_buffer_layers([0, 5], slots, rows[:2])  # a bad layer: nothing written
     assert torch.equal(a.kv_buffer[0], b.kv_buffer[0])
-    views = a.latent_row_views(1, slots, max_runs=4)
+    found = a.latent_row_views([1, 2], slots, max_runs=4)
     if order == "scattered":
-        assert views is None
+        assert found is None
     else:
-        assert [v.numel() for v in views] == [64 * a.row_bytes, 64 * a.row_bytes, 10 * a.row_bytes]  # page 2, page 1, 10 slots
-        assert torch.equal(torch.cat(views), rows[1].reshape(-1)) and views[0].data_ptr() == a.kv_buffer[1][128].data_ptr()
-        assert a.latent_row_views(1, slots, max_runs=2) is None
+        for layer, views in zip([1, 2], found):
+            assert [v.numel() for v in views] == [64 * a.row_bytes, 64 * a.row_bytes, 10 * a.row_bytes]  # page 2, page 1, 10 slots
+            assert torch.equal(torch.cat(views), rows[layer].reshape(-1))
+            assert views[0].data_ptr() == a.kv_buffer[layer][128].data_ptr()
+        assert a.latent_row_views([1], slots, max_runs=2) is None
+    with pytest.raises(ValueError):
+        a.latent_row_views([1, 7], slots, max_runs=4)

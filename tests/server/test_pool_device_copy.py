@@ -8,7 +8,8 @@ import torch
 
 from kvtier.server.model_config import DSAModelConfig
 from kvtier.server.pool import create_pool, slots_of_pages
-from kvtier.server.pool.device_copy import CopyEngine, contiguous_span, host_views, part_nbytes, scatter_rows
+from kvtier.server.pool import device_copy
+from kvtier.server.pool.device_copy import CopyEngine, contiguous_span, copy_pairs, host_views, part_nbytes, scatter_rows
 from pool_reference import RefPool, assert_same_bytes, randomize, snapshot
 
 
@@ -90,3 +91,36 @@ def test_cuda_load_of_a_copy_made_of_separate_tensors_uploads_each():
     expected.move(b.tolist(), a.tolist())
     pool.load_cpu_copy(split, b)
     assert_same_bytes(expected.buffers(), snapshot(pool))
+
+
+def _pairs(sizes: list[int], seed: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[torch.Tensor], torch.Tensor]:
+    """Random sources and back-to-back slices of one zeroed buffer (4 KiB of slack at its end)."""
+    g = torch.Generator().manual_seed(seed)
+    srcs = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for n in sizes]
+    buf = torch.zeros(sum(sizes) + 4096, dtype=torch.uint8)
+    pairs, at = [], 0
+    for src in srcs:
+        pairs.append((buf[at:at + src.numel()], src))
+        at += src.numel()
+    return pairs, srcs, buf
+
+
+@pytest.mark.parametrize("sizes", [[3 << 20] * 6, [100, 5000, 1], [9 << 20], [1 << 20, 15 << 20]])
+def test_copy_pairs_copies_every_pair(sizes):
+    """Large copies (cut in two halves, one on the helper thread), small ones (the caller alone), one
+    pair, and uneven pairs: every destination holds its source's bytes, nothing else is written."""
+    pairs, srcs, buf = _pairs(sizes, seed=len(sizes))
+    copy_pairs(pairs)
+    assert torch.equal(buf[:sum(sizes)], torch.cat(srcs))
+    assert buf[sum(sizes):].eq(0).all()
+
+
+def test_copy_pairs_does_not_wait_for_a_busy_helper():
+    """With the helper taken (another call's half), a large copy runs on the caller alone and finishes."""
+    pairs, srcs, buf = _pairs([4 << 20] * 4, seed=7)
+    assert device_copy._idle.acquire(timeout=60)
+    try:
+        copy_pairs(pairs)
+    finally:
+        device_copy._idle.release()
+    assert torch.equal(buf[:16 << 20], torch.cat(srcs))

@@ -51,3 +51,32 @@ def test_a_failing_case_is_a_one_line_error_naming_it(tmp_path, monkeypatch):
     r = CliRunner().invoke(main, ["bench", "--out", str(tmp_path / "o")])
     assert r.exit_code == 1 and "case 'capacity' failed: RuntimeError: a wrong byte" in r.output
     assert "Traceback" not in r.output
+
+
+def test_check_exits_1_naming_the_comparisons_that_missed_their_targets(tmp_path, monkeypatch):
+    """--check: a run whose comparison misses its target (0.5 against 0.9) exits 1 after writing the
+    results and names it; without --check, or when every target is met, the exit status is 0."""
+    from click.testing import CliRunner
+
+    import kvtier.bench as bench
+    from kvtier.bench.case import Case, CaseResult
+    from kvtier.cli import main
+
+    def case_with(ratio: float) -> Case:
+        class Fixed(Case):
+            name = "capacity"
+
+            def run(self, ctx):
+                res = CaseResult("capacity", "fixed figures", {})
+                res.comparisons.append(Comparison("capacity.x", "x", "GB/s", Figure("k", ratio), Figure("b", 1.0), target=0.9))
+                res.comparisons.append(Comparison("capacity.info", "no target", "GB/s", Figure("k", 0.1), Figure("b", 1.0)))
+                return res
+        return Fixed()
+
+    monkeypatch.setattr(bench, "all_cases", lambda: [case_with(0.5)])
+    r = CliRunner().invoke(main, ["bench", "--check", "--out", str(tmp_path / "o")])
+    assert r.exit_code == 1 and "1 comparison(s) missed their target: capacity.x" in r.output
+    assert (tmp_path / "o" / "results.json").is_file() and "Traceback" not in r.output
+    assert CliRunner().invoke(main, ["bench", "--out", str(tmp_path / "p")]).exit_code == 0
+    monkeypatch.setattr(bench, "all_cases", lambda: [case_with(0.95)])
+    assert CliRunner().invoke(main, ["bench", "--check", "--out", str(tmp_path / "q")]).exit_code == 0

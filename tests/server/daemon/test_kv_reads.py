@@ -96,7 +96,7 @@ def test_a_reader_that_stops_gives_the_lock_back_and_still_reads_the_snapshot(d)
     pool(d, A)
     slots, _ = fill(d, A, "p", 256, seed=2)
     whole, _ = whole_and_segments(d, slots)
-    read = kv_stream.read_kv_messages(d.pools, A, selection(slots), 4096, packed=True, encode=raw, lead=2)
+    read = kv_stream.read_kv_messages(d.pools, A, selection(slots), 4096, packed=True, encode=raw)
     it = iter(read)
     first = split(next(it))[1]
     got = threading.Event()
@@ -114,16 +114,86 @@ def test_a_reader_that_stops_gives_the_lock_back_and_still_reads_the_snapshot(d)
     assert first + b"".join(split(m)[1] for m in it) == whole
 
 
-def test_a_dropped_reader_stops_the_worker_and_frees_the_lock(d):
+def test_a_closed_reader_frees_the_lock_at_once(d):
+    """A reader that takes one message and closes the stream gives the shared lock back in the close
+    (a huge patience: the hold watch cannot be what released it)."""
     pool(d, A)
     slots, _ = fill(d, A, "p", 256, seed=2)
-    read = kv_stream.read_kv_messages(d.pools, A, selection(slots), 4096, packed=True, encode=raw, lead=1)
+    read = kv_stream.read_kv_messages(d.pools, A, selection(slots), 4096, packed=True, encode=raw,
+                                      patience_s=3600, max_hold_s=3600)
     it = iter(read)
     next(it)
+    entry = d.pools.get(A, "p")
+    assert entry.lock._readers == 1
     it.close()
+    assert entry.lock._readers == 0
     with d.pools.locked(A, "p", exclusive=True):
         pass
-    workers = [t for t in threading.enumerate() if t.name == "kvtier-readkv"]
-    for t in workers:
-        t.join(timeout=60)
-    assert not any(t.is_alive() for t in workers)
+
+
+def test_a_read_never_started_is_released_by_the_hold_watch(d):
+    """A read that is returned but never iterated (its caller went away before the first message)
+    does not keep writers out: the hold watch copies it out after patience_s and the writer gets
+    the lock; the snapshot still reads the bytes of before the write."""
+    pool(d, A)
+    slots, _ = fill(d, A, "p", 128, seed=5)
+    whole, _ = whole_and_segments(d, slots)
+    read = kv_stream.read_kv_messages(d.pools, A, selection(slots), 4096, packed=True, encode=raw, patience_s=0.05)
+    got = threading.Event()
+
+    def writer():
+        with d.pools.locked(A, "p", exclusive=True) as e:
+            e.pool.set_kv_buffer(0, slots, torch.zeros(128, e.pool.row_bytes, dtype=torch.uint8))
+            got.set()
+
+    t = threading.Thread(target=writer)
+    t.start()
+    t.join(timeout=60)
+    assert got.is_set()
+    assert b"".join(split(m)[1] for m in read) == whole
+
+
+def test_a_read_held_past_max_hold_releases_between_messages(d):
+    """A reader that keeps up still gives the lock back once it has been held max_hold_s (0 here):
+    after the first message the rest comes from a copy and the lock is free."""
+    pool(d, A)
+    slots, _ = fill(d, A, "p", 128, seed=6)
+    whole, _ = whole_and_segments(d, slots)
+    read = kv_stream.read_kv_messages(d.pools, A, selection(slots), 4096, packed=True, encode=raw,
+                                      patience_s=3600, max_hold_s=0.0)
+    it = iter(read)
+    first = split(next(it))[1]
+    entry = d.pools.get(A, "p")
+    assert entry.lock._readers == 0
+    with d.pools.locked(A, "p", exclusive=True) as e:
+        e.pool.set_kv_buffer(0, slots, torch.zeros(128, e.pool.row_bytes, dtype=torch.uint8))
+    assert first + b"".join(split(m)[1] for m in it) == whole
+
+
+def test_a_copy_out_without_memory_ends_the_read_and_frees_the_lock(d, monkeypatch):
+    """The hold watch's copy-out of a stalled reader's rest cannot get host memory: the pool's shared
+    lock is released all the same (a writer gets in) and the reader's next message raises the
+    MemoryError (RESOURCE_EXHAUSTED at a client), instead of the lock staying held."""
+    pool(d, A)
+    slots, _ = fill(d, A, "p", 256, seed=2)
+
+    def no_memory(*_args, **_kw):
+        raise MemoryError("cannot allocate the copy")
+
+    monkeypatch.setattr(kv_stream, "_copy_rest", no_memory)
+    read = kv_stream.read_kv_messages(d.pools, A, selection(slots), 4096, packed=True, encode=raw, patience_s=0.02)
+    it = iter(read)
+    next(it)
+    got = threading.Event()
+
+    def writer():
+        with d.pools.locked(A, "p", exclusive=True):
+            got.set()
+
+    t = threading.Thread(target=writer)
+    t.start()
+    t.join(timeout=60)
+    assert got.is_set()
+    with pytest.raises(MemoryError, match="cannot allocate"):
+        next(it)
+    assert d.pools.get(A, "p").lock._readers == 0
