@@ -1,4 +1,9 @@
-"""glibc malloc settings for a process that spills records into LMDB: keep freed memory for reuse.
+"""glibc malloc settings for the daemon (set at start) and any process that spills records into
+LMDB: keep freed memory for reuse.
+
+gRPC's Python runtime receives every message into a fresh bytes object (a 1 MiB KV chunk: above
+glibc's initial 128 KiB mmap threshold); with the defaults a 221 MB WriteKV faulted ~35 MB of them in
+again every call (8,897 minor faults a write; 82 with the settings below: BENCHMARKS.md, fix 16).
 
 LMDB (without ``writemap``) builds a write transaction in memory it mallocs: a value larger than a
 page gets its own run of overflow pages (a 194,048-byte GLM-5.2 page record: one 196 KB block), and
