@@ -173,11 +173,19 @@ class BaseClient:
             try:
                 return fn(left)
             except grpc.RpcError as e:
-                last = from_rpc_error(e)
+                last = self._no_daemon_hint(from_rpc_error(e))
                 if not (idempotent and last.code == grpc.StatusCode.UNAVAILABLE):
                     raise last from None
         assert last is not None
         raise last
+
+    def _no_daemon_hint(self, err: KVTierError) -> KVTierError:
+        """An UNAVAILABLE that is a failed connect says so first, with what to do (gRPC's own
+        "failed to connect to all addresses; last error: ..." kept after it)."""
+        if err.code == grpc.StatusCode.UNAVAILABLE and "failed to connect" in err.details:
+            return type(err)(f"no kvtier daemon answers at {self.address} (start one with `kvtier serve`, or pass "
+                             f"its address to KVTierClient); gRPC: {err.details}", err.code)
+        return err
 
     def unary(self, rpc: Callable[..., T], request: Any, *, idempotent: bool, timeout: float | None = None) -> T:
         """Call a unary (or client-streaming, with ``request`` an iterable made fresh per attempt:

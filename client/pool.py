@@ -217,6 +217,14 @@ class PoolMixin(BaseClient):
             InvalidArgumentError (bad slots, lengths), FailedPreconditionError (indexer data for a
             skip-topk layer), NotFoundError, DeadlineExceededError (then nothing was written).
         """
+        if latent is not None and not isinstance(latent, Mapping):
+            raise TypeError(f"latent must be a dict {{layer id: (n, latent_row_bytes) uint8 tensor}}, got {type(latent).__name__}")
+        if index is not None and not isinstance(index, Mapping):
+            raise TypeError(f"index must be a dict {{live layer id: (keys (n, index_head_dim) uint8, scales (n,) float32)}}, "
+                            f"got {type(index).__name__}")
+        for x, pair in (index or {}).items():
+            if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+                raise TypeError(f"index[{x}] must be a (keys, scales) pair of tensors, got {type(pair).__name__}")
         latent, index = dict(latent or {}), dict(index or {})
         segs: list[tuple[int, int, memoryview]] = [(x, _LATENT, _as_bytes(t, f"latent[{x}]")) for x, t in latent.items()]
         for x, (keys, scales) in index.items():

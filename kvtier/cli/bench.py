@@ -39,8 +39,10 @@ def bench(quick: bool, out: Path, as_json: bool, only: tuple[str, ...], sglang_p
     kvtier's figure, the baseline's and the ratio (> 1: kvtier better): capacity, get_cpu_copy /
     load_cpu_copy, disk spill and restore, the daemon's data path vs a gRPC echo, a worker's KV
     write+read through an attached pool vs in-process tensors and gRPC, PullKV vs raw Mooncake reads,
-    and a replay of the Mooncake trace. Writes OUT/results.json and a plot per comparison.
+    the Mooncake Store tier vs its store client, a replay of the Mooncake trace, and SGLang's HiCache
+    storage through kvtier vs SGLang's file backend. Writes OUT/results.json and a plot per comparison.
     """
+    os.environ.setdefault("GLOG_minloglevel", "2")  # the Mooncake engines' and store clients' INFO lines
     import torch
     from rich.console import Console
 

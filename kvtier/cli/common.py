@@ -62,7 +62,7 @@ def call_daemon(fn: Callable[[], Any]) -> Any:
         if getattr(e, "code", None) == grpc.StatusCode.UNAVAILABLE:
             raise click.ClickException(
                 f"no kvtier daemon answers there (start one with `kvtier serve`, or pass --server ADDR; a daemon "
-                f"with --tls-cert needs KVTIER_TLS_CA=its CA file): {e}") from None
+                f"with --tls-cert needs KVTIER_TLS_CA=its CA file): UNAVAILABLE: {e.details.split('; gRPC: ', 1)[-1]}") from None
         if getattr(e, "code", None) == grpc.StatusCode.UNAUTHENTICATED:
             raise click.ClickException(
                 "the daemon serves tenants and did not accept this call's token: set KVTIER_TOKEN to a token "

@@ -92,7 +92,7 @@ def _prepare_unix_socket(path: Path, *, default: bool) -> None:
         except OSError:
             path.unlink()  # stale socket of a daemon that is gone
         else:
-            raise AddressError(f"{path} is in use by a running daemon")
+            raise AddressError(f"{path} is in use by a running daemon (stop it, or pass --listen unix:///another/path.sock)")
         finally:
             probe.close()
 

@@ -148,3 +148,13 @@ def test_default_socket_dir_of_another_user_or_a_symlink_is_refused(tmp_path, ki
         assert st.st_uid == 65534 and st.st_mode & 0o777 == 0o777 and not (sockdir / "kvtier.sock").exists()
     else:
         assert not (tmp_path / "elsewhere" / "kvtier.sock").exists()
+
+
+# ----- a socket a running daemon serves --------------------------------------------------------------
+def test_a_second_daemon_on_a_served_socket_says_what_to_do():
+    """``kvtier serve`` on the socket a running daemon serves: one line naming the socket as in use and
+    what to do (stop that daemon, or listen elsewhere); the running daemon keeps serving."""
+    with DaemonProcess(extra_args=SMALL_POOL) as d:
+        line = one_line_error(kvtier("serve", "--listen", d.address, *SMALL_POOL))
+        assert "is in use by a running daemon (stop it, or pass --listen unix:///another/path.sock)" in line
+        assert kvtier("status", "--server", d.address, "--json").returncode == 0

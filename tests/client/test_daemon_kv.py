@@ -226,3 +226,30 @@ def test_malformed_or_oversized_write_streams_are_invalid_and_change_nothing(cli
             client._write_kv_raw(iter(msgs), timeout=30)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, why
     verify_kv(client.read_kv(pool, slots, latent_layers=[0], index_layers=[0]), latent, index)
+
+
+def test_write_kv_arguments_of_the_wrong_kind_are_one_clear_type_error(client, pool):
+    """A placeholder (``latent=...``), a list for the dict, or an index entry that is not a
+    (keys, scales) pair fails in the client with a TypeError naming the expected form; nothing is sent."""
+    slots = client.allocate_slots(pool, 64)
+    before = client.stats().counters.get("kv_writes", 0)
+    with pytest.raises(TypeError, match=r"latent must be a dict \{layer id"):
+        client.write_kv(pool, slots, latent=...)
+    with pytest.raises(TypeError, match=r"index must be a dict"):
+        client.write_kv(pool, slots, index=[torch.zeros(64, 128, dtype=torch.uint8)])
+    with pytest.raises(TypeError, match=r"index\[0\] must be a \(keys, scales\) pair"):
+        client.write_kv(pool, slots, index={0: torch.zeros(64, 128, dtype=torch.uint8)})
+    assert client.stats().counters.get("kv_writes", 0) == before
+
+
+def test_no_daemon_is_unavailable_saying_what_to_do(tmp_path):
+    """A client whose address nobody serves gets UnavailableError that starts with what is wrong and
+    what to do (start a daemon, or pass its address), gRPC's own reason kept after it."""
+    from kvtier.client import KVTierClient, UnavailableError
+
+    with KVTierClient(f"unix://{tmp_path}/nobody.sock", timeout=2) as c:
+        with pytest.raises(UnavailableError) as e:
+            c.list_pools()
+    msg = str(e.value)
+    assert msg.startswith(f"UNAVAILABLE: no kvtier daemon answers at unix://{tmp_path}/nobody.sock (start one with `kvtier serve`")
+    assert "gRPC: failed to connect" in msg
