@@ -255,16 +255,20 @@ class _HoldWatch:
             with self._cond:
                 while not self._reads:
                     self._cond.wait()
-                reads = list(self._reads)
-                tick = min(0.05, max(0.005, min(r.patience_s for r in reads) / 2))
+                tick = min(0.05, max(0.005, min(r.patience_s for r in self._reads) / 2))
                 self._cond.wait(tick)
-            now = time.monotonic()
-            for r in reads:
-                if not r.holding:
-                    self.remove(r)
-                    continue
-                r.check(now)
-            del reads
+            self._check_all(time.monotonic())
+
+    def _check_all(self, now: float) -> None:
+        """One tick: check every read. Its own frame, so that no reference to a read (a snapshot
+        keeps its pool entry and its host copy alive) outlives the tick while the watch waits."""
+        with self._cond:
+            reads = list(self._reads)
+        for r in reads:
+            if not r.holding:
+                self.remove(r)
+                continue
+            r.check(now)
 
 
 _watch = _HoldWatch()

@@ -5,7 +5,10 @@ before it returns, and gives the pool's shared lock back when the reader falls b
 
 from __future__ import annotations
 
+import gc
 import threading
+import time
+import weakref
 
 import pytest
 import torch
@@ -197,3 +200,42 @@ def test_a_copy_out_without_memory_ends_the_read_and_frees_the_lock(d, monkeypat
     with pytest.raises(MemoryError, match="cannot allocate"):
         next(it)
     assert d.pools.get(A, "p").lock._readers == 0
+
+
+def _pool_gone(ref, timeout_s: float = 10.0) -> bool:
+    """Whether the object behind weakref ``ref`` is freed within ``timeout_s`` (collecting garbage as it waits)."""
+    end = time.monotonic() + timeout_s
+    while ref() is not None and time.monotonic() < end:
+        gc.collect()
+        time.sleep(0.02)
+    return ref() is None
+
+
+def test_a_deleted_pool_is_freed_after_a_read_the_hold_watch_released(d):
+    """A reader stalls after its first message; the hold watch copies the rest out and lets a writer
+    in; the read is then finished and dropped, and the pool deleted. Nothing may keep the pool (its
+    whole arena) or the read's host copy alive: the hold watch's loop variable kept the last read it
+    looked at -- its snapshot, that snapshot's pool entry and the copy of the rest -- until another
+    read came along, so a deleted pool's memory stayed mapped while the daemon was idle."""
+    pool(d, A)
+    slots, _ = fill(d, A, "p", 256, seed=7)
+    whole, _ = whole_and_segments(d, slots)
+    pool_ref = weakref.ref(d.pools.get(A, "p").pool)
+    read = kv_stream.read_kv_messages(d.pools, A, selection(slots), 4096, packed=True, encode=raw, patience_s=0.02)
+    it = iter(read)
+    first = split(next(it))[1]
+    with d.pools.locked(A, "p", exclusive=True):  # only once the hold watch copied the rest out
+        pass
+    assert first + b"".join(split(m)[1] for m in it) == whole
+    del read, it
+    d.pools.delete(A, "p", force=True)
+    assert _pool_gone(pool_ref)
+
+
+def test_a_deleted_pool_that_was_never_read_is_freed(d):
+    """The control of the test above: a pool written and deleted without a read is freed."""
+    pool(d, A)
+    fill(d, A, "p", 256, seed=7)
+    pool_ref = weakref.ref(d.pools.get(A, "p").pool)
+    d.pools.delete(A, "p", force=True)
+    assert _pool_gone(pool_ref)
