@@ -175,7 +175,7 @@ class _Snapshot:
 
     def __init__(self, entry: PoolEntry, lock: ExitStack, sources: list[_Source], pieces: list[Piece],
                  encode: Callable[[Piece, list[memoryview]], bytes], patience_s: float, max_hold_s: float) -> None:
-        self.mutex = threading.Lock()
+        self.mutex = threading.RLock()  # re-entrant: a dropped read closed by the GC on the thread that holds it
         self.entry, self.lock, self.sources, self.pieces, self.encode = entry, lock, sources, pieces, encode
         self.patience_s, self.max_hold_s = patience_s, max_hold_s
         self.since = time.monotonic()  # when the lock was taken

@@ -44,6 +44,9 @@ from kvtier.server.tiers import TierFullError
 
 MAX_POOL_TOKENS = 1 << 40  # size_tokens above this cannot be a real pool; refused before any planning
 MAX_POOL_ID_CHARS = 128
+RECORD_WORD_BYTES = 8
+"""A daemon pool's latent rows must be whole int64 words: host copies and tier records put the
+components back to back (``server/tiers/record.py``), each read as words."""
 
 
 @dataclass(frozen=True)
@@ -304,6 +307,11 @@ class PoolRegistry:
         if req.size_tokens < 0 or req.size_tokens > MAX_POOL_TOKENS:
             raise InvalidArgument(f"size_tokens must be at most {MAX_POOL_TOKENS}, got {req.size_tokens}")
         model = build_model(req)
+        if model.latent_row_bytes % RECORD_WORD_BYTES:
+            raise InvalidArgument(
+                f"{model.name}'s latent rows are {model.latent_row_bytes} bytes, not whole {RECORD_WORD_BYTES}-byte words: "
+                f"the daemon's host copies, tier records and transfers lay out components back to back in int64 "
+                f"words (DSA rows are 656 bytes in fp8, 1,152 in bf16); check kv_lora_rank and qk_rope_head_dim")
         if req.role not in POOL_ROLES:
             raise InvalidArgument(f"role must be one of {POOL_ROLES}, got {req.role!r}")
         try:

@@ -33,13 +33,27 @@ def part_nbytes(src: torch.Tensor, index: torch.Tensor) -> int:
 
 
 def host_views(flat: torch.Tensor, parts: Sequence[Part]) -> list[torch.Tensor]:
-    """``(groups, len(index), words)`` views of consecutive slices of the uint8 buffer ``flat``."""
+    """``(groups, len(index), words)`` views of consecutive slices of the uint8 buffer ``flat``, in
+    the part's word dtype; a slice that does not start on a whole word (a model whose latent rows are
+    not whole words, e.g. 1,022 bytes, puts the indexer pages after ``layers * n * 1022`` bytes) is a
+    ``(groups, len(index), words * word size)`` uint8 view instead, which :func:`gather_rows` fills
+    through a uint8 view of the source."""
     views, start = [], 0
     for src, index in parts:
         n = part_nbytes(src, index)
-        views.append(flat[start:start + n].view(src.dtype).view(src.shape[0], index.numel(), src.shape[2]))
+        piece = flat[start:start + n]
+        if piece.storage_offset() % src.element_size():
+            views.append(piece.view(src.shape[0], index.numel(), src.shape[2] * src.element_size()))
+        else:
+            views.append(piece.view(src.dtype).view(src.shape[0], index.numel(), src.shape[2]))
         start += n
     return views
+
+
+def gather_rows(src: torch.Tensor, dim: int, index: torch.Tensor, out: torch.Tensor) -> None:
+    """``index_select(src, dim, index, out=out)``, through a uint8 view of ``src`` when ``out`` is the
+    uint8 form :func:`host_views` gives an unaligned slice."""
+    torch.index_select(src if out.dtype == src.dtype else src.view(out.dtype), dim, index, out=out)
 
 
 def slot_runs(index: torch.Tensor, max_runs: int) -> list[tuple[int, int]] | None:
@@ -117,7 +131,14 @@ def copy_pairs(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
         _idle.release()
         _copy_all(pairs)
         return
-    _copy_all(pairs[:cut])
+    try:
+        _copy_all(pairs[:cut])
+    except BaseException:
+        if fut.cancel():
+            _idle.release()
+        else:
+            fut.exception()  # the helper may still be writing: never return (and let the lock go) before it is done
+        raise
     if fut.cancel():  # never started: copy it here
         _idle.release()
         _copy_all(pairs[cut:])
@@ -191,7 +212,7 @@ class CopyEngine:
             for (src, index), dst in zip(parts, host_views(flat, parts)):
                 if index.numel():
                     for g in range(src.shape[0]):
-                        torch.index_select(src[g], 0, index, out=dst[g])
+                        gather_rows(src[g], 0, index, dst[g])
             return
         nbytes = sum(part_nbytes(s, i) for s, i in parts)
         if nbytes == 0:
@@ -200,7 +221,7 @@ class CopyEngine:
         staging = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         for (src, index), dst in zip(parts, host_views(staging, parts)):
             if index.numel():
-                torch.index_select(src, 1, index, out=dst)  # one gather per component, on the device
+                gather_rows(src, 1, index, dst)  # one gather per component, on the device
         side = self._side_stream()
         side.wait_stream(current)
         with torch.cuda.stream(side):

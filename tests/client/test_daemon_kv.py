@@ -259,23 +259,13 @@ ODD_ROW_MODEL = {"model_type": "odd-rows", "num_hidden_layers": 2, "kv_lora_rank
                  "index_head_dim": 128}  # bf16: (447 + 64) * 2 = 1,022-byte latent rows, 2 mod 4
 
 
-@pytest.mark.parametrize("n", [1, 3, 64])
-def test_rows_that_are_not_whole_words_write_and_read_every_component(client, n):
-    """A model whose bf16 latent rows are 1,022 bytes: in a write of layer 0's latent and indexer data
-    of ``n`` slots, the scale segment starts at byte ``n * 1022 + n * 128`` of the stream -- not a
-    multiple of 4 for odd ``n``. The write must store all three components and read back byte for
-    byte (it was INTERNAL, "storage_offset() must be divisible by 4", after the latent rows had
-    been written: neither a clear error nor all or nothing), and a later write must change them."""
-    client.create_pool(ODD_ROW_MODEL, kv_cache_dtype="bf16", size_tokens=256, pool_id="odd-rows")
-    try:
-        assert client.layout("odd-rows").latent_row_bytes == 1022
-        slots = client.allocate_slots("odd-rows", n)
-        g = torch.Generator().manual_seed(n)
-        latent = {0: torch.randint(0, 256, (n, 1022), dtype=torch.uint8, generator=g)}
-        index = {0: (torch.randint(0, 256, (n, 128), dtype=torch.uint8, generator=g), torch.rand(n, generator=g) + 0.5)}
-        assert client.write_kv("odd-rows", slots, latent=latent, index=index) == n * (1022 + 128 + 4)
-        verify_kv(client.read_kv("odd-rows", slots, latent_layers=[0], index_layers=[0]), latent, index)
-        before = client.read_kv("odd-rows", slots, latent_layers=[1], index_layers=[1])
-        assert not before.latent[1].view(torch.uint8).any() and not before.index_k[1].any()  # untouched: zeros
-    finally:
-        client.delete_pool("odd-rows", force=True)
+def test_a_pool_whose_rows_are_not_whole_words_is_refused_at_create(client):
+    """A model whose bf16 latent rows are 1,022 bytes (kv_lora_rank 447): the daemon's host copies,
+    records and transfers lay components out back to back in int64 words, so such a pool failed
+    later (INTERNAL "view Byte as Long" at Offload, a partial WriteKV before that was fixed). It is
+    refused at CreatePool, INVALID_ARGUMENT naming the row size, and no pool is left behind."""
+    from kvtier.client import InvalidArgumentError
+
+    with pytest.raises(InvalidArgumentError, match=r"latent rows are 1022 bytes, not whole 8-byte words"):
+        client.create_pool(ODD_ROW_MODEL, kv_cache_dtype="bf16", size_tokens=256, pool_id="odd-rows")
+    assert "odd-rows" not in [p.pool_id for p in client.list_pools()]

@@ -285,3 +285,30 @@ def test_copy_loads_into_another_pool_of_the_same_model():
     for t, s in zip(b.tolist(), a.tolist()):
         expected.put_token(t, source.token(s))
     assert_same_bytes(expected.buffers(), snapshot(dst_pool))
+
+
+@pytest.mark.parametrize("n", [1, 3, 65])
+def test_a_copy_whose_parts_do_not_start_on_a_word_round_trips(n):
+    """A pool (library use) whose bf16 latent rows are 1,022 bytes: get_cpu_copy puts the indexer
+    pages after ``2 * n * 1022`` bytes, not on an 8-byte word for odd ``n`` (it raised "view Byte as
+    Long"). That part is gathered through uint8 views; load_cpu_copy onto other slots of another pool
+    gives back every byte (compared as bytes: random bf16 rows hold NaNs)."""
+    model = DSAModelConfig.from_hf_config({"model_type": "odd-rows", "num_hidden_layers": 2, "kv_lora_rank": 447,
+                                           "qk_rope_head_dim": 64, "index_head_dim": 128}, kv_cache_dtype="bf16")
+    src, dst = create_pool(model, 256, device="cpu"), create_pool(model, 256, device="cpu")
+    assert src.row_bytes == 1022
+    s, t = torch.arange(64, 64 + n), torch.arange(128, 128 + n)
+    g = torch.Generator().manual_seed(n)
+    for layer in range(2):
+        src.set_kv_buffer(layer, s, torch.randint(0, 256, (n, 1022), dtype=torch.uint8, generator=g).view(torch.bfloat16).view(n, 1, -1))
+    live = [x for x in range(2) if not src.skip_topk_layers[x]]
+    assert live
+    for layer in live:
+        src.set_index_k_scale_buffer(layer, s, torch.randint(0, 256, (n, 128), dtype=torch.uint8, generator=g), torch.rand(n, generator=g))
+    dst.load_cpu_copy(src.get_cpu_copy(s), t)
+    as_bytes = lambda x: x.view(torch.uint8)  # noqa: E731
+    for layer in range(2):
+        assert torch.equal(as_bytes(src.get_kv_buffer_rows(layer, s)), as_bytes(dst.get_kv_buffer_rows(layer, t)))
+    for layer in live:
+        for a, b in zip(src.get_index_k_scale(layer, s), dst.get_index_k_scale(layer, t)):
+            assert torch.equal(as_bytes(a), as_bytes(b))
