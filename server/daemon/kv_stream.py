@@ -239,12 +239,14 @@ class _HoldWatch:
         self._thread: threading.Thread | None = None
 
     def add(self, snap: _Snapshot) -> None:
+        start = None
         with self._cond:
             self._reads.add(snap)
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="kvtier-readkv-watch", daemon=True)
-                self._thread.start()
+                start = self._thread = threading.Thread(target=self._run, name="kvtier-readkv-watch", daemon=True)
             self._cond.notify()
+        if start is not None:  # started outside the leaf lock (it takes that lock itself)
+            start.start()
 
     def remove(self, snap: _Snapshot) -> None:
         with self._cond:
