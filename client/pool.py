@@ -310,8 +310,8 @@ class PoolMixin(BaseClient):
                     out.latent[layer] = t.view(store_dtype).view(n, lay.kv_cache_dim)
                 elif comp == _INDEX_K:
                     out.index_k[layer] = t.view(n, lay.index_head_dim)
-                else:  # a scale segment starts where the bytes before it end: a copy when not on a word
-                    s = (t if t.storage_offset() % 4 == 0 else t.clone()).view(torch.float32)
+                else:
+                    s = t.view(torch.float32)
                     out.index_scale[layer] = s if scale_per_token == 1 else s.view(n, scale_per_token)
             return out
 

@@ -26,7 +26,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvtier.server.pool.arena import as_words
 from kvtier.server.pool.buffer_info import BufInfos
 from kvtier.server.daemon.config import MIN_CHUNK_BYTES
 from kvtier.server.daemon.errors import FailedPrecondition, InvalidArgument
@@ -258,12 +257,11 @@ def write_kv(registry: PoolRegistry, caller: Caller, buf: KVWriteBuffer) -> int:
         n = slots.numel()
         pool = entry.pool
         sw = pool.index_scale_bytes // 4
-        # every tensor is made before the first byte is written (all or nothing); a scale segment
-        # starts where the bytes before it end, not always on a 4-byte boundary (1,022-byte latent
-        # rows), so it is viewed as float32 through as_words (a copy when unaligned)
+        # every tensor is made before the first byte is written (all or nothing); every segment
+        # starts on a word (a daemon pool's rows are whole 8-byte words: PoolRegistry.create)
         rows = [buf.tensor(x, LATENT).view(n, pool.row_bytes) for x in sel.latent_layers]
         keys = [buf.tensor(x, INDEX_K).view(n, pool.index_head_dim) for x in sel.index_layers]
-        scales = [as_words(buf.tensor(x, INDEX_SCALE), torch.float32).view(n, sw) for x in sel.index_layers]
+        scales = [buf.tensor(x, INDEX_SCALE).view(torch.float32).view(n, sw) for x in sel.index_layers]
         pool.set_kv_buffer_layers(sel.latent_layers, slots, rows)
         if sel.index_layers:
             pool.set_index_k_scale_layers(sel.index_layers, slots, keys, scales)

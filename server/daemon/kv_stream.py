@@ -181,7 +181,7 @@ class _Snapshot:
         self.since = time.monotonic()  # when the lock was taken
         self.holding = True
         self.next = 0  # the next piece to build
-        self.away_since: float | None = self.since  # the sender is away (in gRPC's send, or not started) since
+        self.away_since = self.since  # the sender is away (in gRPC's send, or not started) since
         self.error: BaseException | None = None  # the hold watch's copy-out failed: the sender raises it
 
     def build(self, i: int) -> bytes:
@@ -209,14 +209,12 @@ class _Snapshot:
         if not self.holding:
             return
         with self.mutex:
-            if self.holding and self.away_since is not None and \
-                    (now - self.away_since >= self.patience_s or now - self.since >= self.max_hold_s):
+            if self.holding and (now - self.away_since >= self.patience_s or now - self.since >= self.max_hold_s):
                 try:
                     self._release_rest()
                 except BaseException as e:  # noqa: BLE001 - no memory for the copy: the read ends, the lock goes
                     self.error = e
-                    self.holding = False
-                    self.lock.close()
+                    self.close()
 
     def _release_rest(self) -> None:  # mutex held
         self.sources = _copy_rest(self.entry, self.sources, self.pieces, self.next)

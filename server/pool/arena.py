@@ -14,6 +14,8 @@ arenas that already exist (:func:`check_arena`: an attached worker's mapping of 
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from kvtier.memfd import SharedMemory
@@ -114,9 +116,7 @@ def host_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     try:
         return torch.empty(shape, dtype=dtype, pin_memory=pin)
     except RuntimeError as e:  # shape and dtype are ours: an allocation failure
-        nbytes = dtype.itemsize
-        for n in shape:
-            nbytes *= n
+        nbytes = math.prod(shape) * dtype.itemsize
         reason = " ".join(str(e).split())
         raise MemoryError(f"cannot allocate {nbytes} bytes of {'pinned ' if pin else ''}host memory for a copy off "
                           f"the pool ({reason[:200]}); retry when memory is free, or copy fewer slots a call") from e

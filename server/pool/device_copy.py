@@ -167,12 +167,19 @@ def scatter_rows(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor, *,
         if runs is None:
             dst.numpy()[index.numpy()] = src.numpy()
             return
-        done = 0
-        for first, count in runs:
-            dst[first:first + count].copy_(src[done:done + count])
-            done += count
+        _copy_all(run_pairs(dst, runs, src))
     else:
         dst.index_copy_(0, index, src)
+
+
+def run_pairs(dst: torch.Tensor, runs: Sequence[tuple[int, int]], src: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The ``(dst rows, src rows)`` block copies of a scatter of ``src`` (one row per slot, in slot
+    order) onto ``dst`` rows ``runs`` (:func:`slot_runs`), for :func:`copy_pairs` or one by one."""
+    pairs, done = [], 0
+    for first, count in runs:
+        pairs.append((dst[first:first + count], src[done:done + count]))
+        done += count
+    return pairs
 
 
 def contiguous_span(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:

@@ -220,22 +220,7 @@ class DSATokenToKVPool(MLATokenToKVPool):
         Raises:
             TypeError/ValueError: skip layer, bad slots, dtype or shape; the pool is unchanged.
         """
-        local = self._check_live_layer(layer_id)
-        slots = self._index_slots(loc)
-        check_unique(slots, "slots")
-        keys, scales = self._check_keys_scales(index_k, scale, slots.numel())
-        if slots.numel() == 0:
-            return
-        pos = self._live_pos[local]
-        pages = whole_pages(slots, self.page_size, self._keys.shape[1])
-        if pages is not None:  # whole pages in order (every request's): a block copy a page, not a row a token
-            k = pages.numel()
-            self._keys[pos].index_copy_(0, pages, keys.view(k, self.page_size, -1))
-            self._scales[pos].index_copy_(0, pages, scales.view(k, self.page_size, -1))
-            return
-        page, off = slots // self.page_size, slots % self.page_size
-        self._keys[pos].index_put_((page, off), keys)
-        self._scales[pos].index_put_((page, off), scales)
+        self.set_index_k_scale_layers([layer_id], loc, [index_k], [scale])
 
     def set_index_k_scale_layers(self, layer_ids: Sequence[int], loc: Any, index_k: Sequence[torch.Tensor],
                                  scale: Sequence[torch.Tensor]) -> None:
@@ -249,21 +234,21 @@ class DSATokenToKVPool(MLATokenToKVPool):
         """
         if not len(layer_ids) == len(index_k) == len(scale):
             raise ValueError(f"{len(layer_ids)} layers but {len(index_k)} key and {len(scale)} scale tensors")
+        positions = [self._live_pos[self._check_live_layer(x)] for x in layer_ids]
         slots = self._index_slots(loc)
         check_unique(slots, "slots")
         n = slots.numel()
-        todo = [(self._live_pos[self._check_live_layer(x)], *self._check_keys_scales(k, sc, n))
-                for x, k, sc in zip(layer_ids, index_k, scale)]
+        todo = [(pos, *self._check_keys_scales(k, sc, n)) for pos, k, sc in zip(positions, index_k, scale)]
         if n == 0 or not todo:
             return
         pages = whole_pages(slots, self.page_size, self._keys.shape[1])
-        if pages is None:
+        if pages is None:  # scattered tokens: each at (page, offset)
             page, off = slots // self.page_size, slots % self.page_size
             for pos, keys, scales in todo:
                 self._keys[pos].index_put_((page, off), keys)
                 self._scales[pos].index_put_((page, off), scales)
             return
-        k = pages.numel()
+        k = pages.numel()  # whole pages in order (every request's): a block copy a page, not a row a token
         for pos, keys, scales in todo:
             self._keys[pos].index_copy_(0, pages, keys.view(k, self.page_size, -1))
             self._scales[pos].index_copy_(0, pages, scales.view(k, self.page_size, -1))

@@ -24,7 +24,7 @@ from kvtier.server.model_config import KV_CACHE_DTYPES, latent_row_bytes
 from kvtier.memfd import SharedMemory
 from kvtier.server.pool.arena import alloc_arena, as_words, check_arena, host_buffer, resolve_device, shared_arena, word_dtype
 from kvtier.server.pool.buffer_info import BufInfos
-from kvtier.server.pool.device_copy import MAX_COPY_RUNS, CopyEngine, Part, copy_pairs, scatter_rows, slot_runs
+from kvtier.server.pool.device_copy import MAX_COPY_RUNS, CopyEngine, Part, copy_pairs, run_pairs, scatter_rows, slot_runs
 from kvtier.server.pool.validation import as_slots, check_layer, check_rows, check_unique
 
 KV_CHUNK_SLOTS = 8192  # get_cpu_copy: latent chunks hold at most this many slots
@@ -267,13 +267,7 @@ class MLATokenToKVPool:
             return
         runs = slot_runs(slots, MAX_COPY_RUNS) if self.device.type == "cpu" else None
         if runs is not None:  # a CPU pool, runs of slots (whole pages): block copies, on two threads
-            pairs = []
-            for pos, data in todo:
-                words, done = as_words(data, self._lat_word), 0
-                for first, count in runs:
-                    pairs.append((self._lat_words[pos][first:first + count], words[done:done + count]))
-                    done += count
-            copy_pairs(pairs)
+            copy_pairs([pair for pos, data in todo for pair in run_pairs(self._lat_words[pos], runs, as_words(data, self._lat_word))])
             return
         for pos, data in todo:
             words = as_words(data, self._lat_word).to(self.device, non_blocking=True)
