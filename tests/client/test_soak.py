@@ -1,8 +1,12 @@
 """Soak: 32 clients (16 threads in each of 2 processes) run mixed scenarios against one daemon -- KV
 writes, reads and moves, offload/restore, prefix load/store/release, self-pulls, and stats, tier
-stats, health and status polling -- for 15 s (60 s with ``-m slow``).
+stats, health and status polling -- for 15 s (60 s with ``-m slow``), while a fault thread cancels
+writes and reads mid-stream, writes past a 1 ms deadline, and SIGKILLs a writer mid-stream and an
+attached worker holding slots and a lease (``soak_faults.py``).
 
-Asserted: 0 errors (every scenario checks its own bytes); afterwards free pages and tier usage are
+Asserted: 0 errors (every scenario checks its own bytes; a fault's call fails only with the status it
+causes, and the slots it named hold their old bytes, or for a write past its deadline old or new
+whole); afterwards free pages and tier usage are
 back to their start values (the prefix pool's 48 shared pages, cached before the start, included),
 nothing is pinned and no lease is open; the daemon's resident memory
 grew by at most :data:`RSS_GROWTH_BOUND` between the end of a 3 s warm-up and the end of the soak.
@@ -24,6 +28,7 @@ from kvtier.client import KVTierClient
 from kvtier.client.spawn import DaemonProcess
 
 sys.path.insert(0, str(Path(__file__).parent))
+from soak_faults import Faults  # noqa: E402
 from soak_worker import store_shared_keys  # noqa: E402
 
 RSS_GROWTH_BOUND = 64 << 20  # bytes; measured: +37 MiB in 15 s, +40 MiB in 60 s (it levels off: allocator caches, gRPC buffers)
@@ -48,7 +53,7 @@ def usage(c: KVTierClient) -> dict:
 
 @pytest.mark.parametrize("seconds", [15, pytest.param(60, marks=pytest.mark.slow)])
 def test_soak(tmp_path, seconds):
-    args = ["--device", "cpu", "--workers", "64", "--max-streams", "32", "--host-memory", "64MiB",
+    args = ["--device", "cpu", "--workers", "64", "--max-streams", "40", "--host-memory", "64MiB",
             "--disk-path", str(tmp_path / "disk"), "--disk-size", "128MiB", "--log-level", "WARNING"]
     with DaemonProcess(extra_args=args) as d, KVTierClient(d.address, timeout=60) as c:
         for pool_id, pages in (("soak", 512), ("soak-dst", 64), ("soak-pfx", 128)):
@@ -70,12 +75,15 @@ def test_soak(tmp_path, seconds):
 
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()
+        faults = Faults(d.address, seconds)
+        faults.start()
         outs = []
         try:
             for p in procs:
                 out, err = p.communicate(timeout=seconds + 240)
                 assert p.returncode == 0, err[-3000:]
                 outs.append(json.loads(out.strip().splitlines()[-1]))
+            faults.join(120)
         finally:
             stop.set()
             sampler.join(10)
@@ -86,7 +94,11 @@ def test_soak(tmp_path, seconds):
         ops = {k: sum(o["ops"].get(k, 0) for o in outs) for k in set().union(*(o["ops"] for o in outs))}
         print(f"soak {seconds}s: {sum(ops.values())} scenarios {ops}, {len(errors)} errors, "
               f"RSS after warm-up {samples[0] >> 20} MiB, peak {max(samples) >> 20} MiB, end {samples[-1] >> 20} MiB")
+        print(f"faults: {dict(faults.ops)}")
         assert errors == [], errors[:5]
+        assert faults.errors == [], faults.errors[:5]
+        assert min(faults.ops.get(k, 0) for k in ("cancelled_write", "abandoned_read", "deadline_write",
+                                                   "killed_writer", "killed_attached_worker")) > 0, faults.ops
         assert min(ops.get(k, 0) for k in ("kv_round_trip", "offload_restore", "prefix_request", "monitor", "pull")) > 0
         assert usage(c) == start
         assert samples and samples[-1] - samples[0] <= RSS_GROWTH_BOUND, (samples[0], samples[-1])
