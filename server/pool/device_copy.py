@@ -19,7 +19,7 @@ words)``, exactly the ``get_cpu_copy`` / record payload layout.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -90,49 +90,60 @@ def _helper_pool() -> ThreadPoolExecutor:
         return _helpers
 
 
-def _copy_all(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+Pair = tuple[torch.Tensor, torch.Tensor]
+"""``(dst, src)`` of one host copy."""
+
+
+def _copy_one(dst: torch.Tensor, src: torch.Tensor) -> None:
+    dst.copy_(src)
+
+
+def _copy_all(pairs: Sequence[Pair], copy: Callable[[torch.Tensor, torch.Tensor], None] = _copy_one) -> None:
     for dst, src in pairs:
-        dst.copy_(src)
+        copy(dst, src)
 
 
-def _run_helper(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+def _run_helper(pairs: Sequence[Pair], copy: Callable[[torch.Tensor, torch.Tensor], None]) -> None:
     try:
-        _copy_all(pairs)
+        _copy_all(pairs, copy)
     finally:
         _idle.release()
 
 
-def copy_pairs(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """``dst.copy_(src)`` for every ``(dst, src)`` pair of host tensors (same shapes; the pairs'
-    destinations do not overlap), complete when this returns.
+def copy_pairs(pairs: Sequence[Pair], copy: Callable[[torch.Tensor, torch.Tensor], None] = _copy_one) -> None:
+    """``copy(dst, src)`` for every ``(dst, src)`` pair of host tensors, complete when this returns.
+    By default ``dst.copy_(src)`` (same shapes); a scatter passes its own (numpy's fancy assignment
+    of ``src``'s rows at an index into ``dst``, :func:`scatter_layers`). ``src`` holds the bytes a pair
+    moves; the pairs' destinations do not overlap, and ``copy`` must release the GIL to gain.
 
     With :data:`PARALLEL_MIN_BYTES` or more in all, the pairs are cut in two halves of about equal
     bytes and the second runs on a helper thread while the caller copies the first (torch's ``copy_``
-    releases the GIL): two memory streams, 1.9-2.0x one on this machine, for the copies that run while
-    the client waits (a WriteKV commit). Plain threads, not torch's OpenMP threads, which spin and
-    made copies ~30x slower on a busy 2-core machine (README "Performance"). When the helper is busy
-    (another call's half), or its half has not started by the time the caller's is done, the caller
-    copies it too: a call never waits behind another.
+    and numpy's assignments release the GIL): two memory streams, 1.8-2.0x one on this machine, for
+    the copies that run while the client waits (a WriteKV commit). Plain threads, not torch's OpenMP
+    threads, which spin and made copies ~30x slower on a busy 2-core machine (README "Performance").
+    When the helper is busy (another call's half), or its half has not started by the time the
+    caller's is done, the caller copies it too: a call never waits behind another.
 
     Lock order: none taken (the helper is a leaf; callers may hold a pool's lock).
     """
-    total = sum(dst.numel() * dst.element_size() for dst, _ in pairs)
+    sizes = [src.numel() * src.element_size() for _, src in pairs]
+    total = sum(sizes)
     if total < PARALLEL_MIN_BYTES or len(pairs) < 2 or COPY_THREADS < 2 or not _idle.acquire(blocking=False):
-        _copy_all(pairs)
+        _copy_all(pairs, copy)
         return
     cut, done = 0, 0
-    while cut < len(pairs) - 1 and done + pairs[cut][0].numel() * pairs[cut][0].element_size() <= total // 2:
-        done += pairs[cut][0].numel() * pairs[cut][0].element_size()
+    while cut < len(pairs) - 1 and done + sizes[cut] <= total // 2:
+        done += sizes[cut]
         cut += 1
     cut = max(cut, 1)
     try:
-        fut = _helper_pool().submit(_run_helper, pairs[cut:])
+        fut = _helper_pool().submit(_run_helper, pairs[cut:], copy)
     except RuntimeError:  # interpreter shutting down
         _idle.release()
-        _copy_all(pairs)
+        _copy_all(pairs, copy)
         return
     try:
-        _copy_all(pairs[:cut])
+        _copy_all(pairs[:cut], copy)
     except BaseException:
         if fut.cancel():
             _idle.release()
@@ -141,9 +152,23 @@ def copy_pairs(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
         raise
     if fut.cancel():  # never started: copy it here
         _idle.release()
-        _copy_all(pairs[cut:])
+        _copy_all(pairs[cut:], copy)
         return
     fut.result()
+
+
+def scatter_layers(pairs: Sequence[Pair], index: torch.Tensor) -> None:
+    """``dst[index[i]] = src[i]`` along dim 0 for every ``(dst, src)`` pair of host tensors (several
+    layers, the same distinct ``(n,)`` int64 slots ``index``, scattered: more runs than
+    :data:`MAX_COPY_RUNS`), through numpy's fancy assignment, layers split over two threads
+    (:func:`copy_pairs`; 1.8x one thread for 78 GLM-5.2 layers of 4,096 scattered slots here).
+    The index is read once for every layer."""
+    rows = index.numpy()
+
+    def put(dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.numpy()[rows] = src.numpy()
+
+    copy_pairs(pairs, put)
 
 
 MAX_COPY_RUNS = 16
@@ -160,7 +185,8 @@ def scatter_rows(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor, *,
     assignment, which copies each row as
     one block: 1.5-1.7x torch's element-wise ``index_copy_`` on the same int64 rows (measured,
     BENCHMARKS.md). On a device, ``index_copy_``. ``runs``: ``slot_runs(index, MAX_COPY_RUNS)``
-    when the caller has it already (several layers, the same slots).
+    when the caller has it already (several layers, the same slots; :func:`scatter_layers` when
+    that was None).
     """
     if dst.device.type == "cpu":
         runs = runs if runs is not None else slot_runs(index, MAX_COPY_RUNS)

@@ -24,7 +24,7 @@ from kvtier.server.model_config import KV_CACHE_DTYPES, latent_row_bytes
 from kvtier.memfd import SharedMemory
 from kvtier.server.pool.arena import alloc_arena, as_words, check_arena, host_buffer, resolve_device, shared_arena, word_dtype
 from kvtier.server.pool.buffer_info import BufInfos
-from kvtier.server.pool.device_copy import MAX_COPY_RUNS, CopyEngine, Part, copy_pairs, run_pairs, scatter_rows, slot_runs
+from kvtier.server.pool.device_copy import MAX_COPY_RUNS, CopyEngine, Part, copy_pairs, run_pairs, scatter_layers, scatter_rows, slot_runs
 from kvtier.server.pool.validation import as_slots, check_layer, check_rows, check_unique
 
 KV_CHUNK_SLOTS = 8192  # get_cpu_copy: latent chunks hold at most this many slots
@@ -265,13 +265,17 @@ class MLATokenToKVPool:
                  check_rows(r, n, self.kv_cache_dim, self.store_dtype, self.row_bytes, "rows")) for x, r in zip(layer_ids, rows)]
         if n == 0:
             return
-        runs = slot_runs(slots, MAX_COPY_RUNS) if self.device.type == "cpu" else None
-        if runs is not None:  # a CPU pool, runs of slots (whole pages): block copies, on two threads
-            copy_pairs([pair for pos, data in todo for pair in run_pairs(self._lat_words[pos], runs, as_words(data, self._lat_word))])
+        if self.device.type == "cpu":
+            runs = slot_runs(slots, MAX_COPY_RUNS)
+            if runs is not None:  # runs of slots (whole pages): block copies, on two threads
+                copy_pairs([pair for pos, data in todo for pair in run_pairs(self._lat_words[pos], runs, as_words(data, self._lat_word))])
+                return
+            # scattered slots: numpy's fancy assignment, the layers on two threads
+            scatter_layers([(self._lat_words[pos], as_words(data, self._lat_word)) for pos, data in todo], slots)
             return
         for pos, data in todo:
             words = as_words(data, self._lat_word).to(self.device, non_blocking=True)
-            scatter_rows(self._lat_words[pos], slots, words, runs=runs)
+            scatter_rows(self._lat_words[pos], slots, words)
 
     def latent_row_views(self, layer_ids: Sequence[int], loc: Any, max_runs: int) -> list[list[torch.Tensor]] | None:
         """The latent rows of ``loc`` on each model layer of ``layer_ids`` as uint8 views of the

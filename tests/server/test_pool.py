@@ -275,6 +275,8 @@ def test_multi_layer_writes_and_row_views_match_the_per_layer_calls(order):
     for layer, r in enumerate(rows):
         b.set_kv_buffer(layer, slots, r)
     assert all(torch.equal(x, y) for x, y in zip(a.kv_buffer, b.kv_buffer))
+    for layer, r in enumerate(rows):  # and each row is where its slot says, worked out here
+        assert torch.equal(a.kv_buffer[layer].reshape(a.kv_buffer[layer].shape[0], -1).view(torch.uint8)[slots], r)
     with pytest.raises(ValueError):
         a.set_kv_buffer_layers([0, 5], slots, rows[:2])  # a bad layer: nothing written
     assert torch.equal(a.kv_buffer[0], b.kv_buffer[0])
