@@ -168,12 +168,12 @@ class PoolMixin(BaseClient):
 
     # ----- KV data ------------------------------------------------------------------------------
     def _write_requests(self, header: pool_pb2.KVHeader, segments: list[tuple[int, int, memoryview]], *,
-                        packed: bool) -> Iterator[bytes]:
+                        packed: bool, allocate_tokens: int = 0) -> Iterator[bytes]:
         """Serialized ``WriteKVRequest`` messages (each piece's bytes copied once, into its message):
-        the header, then ``packed``: the segments back to back in full ``chunk_bytes`` messages that
-        run across segment boundaries (a daemon that says ``PoolInfo.packed_writes``), else each
-        segment in pieces of ``chunk_bytes``."""
-        yield encode_write_chunk(0, 0, 0, [], header=header.SerializeToString(), packed=packed)
+        the header (with ``allocate_tokens``, if any), then ``packed``: the segments back to back in
+        full ``chunk_bytes`` messages that run across segment boundaries (a daemon that says
+        ``PoolInfo.packed_writes``), else each segment in pieces of ``chunk_bytes``."""
+        yield encode_write_chunk(0, 0, 0, [], header=header.SerializeToString(), packed=packed, allocate_tokens=allocate_tokens)
         step = self.chunk_bytes
         if not packed:
             for layer, comp, data in segments:
@@ -211,12 +211,56 @@ class PoolMixin(BaseClient):
                 dtype, or raw ``(n, latent_row_bytes)`` uint8 (torch tensors or numpy arrays).
             index: live layer -> ``(keys (n, index_head_dim) uint8/float8, scales (n,) float32)``.
 
-        Nothing is written unless the whole stream arrives and checks out (all or nothing).
+        Nothing is written unless the whole stream arrives and checks out (all or nothing). For KV
+        of a new request, :meth:`write_new_kv` allocates the slots in the same call and writes the
+        rows straight into them (one copy fewer in the daemon).
 
         Raises:
             InvalidArgumentError (bad slots, lengths), FailedPreconditionError (indexer data for a
             skip-topk layer), NotFoundError, DeadlineExceededError (then nothing was written).
         """
+        header, segs, packed = self._write_stream(pool_id, latent, index, slots=slot_list(slots))
+        resp = self.unary(self._write_kv_raw, self._write_requests(header, segs, packed=packed), idempotent=False, timeout=timeout)
+        return resp.bytes_written
+
+    def write_new_kv(
+        self,
+        pool_id: str,
+        *,
+        latent: Mapping[int, torch.Tensor | np.ndarray] | None = None,
+        index: Mapping[int, tuple[torch.Tensor | np.ndarray, torch.Tensor | np.ndarray]] | None = None,
+        timeout: float | None = None,
+    ) -> torch.Tensor:
+        """Allocate whole pages for ``n`` tokens and write their KV, in one call; returns the
+        ``(n,)`` int64 slots (the caller's to free, as from :meth:`allocate_slots`).
+
+        ``latent`` and ``index`` as in :meth:`write_kv`, every tensor with the same ``n`` rows. The
+        daemon writes the latent rows straight into the new pages as the stream arrives; the pages
+        are the caller's only once the whole stream has arrived and checked out, so a call that
+        fails (a broken stream, a deadline, a bad chunk) allocates nothing and leaves the pool as it
+        was. In an attach session the pages belong to the session.
+
+        Raises:
+            InvalidArgumentError (tensors of unequal rows, bad lengths), ResourceExhaustedError (too
+            few free pages), FailedPreconditionError (indexer data for a skip-topk layer),
+            NotFoundError, DeadlineExceededError (then nothing was allocated).
+        """
+        header, segs, packed = self._write_stream(pool_id, latent, index, slots=[])
+        rows = {len(t) for t in (latent or {}).values()} | {len(k) for k, _ in (index or {}).values()}
+        if len(rows) != 1:
+            raise ValueError(f"write_new_kv needs latent and index tensors with one number of rows (tokens), got {sorted(rows)}"
+                             if rows else "write_new_kv needs latent or index tensors")
+        n = rows.pop()
+        if n == 0:
+            raise ValueError("write_new_kv needs at least one token")
+        resp = self.unary(self._write_kv_raw, self._write_requests(header, segs, packed=packed, allocate_tokens=n),
+                          idempotent=False, timeout=timeout)
+        pages = torch.tensor(list(resp.pages), dtype=torch.int64)
+        return (pages.view(-1, 1) * resp.page_size + torch.arange(resp.page_size, dtype=torch.int64)).view(-1)[:resp.num_slots]
+
+    def _write_stream(self, pool_id: str, latent: Any, index: Any, *,
+                      slots: list[int]) -> tuple[pool_pb2.KVHeader, list[tuple[int, int, memoryview]], bool]:
+        """The header, segments and packed flag of a WriteKV stream (argument kinds checked here)."""
         if latent is not None and not isinstance(latent, Mapping):
             raise TypeError(f"latent must be a dict {{layer id: (n, latent_row_bytes) uint8 tensor}}, got {type(latent).__name__}")
         if index is not None and not isinstance(index, Mapping):
@@ -231,11 +275,9 @@ class PoolMixin(BaseClient):
             segs.append((x, _INDEX_K, _as_bytes(keys, f"index[{x}] keys")))
             segs.append((x, _INDEX_SCALE, _as_bytes(scales, f"index[{x}] scales")))
         lay = self.layout(pool_id)  # cached after the first call (it says whether the daemon takes packed writes)
-        header = pool_pb2.KVHeader(pool_id=pool_id, slots=slot_list(slots), latent_layers=list(latent), index_layers=list(index),
+        header = pool_pb2.KVHeader(pool_id=pool_id, slots=slots, latent_layers=list(latent), index_layers=list(index),
                                    layout_digest=lay.fingerprint_digest)
-        packed = self.__dict__.get("_packed_writes", {}).get(pool_id, False)
-        resp = self.unary(self._write_kv_raw, self._write_requests(header, segs, packed=packed), idempotent=False, timeout=timeout)
-        return resp.bytes_written
+        return header, segs, self.__dict__.get("_packed_writes", {}).get(pool_id, False)
 
     def read_kv(
         self,

@@ -21,10 +21,11 @@ from kvtier.protowire import encode_varint, read_varint
 
 
 def encode_write_chunk(layer_id: int, component: int, offset: int, parts: list[memoryview], *, packed: bool = False,
-                       header: bytes | None = None) -> bytes:
-    """The wire bytes of ``WriteKVRequest(header, layer_id, component, offset, data, packed)`` with
-    ``data`` the ``parts`` joined (the one copy of the chunk; ``header`` a serialized ``KVHeader``),
-    exactly what protobuf's ``SerializeToString`` writes (fields in number order, defaults left out)."""
+                       header: bytes | None = None, allocate_tokens: int = 0) -> bytes:
+    """The wire bytes of ``WriteKVRequest(header, layer_id, component, offset, data, packed,
+    allocate_tokens)`` with ``data`` the ``parts`` joined (the one copy of the chunk; ``header`` a
+    serialized ``KVHeader``), exactly what protobuf's ``SerializeToString`` writes (fields in number
+    order, defaults left out)."""
     nbytes = sum(len(p) for p in parts)
     head = bytearray()
     if header is not None:
@@ -38,6 +39,8 @@ def encode_write_chunk(layer_id: int, component: int, offset: int, parts: list[m
     if nbytes:
         head += b"\x2a" + encode_varint(nbytes)
     tail = b"\x30\x01" if packed else b""
+    if allocate_tokens:
+        tail += b"\x38" + encode_varint(allocate_tokens)
     return b"".join((head, *parts, tail))
 
 

@@ -221,6 +221,16 @@ class PoolEntry:
             ResourceExhausted: too few free pages even after evicting every unpinned cached page
                 (nothing was evicted then).
         """
+        slots = self.reserve(n_tokens)
+        self.grant(slots, owner)
+        return slots
+
+    def reserve(self, n_tokens: int) -> torch.Tensor:
+        """Take whole pages for ``n_tokens`` from the free pages without handing them out (a WriteKV
+        that allocates: it writes into them while its stream arrives). Until :meth:`grant` they are
+        allocated to no one: :meth:`slots` refuses them as unallocated, so no call reads, writes,
+        frees or moves them; :meth:`unreserve` gives them back. Caller holds the lock exclusive.
+        Returns ``(n,)`` slots. Raises as :meth:`alloc`."""
         if isinstance(n_tokens, bool) or not isinstance(n_tokens, int) or n_tokens < 0:
             raise InvalidArgument(f"num_tokens must be a non-negative integer, got {n_tokens!r}")
         need = self.allocator.pages_for(n_tokens)
@@ -234,10 +244,21 @@ class PoolEntry:
             need = self.allocator.pages_for(n_tokens)
             raise ResourceExhausted(
                 f"pool {self.pool_id!r}: {n_tokens} tokens need {need} pages, {self.allocator.free_pages} are free")
+        return slots
+
+    def grant(self, slots: torch.Tensor, owner: int = 0) -> None:
+        """Hand out the pages of ``slots`` taken by :meth:`reserve` to ``owner``; caller holds the lock exclusive."""
         pages = torch.unique(slots // self.page_size)
         self.page_allocated[pages] = True
         self.page_owner[pages] = owner
-        return slots
+
+    def unreserve(self, slots: torch.Tensor) -> int:
+        """Give back the pages of ``slots`` taken by :meth:`reserve` and never granted; returns the
+        pages freed. Caller holds the lock exclusive."""
+        pages = sorted(set((slots // self.page_size).tolist()))
+        if bool(self.page_allocated[pages].any()):
+            raise RuntimeError(f"pages {pages[:8]} of pool {self.pool_id!r} were granted; free them instead")
+        return self.allocator.free_pages_by_id(pages)
 
     def free(self, slots: torch.Tensor, owner: int = 0) -> int:
         """Free every page ``slots`` (already checked by :meth:`slots`) touch, as ``owner``

@@ -54,10 +54,11 @@ class WriteChunk:
     component: int
     offset: int
     data: memoryview
+    allocate_tokens: int = 0
 
 
 def decode_write_request(buf: bytes) -> WriteChunk:
-    """Parse a serialized ``WriteKVRequest`` as protobuf would (fields 1-6; unknown fields and
+    """Parse a serialized ``WriteKVRequest`` as protobuf would (fields 1-7; unknown fields and
     fields of another wire type skipped, the last value of a repeated scalar kept, header
     occurrences merged), the data left as a view into ``buf``.
 
@@ -66,7 +67,7 @@ def decode_write_request(buf: bytes) -> WriteChunk:
             the method then answers INVALID_ARGUMENT).
     """
     header: pool_pb2.KVHeader | None = None
-    packed, layer, comp, offset, data = False, 0, 0, 0, memoryview(b"")
+    packed, layer, comp, offset, data, allocate = False, 0, 0, 0, memoryview(b""), 0
     view = memoryview(buf)
     i, n = 0, len(buf)
     while i < n:
@@ -83,6 +84,8 @@ def decode_write_request(buf: bytes) -> WriteChunk:
                 offset = v
             elif field == 6:
                 packed = v != 0
+            elif field == 7:
+                allocate = v
         elif wt == 2:
             ln, i = read_varint(buf, i)
             if i + ln > n:
@@ -101,7 +104,7 @@ def decode_write_request(buf: bytes) -> WriteChunk:
             raise ValueError(f"unsupported wire type {wt}")
         if i > n:
             raise ValueError("truncated fixed-width field")
-    return WriteChunk(header, packed, layer, comp, offset, data)
+    return WriteChunk(header, packed, layer, comp, offset, data, allocate)
 
 
 def with_raw_messages(add_to_server: Callable[[Any, grpc.Server], None], responses: Iterable[str] = (),

@@ -8,7 +8,7 @@ errors are raised as domain exceptions and mapped to status codes in one place
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import grpc
 
@@ -89,22 +89,41 @@ class PoolServicer(pool_pb2_grpc.PoolServiceServicer):
             if first is None or first.header is None:
                 raise InvalidArgument("WriteKV must start with a message carrying the header")
             sel = _selection(first.header)
-            buf = kv_ops.KVWriteBuffer(self.pools.get(caller, sel.pool_id), sel)
-            for msg in messages.chained(first, request_iterator, touch):  # kv_wire.WriteChunk: data is a view
-                if msg is not first and (msg.header is not None or msg.packed):
-                    raise InvalidArgument("WriteKV takes one header (and packed), in its first message")
-                if not msg.data:
-                    continue
-                if first.packed:
-                    if msg.layer_id or msg.component:
-                        raise InvalidArgument("a packed WriteKV stream's messages name no layer or component")
-                    buf.add_packed(msg.offset, msg.data)
-                else:
-                    buf.add(msg.layer_id, messages.component_name(msg.component), msg.offset, msg.data)
-            nbytes = kv_ops.write_kv(self.pools, caller, buf)
+            if first.allocate_tokens:
+                buf = kv_ops.reserve_write(self.pools, caller, sel, first.allocate_tokens)
+                try:
+                    self._receive(buf, first, request_iterator, touch)
+                    slots, nbytes = kv_ops.write_new_kv(self.pools, caller, buf)
+                except BaseException:
+                    kv_ops.abort_reserved(self.pools, caller, buf.entry, buf.slots)
+                    raise
+            else:
+                buf = kv_ops.KVWriteBuffer(self.pools.get(caller, sel.pool_id), sel)
+                self._receive(buf, first, request_iterator, touch)
+                slots, nbytes = None, kv_ops.write_kv(self.pools, caller, buf)
         self.state.counters.add(caller, "kv_writes")
         self.state.counters.add(caller, "kv_bytes_written", nbytes)
-        return pool_pb2.WriteKVResponse(bytes_written=nbytes, num_slots=buf.slots.numel())
+        if slots is None:
+            return pool_pb2.WriteKVResponse(bytes_written=nbytes, num_slots=buf.slots.numel())
+        ps = buf.entry.page_size
+        return pool_pb2.WriteKVResponse(bytes_written=nbytes, num_slots=slots.numel(), page_size=ps,
+                                        pages=slots[::ps].div(ps, rounding_mode="floor").tolist())
+
+    @staticmethod
+    def _receive(buf: kv_ops.KVWriteBuffer, first: kv_wire.WriteChunk, request_iterator: Iterator[kv_wire.WriteChunk],
+                 touch: Callable[[], None]) -> None:
+        """Land every data message of the stream in ``buf`` (checked as it comes)."""
+        for msg in messages.chained(first, request_iterator, touch):  # kv_wire.WriteChunk: data is a view
+            if msg is not first and (msg.header is not None or msg.packed or msg.allocate_tokens):
+                raise InvalidArgument("WriteKV takes one header (and packed, allocate_tokens), in its first message")
+            if not msg.data:
+                continue
+            if first.packed:
+                if msg.layer_id or msg.component:
+                    raise InvalidArgument("a packed WriteKV stream's messages name no layer or component")
+                buf.add_packed(msg.offset, msg.data)
+            else:
+                buf.add(msg.layer_id, messages.component_name(msg.component), msg.offset, msg.data)
 
     def ReadKV(self, request: pool_pb2.ReadKVRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
         caller, cfg = caller_of(context), self.state.config

@@ -2,12 +2,12 @@
 
 Issue 8, defect 1: a stats poll racing an offload deadlocked the daemon. The cause was two locks
 taken in opposite orders; the fix is one lock order for the whole daemon (README "Concurrency").
-This test keeps it honest: each of the 35 kinds -- every PoolService, TierService, TransferService
-and StorageService RPC (the staged ones through a storage session's shared memory), the three prefix
+This test keeps it honest: each of the 36 kinds -- every PoolService, TierService, TransferService
+and StorageService RPC, WriteKV also as the write that allocates (the staged ones through a storage session's shared memory), the three prefix
 calls of an attach connection (``AttachedPool.load_prefix`` / ``store_prefix`` / ``release_prefix``:
 each side has its own attach session on the prefix pool, its pages read and written through the
 mapped tensors), plus health and what ``kvtier status`` calls -- runs beside every kind (itself
-included: 630 pairs), each side a small scenario that checks its own bytes, every call with
+included: 666 pairs), each side a small scenario that checks its own bytes, every call with
 a 30 s deadline (a hang fails instead of stalling). At the end the reference KV, the reference copy,
 the reference prefix pages and the reference units are still byte-exact, and nothing is left
 allocated, pinned or waiting.
@@ -154,6 +154,12 @@ class Scene:
         s = c.allocate_slots("shared", PS)
         lat, idx = content(int(s[0]), PS)
         c.write_kv("shared", s, latent=lat, index=idx)
+        assert same(c.read_kv("shared", s), lat, idx)
+        c.free_slots("shared", s)
+
+    def WriteNewKV(self, c: KVTierClient) -> None:  # WriteKV with allocate_tokens
+        lat, idx = content(7, PS)
+        s = c.write_new_kv("shared", latent=lat, index=idx)
         assert same(c.read_kv("shared", s), lat, idx)
         c.free_slots("shared", s)
 
@@ -345,7 +351,7 @@ class Scene:
         assert s.version and [t.tier for t in s.tiers] == ["device", "host", "disk"]
 
 
-KINDS = ["CreatePool", "DescribePool", "ListPools", "DeletePool", "AllocateSlots", "FreeSlots", "WriteKV", "ReadKV",
+KINDS = ["CreatePool", "DescribePool", "ListPools", "DeletePool", "AllocateSlots", "FreeSlots", "WriteKV", "WriteNewKV", "ReadKV",
          "MoveKV", "Offload", "Restore", "Drop", "GetBufferInfos", "GetStats", "LookupPrefix", "LoadPrefix",
          "StorePrefix", "ReleasePrefix", "WhereIs", "GetTierStats", "GetTransferLayout", "PullKV", "ReadPages",
          "ExistUnits", "PutUnits", "GetUnits", "ClearUnits", "GetUnitStats", "PutUnitsStaged", "GetUnitsStaged",
@@ -359,7 +365,7 @@ def test_the_kinds_cover_every_rpc():
     rpcs = {m.name for mod, svc in ((pool_pb2, "PoolService"), (tier_pb2, "TierService"), (transfer_pb2, "TransferService"),
                                     (storage_pb2, "StorageService"))
             for m in mod.DESCRIPTOR.services_by_name[svc].methods}
-    assert rpcs <= set(KINDS) and len(KINDS) == len(rpcs) + len(ATTACH_KINDS) + 2
+    assert rpcs <= set(KINDS) and len(KINDS) == len(rpcs) + len(ATTACH_KINDS) + 3  # + WriteNewKV, health, status
     from kvtier.attach_wire import PREFIX_KINDS
 
     assert {"Attach" + "".join(w.title() for w in k.split("_")) for k in PREFIX_KINDS} == ATTACH_KINDS

@@ -625,6 +625,12 @@ class WriteKVRequest(_message.Message):
     concatenation of every segment in stream order instead, layer_id and component left out, and
     messages may run across segment boundaries (fewer, fuller messages, as ReadKV's packed form).
     (Flat messages: protobuf's Python runtime copies a nested message's bytes once more.)
+    `allocate_tokens` (first message only; header.slots left empty): the daemon allocates whole pages
+    for that many tokens (owned by the caller's attach session, if any, as AllocateSlots) and writes
+    the stream straight into them as it arrives; the pages are the caller's, and readable, only once
+    the whole stream has arrived and checked out. Until then they are allocated to no one (every call
+    naming them is refused as for free pages), and a stream that breaks off gives them back: such a
+    write allocates nothing or everything. The response names the pages.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -635,11 +641,14 @@ class WriteKVRequest(_message.Message):
     OFFSET_FIELD_NUMBER: _builtins.int
     DATA_FIELD_NUMBER: _builtins.int
     PACKED_FIELD_NUMBER: _builtins.int
+    ALLOCATE_TOKENS_FIELD_NUMBER: _builtins.int
     layer_id: _builtins.int
     component: Global___Component.ValueType
     offset: _builtins.int
     data: _builtins.bytes
     packed: _builtins.bool
+    """first message only"""
+    allocate_tokens: _builtins.int
     """first message only"""
     @_builtins.property
     def header(self) -> Global___KVHeader:
@@ -654,10 +663,11 @@ class WriteKVRequest(_message.Message):
         offset: _builtins.int = ...,
         data: _builtins.bytes = ...,
         packed: _builtins.bool = ...,
+        allocate_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["header", b"header"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["component", b"component", "data", b"data", "header", b"header", "layer_id", b"layer_id", "offset", b"offset", "packed", b"packed"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allocate_tokens", b"allocate_tokens", "component", b"component", "data", b"data", "header", b"header", "layer_id", b"layer_id", "offset", b"offset", "packed", b"packed"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -669,17 +679,27 @@ class WriteKVResponse(_message.Message):
 
     BYTES_WRITTEN_FIELD_NUMBER: _builtins.int
     NUM_SLOTS_FIELD_NUMBER: _builtins.int
+    PAGES_FIELD_NUMBER: _builtins.int
+    PAGE_SIZE_FIELD_NUMBER: _builtins.int
     bytes_written: _builtins.int
     num_slots: _builtins.int
+    page_size: _builtins.int
+    """allocate_tokens only: slot i is pages[i // page_size] * page_size + i % page_size"""
+    @_builtins.property
+    def pages(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """allocate_tokens only: the pages allocated, in slot order"""
+
     def __init__(
         self,
         *,
         bytes_written: _builtins.int = ...,
         num_slots: _builtins.int = ...,
+        pages: _abc.Iterable[_builtins.int] | None = ...,
+        page_size: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_written", b"bytes_written", "num_slots", b"num_slots"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_written", b"bytes_written", "num_slots", b"num_slots", "page_size", b"page_size", "pages", b"pages"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -50,15 +50,18 @@ def test_only_the_named_methods_lose_their_serializers():
 @settings(max_examples=200, deadline=None)
 @given(st.one_of(st.none(), st.builds(pool_pb2.KVHeader, pool_id=st.text(max_size=8), slots=st.lists(st.integers(0, 2**40), max_size=5),
                                       latent_layers=st.lists(st.integers(0, 90), max_size=4))),
-       st.integers(0, 2**32 - 1), st.integers(0, 3), st.integers(0, 2**64 - 1), st.binary(max_size=600), st.booleans())
-def test_write_requests_are_parsed_as_protobuf_parses_them(header, layer, comp, offset, data, packed):
-    msg = pool_pb2.WriteKVRequest(layer_id=layer, component=comp, offset=offset, data=data, packed=packed)
+       st.integers(0, 2**32 - 1), st.integers(0, 3), st.integers(0, 2**64 - 1), st.binary(max_size=600), st.booleans(),
+       st.integers(0, 2**64 - 1))
+def test_write_requests_are_parsed_as_protobuf_parses_them(header, layer, comp, offset, data, packed, allocate):
+    msg = pool_pb2.WriteKVRequest(layer_id=layer, component=comp, offset=offset, data=data, packed=packed,
+                                  allocate_tokens=allocate)
     if header is not None:
         msg.header.CopyFrom(header)
     got = decode_write_request(msg.SerializeToString())
-    assert (got.layer_id, got.component, got.offset, bytes(got.data), got.packed) == (layer, comp, offset, data, packed)
+    assert (got.layer_id, got.component, got.offset, bytes(got.data), got.packed, got.allocate_tokens) == \
+        (layer, comp, offset, data, packed, allocate)
     assert got.header == (header if header is not None else None)
-    assert encode_write_chunk(layer, comp, offset, [memoryview(data)], packed=packed,
+    assert encode_write_chunk(layer, comp, offset, [memoryview(data)], packed=packed, allocate_tokens=allocate,
                               header=header.SerializeToString() if header is not None else None) == msg.SerializeToString()
 
 

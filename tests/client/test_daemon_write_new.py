@@ -1,0 +1,164 @@
+"""WriteKV that allocates (``write_new_kv``, ``allocate_tokens``) through a real daemon: it takes whole
+pages, writes the latent rows straight into them as the stream arrives, and hands the pages out only
+when the whole stream has checked out; any failure allocates nothing.
+
+Pool: the conftest's 16 pages of 64 tokens, GLM-5.2's first 8 layers (indexer on 0, 1, 2, 6). The
+expected slots and bytes are worked out here (pages are handed out lowest first; page 0 is padding).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+import torch
+from kv_helpers import NUM_LAYERS, PAGE_SIZE, random_kv, verify_kv
+
+from kvtier.client import FailedPreconditionError, InvalidArgumentError, KVTierClient, NotFoundError, ResourceExhaustedError
+from kvtier.client.wire import encode_write_chunk
+from kvtier.v1 import pool_pb2
+
+
+def slots_of(pages: list[int], n: int) -> list[int]:
+    return [p * PAGE_SIZE + i for p in pages for i in range(PAGE_SIZE)][:n]
+
+
+def test_write_new_kv_allocates_pages_and_writes_them(client, pool):
+    """150 tokens: pages 1-3 (the lowest free), the slots of their first 150 rows, every byte back."""
+    latent, index = random_kv(150, seed=11)
+    before = client.describe_pool(pool).free_pages
+    slots = client.write_new_kv(pool, latent=latent, index=index)
+    assert slots.tolist() == slots_of([1, 2, 3], 150)
+    assert client.describe_pool(pool).free_pages == before - 3
+    verify_kv(client.read_kv(pool, slots), latent, index)
+    assert client.free_slots(pool, slots) == 3
+
+
+def test_write_new_kv_into_scattered_free_pages_in_small_chunks(daemon, client, pool):
+    """Free pages 2, 4, 5, 7 between allocated ones: a 250-token write lands on them in that order, in
+    4 KiB messages that cross row, run and segment boundaries; every byte is where its slot says."""
+    held = client.allocate_slots(pool, 8 * PAGE_SIZE)  # pages 1..8
+    client.free_slots(pool, [s for s in held.tolist() if s // PAGE_SIZE in (2, 4, 5, 7)])
+    latent, index = random_kv(250, seed=12)
+    with KVTierClient(daemon.address, timeout=30, chunk_bytes=4096) as small:
+        slots = small.write_new_kv(pool, latent=latent, index=index)
+    assert slots.tolist() == slots_of([2, 4, 5, 7], 250)
+    verify_kv(client.read_kv(pool, slots), latent, index)
+    for page, rows in ((2, slice(0, 64)), (7, slice(192, 250))):  # and slot by slot, layer 3 (a skip layer)
+        got = client.read_kv(pool, slots_of([page], 64)[:rows.stop - rows.start], latent_layers=[3], index_layers=[])
+        assert torch.equal(got.latent[3], latent[3][rows])
+
+
+def test_write_new_kv_refusals_allocate_nothing(client, pool):
+    """Too many tokens, rows of unequal length, a skip layer's indexer data: each refused with its own
+    error, the pool's free pages unchanged."""
+    free = client.describe_pool(pool).free_pages
+    latent, index = random_kv(17 * PAGE_SIZE, seed=13, layers=[0], live=[])
+    with pytest.raises(ResourceExhaustedError, match="pages"):
+        client.write_new_kv(pool, latent=latent)
+    a, _ = random_kv(10, seed=1, layers=[0], live=[])
+    b, _ = random_kv(12, seed=1, layers=[1], live=[])
+    with pytest.raises(ValueError, match="one number of rows"):
+        client.write_new_kv(pool, latent={**a, **b})
+    _, idx = random_kv(10, seed=1, layers=[], live=[3])
+    with pytest.raises(FailedPreconditionError, match="skips top-k"):
+        client.write_new_kv(pool, index=idx)
+    assert client.describe_pool(pool).free_pages == free
+
+
+def _stream(client: KVTierClient, pool: str, latent: dict, n: int, *, slots=(), offset_error: bool = False,
+            end_early: bool = False, stall: threading.Event | None = None, sent: threading.Event | None = None):
+    """WriteKV requests asking to allocate ``n`` tokens for layer 0's rows: the header, the first 4 KiB,
+    then (after ``stall`` is set, if given) the rest. ``offset_error``: the rest skips 4 KiB ahead;
+    ``end_early``: the rest never comes."""
+    header = pool_pb2.KVHeader(pool_id=pool, slots=list(slots), latent_layers=list(latent),
+                               layout_digest=client.layout(pool).fingerprint_digest)
+    yield encode_write_chunk(0, 0, 0, [], header=header.SerializeToString(), allocate_tokens=n)
+    rows = memoryview(latent[0].numpy()).cast("B")
+    yield encode_write_chunk(0, pool_pb2.COMPONENT_LATENT, 0, [rows[:4096]])
+    if sent is not None:
+        sent.set()
+    if stall is not None:
+        stall.wait(30)
+    if not end_early:
+        at = 8192 if offset_error else 4096
+        yield encode_write_chunk(0, pool_pb2.COMPONENT_LATENT, at, [rows[at:]])
+
+
+def wait_free(client: KVTierClient, pool: str, want: int, bound_s: float = 10.0) -> int:
+    """Poll the pool's free pages until they equal ``want`` (the daemon sees a cancel on its own
+    thread) or ``bound_s`` passes; returns the last count."""
+    end = time.monotonic() + bound_s
+    while True:
+        got = client.describe_pool(pool).free_pages
+        if got == want or time.monotonic() > end:
+            return got
+        time.sleep(0.02)
+
+
+def test_broken_streams_give_their_pages_back(client, pool):
+    """A bad offset, a stream that ends early and slots named as well as allocate_tokens: each
+    INVALID_ARGUMENT, no page kept."""
+    free = client.describe_pool(pool).free_pages
+    latent, _ = random_kv(128, seed=14, layers=[0], live=[])
+    for kw, match in (({"offset_error": True}, "offset 8192; expected 4096"), ({"end_early": True}, "got 4096 of"),
+                      ({"slots": [64, 65]}, "not both")):
+        with pytest.raises(grpc.RpcError) as e:
+            client._write_kv_raw(_stream(client, pool, latent, 128, **kw), timeout=30)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and match in e.value.details()
+        assert client.describe_pool(pool).free_pages == free
+
+
+def test_pages_of_a_stream_in_flight_belong_to_no_one_until_it_commits(daemon, client, pool):
+    """While a 128-token stream is stalled after its first piece: its 2 pages are taken (the next
+    allocation gets pages 3, 4) yet no call can name them (read, free: not allocated), and other
+    clients' writes and reads go on; cancelled, it gives them back."""
+    latent, _ = random_kv(128, seed=15, layers=[0], live=[])
+    free = client.describe_pool(pool).free_pages
+    stall, sent = threading.Event(), threading.Event()
+    call = client._write_kv_raw.future(_stream(client, pool, latent, 128, stall=stall, sent=sent), timeout=30)
+    try:
+        assert sent.wait(30)
+        reserved = slots_of([1, 2], 128)
+        assert client.describe_pool(pool).free_pages == free - 2
+        with pytest.raises(InvalidArgumentError, match="not allocated"):
+            client.read_kv(pool, reserved[:4], latent_layers=[0], index_layers=[])
+        with pytest.raises(InvalidArgumentError, match="not allocated"):
+            client.free_slots(pool, reserved[:1])
+        with KVTierClient(daemon.address, timeout=30) as other:
+            mine = other.allocate_slots(pool, 100)
+            assert mine.tolist() == slots_of([3, 4], 100)
+            lat2, idx2 = random_kv(100, seed=16)
+            other.write_kv(pool, mine, latent=lat2, index=idx2)
+            verify_kv(other.read_kv(pool, mine), lat2, idx2)
+            other.free_slots(pool, mine)
+        call.cancel()
+    finally:
+        stall.set()
+    with pytest.raises(grpc.FutureCancelledError):
+        call.result(30)
+    assert wait_free(client, pool, free) == free
+
+
+def test_a_pool_deleted_under_a_stream_ends_it_not_found(daemon, client, pool):
+    """DeletePool --force while a write that allocates is stalled: the write ends NOT_FOUND and the
+    daemon serves on (a new pool of the same name takes a full write)."""
+    latent, _ = random_kv(128, seed=17, layers=[0], live=[])
+    stall, sent = threading.Event(), threading.Event()
+    call = client._write_kv_raw.future(_stream(client, pool, latent, 128, stall=stall, sent=sent), timeout=30)
+    try:
+        assert sent.wait(30)
+        client.delete_pool(pool, force=True)
+    finally:
+        stall.set()
+    with pytest.raises(grpc.RpcError) as e:
+        call.result(30)
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND, e.value.details()
+    client.create_pool("glm-5.2", num_layers=NUM_LAYERS, size_tokens=1024, pool_id=pool)
+    latent, index = random_kv(64, seed=18)
+    slots = client.write_new_kv(pool, latent=latent, index=index)
+    verify_kv(client.read_kv(pool, slots), latent, index)
+    with pytest.raises(NotFoundError):
+        client.write_new_kv("no-such-pool", latent=latent)
