@@ -5,6 +5,8 @@ One fault thread in the test's process loops, for the soak's whole length:
 * **a cancelled write**: slots written with content A, then a WriteKV of content B whose request
   stream stalls after its header and first chunk and is cancelled by the client: the call ends
   CANCELLED and the slots still hold A, byte for byte (all or nothing);
+* **a cancelled write that allocates**: WriteKV with ``allocate_tokens`` stalled after its first
+  chunk and cancelled: CANCELLED, and its pages go back (the soak's end state, equal to its start);
 * **an abandoned read**: a ReadKV of a whole page run taken one 4 KiB message and cancelled (the
   daemon's hold watch lets the pool's lock go);
 * **a write past its deadline**: a WriteKV of B with a 1 ms deadline: DEADLINE_EXCEEDED or done, and
@@ -58,13 +60,15 @@ def latent_content(seed: int, n: int) -> dict[int, torch.Tensor]:
     return {x: torch.randint(0, 256, (n, 656), dtype=torch.uint8, generator=g) for x in range(LAYERS)}
 
 
-def stalled_requests(c: KVTierClient, pool_id: str, slots: torch.Tensor, latent: dict[int, torch.Tensor],
+def stalled_requests(c: KVTierClient, pool_id: str, slots: torch.Tensor | None, latent: dict[int, torch.Tensor],
                      sent: threading.Event, gate: threading.Event):
-    """WriteKV's serialized requests for ``latent`` on ``slots``: the header and the first 4 KiB of
-    layer 0, then nothing until ``gate`` is set (the stream never completes)."""
-    header = pool_pb2.KVHeader(pool_id=pool_id, slots=slot_list(slots), latent_layers=list(latent),
+    """WriteKV's serialized requests for ``latent`` on ``slots`` (None: allocating pages for its
+    rows): the header and the first 4 KiB of layer 0, then nothing until ``gate`` is set (the
+    stream never completes)."""
+    header = pool_pb2.KVHeader(pool_id=pool_id, slots=[] if slots is None else slot_list(slots), latent_layers=list(latent),
                                layout_digest=c.layout(pool_id).fingerprint_digest)
-    yield encode_write_chunk(0, 0, 0, [], header=header.SerializeToString())
+    n = len(latent[0]) if slots is None else 0
+    yield encode_write_chunk(0, 0, 0, [], header=header.SerializeToString(), allocate_tokens=n)
     rows = memoryview(latent[0].numpy()).cast("B")
     yield encode_write_chunk(0, pool_pb2.COMPONENT_LATENT, 0, [rows[:4096]])
     sent.set()
@@ -102,7 +106,7 @@ class Faults:
         start = time.monotonic()
         with KVTierClient(self.address, timeout=60, retries=0, chunk_bytes=4096) as c:
             while time.monotonic() < end:
-                faults = [self.cancelled_write, self.abandoned_read, self.deadline_write]
+                faults = [self.cancelled_write, self.cancelled_new_write, self.abandoned_read, self.deadline_write]
                 if kills and time.monotonic() - start >= kill_at[0]:
                     kill_at.pop(0)
                     faults = [kills.pop(0)]
@@ -141,6 +145,27 @@ class Faults:
                 raise AssertionError("a cancelled write changed the slots it named")
         finally:
             c.free_slots(POOL, slots)
+
+    def cancelled_new_write(self, c: KVTierClient) -> None:
+        n = self.rng.randint(1, 3) * PS
+        sent, gate = threading.Event(), threading.Event()
+        call = c._write_kv_raw.future(stalled_requests(c, POOL, None, latent_content(self.rng.getrandbits(31), n), sent, gate),
+                                      timeout=30)
+        try:
+            if not sent.wait(30):
+                raise AssertionError("the stalled write never sent its first chunk")
+            time.sleep(self.rng.uniform(0, 0.05))
+            call.cancel()
+        finally:
+            gate.set()
+        try:
+            call.result(30)
+            raise AssertionError("a cancelled write that allocates succeeded")
+        except grpc.FutureCancelledError:
+            pass
+        except grpc.RpcError as e:
+            if e.code() not in (grpc.StatusCode.CANCELLED, grpc.StatusCode.INVALID_ARGUMENT):
+                raise AssertionError(f"a cancelled write that allocates ended {e.code().name}: {e.details()}") from None
 
     def abandoned_read(self, c: KVTierClient) -> None:
         n = 4 * PS

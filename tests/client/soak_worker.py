@@ -1,7 +1,8 @@
 """One soak process: ``python soak_worker.py ADDRESS SECONDS THREADS SEED`` runs THREADS clients, each
 looping random scenarios for SECONDS, and prints one JSON line: ``{"ops": {...}, "errors": [...]}``.
 
-Every scenario checks its own bytes and leaves nothing behind (slots freed, copies dropped, leases
+Scenarios: KV write/read/move, a write that allocates, offload/restore, prefix requests, monitoring
+calls and self-pulls. Every scenario checks its own bytes and leaves nothing behind (slots freed, copies dropped, leases
 released), so after all workers end the daemon's pools and tiers must be back to where they started.
 Pools (made by the test): ``soak`` (KV, 512 pages), ``soak-dst`` (PullKV destinations), ``soak-pfx``
 (prefix cache, 128 pages: the 48 shared page keys cached at setup never leave the device tier).
@@ -59,6 +60,19 @@ def kv_round_trip(c: KVTierClient, rng: random.Random) -> None:
         check(c.read_kv("soak", s[:n]), lat, idx)
         c.move_kv("soak", s[n:], s[:n])
         check(c.read_kv("soak", s[n:]), lat, idx)
+    finally:
+        c.free_slots("soak", s)
+
+
+def kv_write_new(c: KVTierClient, rng: random.Random) -> None:
+    """A write that allocates its pages (WriteKV with allocate_tokens), read back, freed."""
+    n = rng.randint(1, 4) * PS - rng.randint(0, 63)
+    lat, idx = content(rng.getrandbits(31), n)
+    s = c.write_new_kv("soak", latent=lat, index=idx)
+    try:
+        if s.numel() != n:
+            raise AssertionError(f"write_new_kv gave {s.numel()} slots for {n} tokens")
+        check(c.read_kv("soak", s), lat, idx)
     finally:
         c.free_slots("soak", s)
 
@@ -145,7 +159,7 @@ def pull(c: KVTierClient, rng: random.Random) -> None:
         c.free_slots("soak-dst", dst)
 
 
-SCENARIOS = [(kv_round_trip, 4), (offload_restore, 3), (prefix_request, 4), (monitor, 3), (pull, 1)]
+SCENARIOS = [(kv_round_trip, 3), (kv_write_new, 2), (offload_restore, 3), (prefix_request, 4), (monitor, 3), (pull, 1)]
 
 
 def run(address: str, seconds: float, threads: int, seed: int) -> dict:

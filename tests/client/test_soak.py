@@ -97,8 +97,9 @@ def test_soak(tmp_path, seconds):
         print(f"faults: {dict(faults.ops)}")
         assert errors == [], errors[:5]
         assert faults.errors == [], faults.errors[:5]
-        assert min(faults.ops.get(k, 0) for k in ("cancelled_write", "abandoned_read", "deadline_write",
+        assert min(faults.ops.get(k, 0) for k in ("cancelled_write", "cancelled_new_write", "abandoned_read", "deadline_write",
                                                    "killed_writer", "killed_attached_worker")) > 0, faults.ops
-        assert min(ops.get(k, 0) for k in ("kv_round_trip", "offload_restore", "prefix_request", "monitor", "pull")) > 0
+        assert min(ops.get(k, 0) for k in ("kv_round_trip", "kv_write_new", "offload_restore", "prefix_request", "monitor",
+                                           "pull")) > 0
         assert usage(c) == start
         assert samples and samples[-1] - samples[0] <= RSS_GROWTH_BOUND, (samples[0], samples[-1])
