@@ -50,6 +50,7 @@ def test_results_name_the_machine_settings_and_issue_targets(quick_run):
     targets = {c["key"]: c["target"] for case in doc["cases"].values() for c in case["comparisons"]}
     assert targets["copies.get_cpu_copy_vs_plain"] == 0.8 and targets["disk.spill_fsync_vs_file"] == 0.9
     assert targets["pd.pullkv_vs_raw_read"] == 0.9 and targets["daemon.read_vs_echo"] == 0.9
+    assert targets["daemon.write_vs_echo"] == targets["daemon.write_new_vs_echo"] == 0.9
     assert targets["attach.write_vs_in_process"] == 0.9 and targets["attach.read_vs_in_process"] == 0.9
     assert "copies" in stderr  # progress went to stderr, the JSON alone to stdout
 
