@@ -39,5 +39,10 @@ class FailedPrecondition(KVTierError):
     differs from the pool's, indexer data for a skip-topk layer, deleting a busy pool (FAILED_PRECONDITION)."""
 
 
+class Cancelled(KVTierError):
+    """The call was cancelled or ran past its deadline before it changed anything (CANCELLED): e.g. a
+    WriteKV whose commit found its call no longer active (its client cannot learn of the result)."""
+
+
 class Unauthenticated(KVTierError):
     """A call without a valid bearer token on a daemon with tenants (UNAUTHENTICATED)."""

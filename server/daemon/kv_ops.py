@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +30,7 @@ import torch
 
 from kvtier.server.pool.buffer_info import BufInfos
 from kvtier.server.daemon.config import MIN_CHUNK_BYTES
-from kvtier.server.daemon.errors import FailedPrecondition, InvalidArgument, NotFound
+from kvtier.server.daemon.errors import Cancelled, FailedPrecondition, InvalidArgument, NotFound
 from kvtier.server.daemon.offload_store import HostCopy, OffloadStore
 from kvtier.server.daemon.pools import PoolEntry, PoolRegistry
 from kvtier.server.daemon.tenants import Caller
@@ -296,22 +296,33 @@ def free_slots(registry: PoolRegistry, caller: Caller, pool_id: str, slots: Any)
         return entry.free(entry.slots(slots), entry.owner_of(caller))
 
 
-def write_kv(registry: PoolRegistry, caller: Caller, buf: KVWriteBuffer) -> int:
+def write_kv(registry: PoolRegistry, caller: Caller, buf: KVWriteBuffer,
+             wanted: Callable[[], bool] = lambda: True) -> int:
     """Commit a complete :class:`KVWriteBuffer` into its pool; returns the bytes written.
 
     The slots are checked again under the pool's exclusive lock (the allocation may have changed
-    while the stream arrived); all checks run before the first byte is written.
+    while the stream arrived); all checks run before the first byte is written, the last of them
+    ``wanted()`` (the call still active: a call cancelled, or past its deadline, while the commit
+    waited for the lock writes nothing, as its client was told).
 
     Raises:
         InvalidArgument: incomplete stream, or slots no longer allocated. NotFound: pool deleted.
+        Cancelled: ``wanted()`` was false; nothing was written.
     """
     buf.check_complete()
     sel = buf.selection
     with registry.locked(caller, sel.pool_id, exclusive=True) as entry:
         slots = entry.slots(buf.slots, unique=True)
         entry.check_owner(torch.unique(slots // entry.page_size), entry.owner_of(caller))
+        _check_wanted(wanted)
         _write_staged(entry, buf, slots)
     return buf.nbytes
+
+
+def _check_wanted(wanted: Callable[[], bool]) -> None:
+    """Raise Cancelled unless ``wanted()`` (the call is still active); the commit's pool lock is held."""
+    if not wanted():
+        raise Cancelled("the WriteKV was cancelled or ran past its deadline before its commit; nothing was written")
 
 
 def _write_staged(entry: PoolEntry, buf: KVWriteBuffer, slots: torch.Tensor) -> None:
@@ -355,21 +366,25 @@ def reserve_write(registry: PoolRegistry, caller: Caller, sel: KVSelection, num_
         raise
 
 
-def write_new_kv(registry: PoolRegistry, caller: Caller, buf: KVWriteBuffer) -> tuple[torch.Tensor, int]:
+def write_new_kv(registry: PoolRegistry, caller: Caller, buf: KVWriteBuffer,
+                 wanted: Callable[[], bool] = lambda: True) -> tuple[torch.Tensor, int]:
     """Commit a complete :class:`KVWriteBuffer` of :func:`reserve_write`: the staged segments
     written, then the reserved pages granted to the caller (its attach session's, if any) in one
-    exclusive section. Returns ``(slots (n,) int64, bytes written)``.
+    exclusive section, once ``wanted()`` says the call is still active (pages granted to a call
+    that was cancelled, or ran past its deadline, while the commit waited for the lock would be
+    allocated to no one who knows of them). Returns ``(slots (n,) int64, bytes written)``.
 
     Raises:
         InvalidArgument: incomplete stream. NotFound: the pool was deleted (or re-created) while
-            the stream arrived, or the caller's attach session ended. The caller then calls
-            :func:`abort_reserved`.
+            the stream arrived, or the caller's attach session ended. Cancelled: ``wanted()`` was
+            false. The caller then calls :func:`abort_reserved`.
     """
     buf.check_complete()
     with registry.locked(caller, buf.selection.pool_id, exclusive=True) as entry:
         if entry is not buf.entry:
             raise NotFound(f"pool {entry.pool_id!r} was deleted and made again while the stream arrived; nothing was written")
         owner = entry.owner_of(caller)
+        _check_wanted(wanted)
         _write_staged(entry, buf, buf.slots)
         entry.grant(buf.slots, owner)
     return buf.slots, buf.nbytes

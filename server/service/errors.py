@@ -19,7 +19,7 @@ from typing import Any
 import grpc
 
 from kvtier.server.daemon.errors import (
-    AlreadyExists, FailedPrecondition, InvalidArgument, KVTierError, NotFound, ResourceExhausted, Unauthenticated,
+    AlreadyExists, Cancelled, FailedPrecondition, InvalidArgument, KVTierError, NotFound, ResourceExhausted, Unauthenticated,
     Unavailable,
 )
 from kvtier.server.service.interceptors import handler_like
@@ -29,7 +29,7 @@ from kvtier.server.transfer.errors import LayoutMismatchError, TransferEngineUna
 log = logging.getLogger("kvtier.service")
 
 __all__ = [
-    "AlreadyExists", "DomainErrorInterceptor", "FailedPrecondition", "InvalidArgument", "KVTierError", "NotFound",
+    "AlreadyExists", "Cancelled", "DomainErrorInterceptor", "FailedPrecondition", "InvalidArgument", "KVTierError", "NotFound",
     "ResourceExhausted", "STATUS_CODES", "Unauthenticated", "Unavailable", "status_code_for",
 ]
 
@@ -45,6 +45,7 @@ STATUS_CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (Unavailable, grpc.StatusCode.UNAVAILABLE),
     (TierUnavailableError, grpc.StatusCode.UNAVAILABLE),  # a tier that went unhealthy mid-call; retry later
     (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
+    (Cancelled, grpc.StatusCode.CANCELLED),  # the caller went away first; nothing was changed
     (LayoutMismatchError, grpc.StatusCode.FAILED_PRECONDITION),  # PD peers' layouts differ; nothing moved
     (TransferEngineUnavailable, grpc.StatusCode.FAILED_PRECONDITION),
     (TransferError, grpc.StatusCode.ABORTED),  # moving bytes failed; the destination pages were freed

@@ -93,14 +93,14 @@ class PoolServicer(pool_pb2_grpc.PoolServiceServicer):
                 buf = kv_ops.reserve_write(self.pools, caller, sel, first.allocate_tokens)
                 try:
                     self._receive(buf, first, request_iterator, touch)
-                    slots, nbytes = kv_ops.write_new_kv(self.pools, caller, buf)
+                    slots, nbytes = kv_ops.write_new_kv(self.pools, caller, buf, context.is_active)
                 except BaseException:
                     kv_ops.abort_reserved(self.pools, caller, buf.entry, buf.slots)
                     raise
             else:
                 buf = kv_ops.KVWriteBuffer(self.pools.get(caller, sel.pool_id), sel)
                 self._receive(buf, first, request_iterator, touch)
-                slots, nbytes = None, kv_ops.write_kv(self.pools, caller, buf)
+                slots, nbytes = None, kv_ops.write_kv(self.pools, caller, buf, context.is_active)
         self.state.counters.add(caller, "kv_writes")
         self.state.counters.add(caller, "kv_bytes_written", nbytes)
         if slots is None:

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent import futures
 
 import grpc
 import pytest
 import torch
 from kv_helpers import NUM_LAYERS, PAGE_SIZE, random_kv, verify_kv
 
-from kvtier.client import FailedPreconditionError, InvalidArgumentError, KVTierClient, NotFoundError, ResourceExhaustedError
+from kvtier.client import DaemonProcess, FailedPreconditionError, InvalidArgumentError, KVTierClient, NotFoundError, ResourceExhaustedError
 from kvtier.client.wire import encode_write_chunk
 from kvtier.v1 import pool_pb2
 
@@ -162,3 +163,116 @@ def test_a_pool_deleted_under_a_stream_ends_it_not_found(daemon, client, pool):
     verify_kv(client.read_kv(pool, slots), latent, index)
     with pytest.raises(NotFoundError):
         client.write_new_kv("no-such-pool", latent=latent)
+
+
+class StalledPeer:
+    """A PD peer in front of a real daemon: a gRPC proxy whose ReadPages waits for ``release`` before it
+    forwards. A PullKV from it holds its destination pool's exclusive lock (the pull runs under it) for
+    as long as the test wants, so a WriteKV commit on that pool waits for the lock meanwhile."""
+
+    SERVICE = "kvtier.v1.TransferService"
+
+    def __init__(self, target: str) -> None:
+        self.channel = grpc.insecure_channel(target)
+        self.reading, self.release = threading.Event(), threading.Event()
+        layout = self.channel.unary_unary(f"/{self.SERVICE}/GetTransferLayout")
+        pages = self.channel.unary_stream(f"/{self.SERVICE}/ReadPages")
+
+        def read_pages(request, context):
+            self.reading.set()
+            self.release.wait(60)
+            yield from pages(request, timeout=30)
+
+        handlers = {"GetTransferLayout": grpc.unary_unary_rpc_method_handler(lambda r, c: layout(r, timeout=30)),
+                    "ReadPages": grpc.unary_stream_rpc_method_handler(read_pages)}
+        self.server = grpc.server(futures.ThreadPoolExecutor(4))
+        self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(self.SERVICE, handlers),))
+        self.address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
+        self.server.start()
+
+    def close(self) -> None:
+        self.release.set()
+        self.server.stop(0)
+        self.channel.close()
+
+
+@pytest.fixture()
+def idle_daemon():
+    """A daemon that cancels a KV stream idle for 1 s, with pools ``p`` (the writes) and ``q`` (a
+    pull's source page, written with seed 40), and a stalled peer in front of it."""
+    with DaemonProcess("127.0.0.1:0", extra_args=["--device", "cpu", "--log-level", "WARNING",
+                                                  "--stream-idle-seconds", "1"]) as d, KVTierClient(d.address, timeout=30) as c:
+        for p in ("p", "q"):
+            c.create_pool("glm-5.2", num_layers=NUM_LAYERS, size_tokens=1024, pool_id=p)
+        src = c.allocate_slots("q", PAGE_SIZE)
+        c.write_kv("q", src, latent=random_kv(PAGE_SIZE, seed=40)[0])
+        peer = StalledPeer(d.address)
+        try:
+            yield d, c, peer
+        finally:
+            peer.close()
+
+
+def _commit_under_a_held_lock(c: KVTierClient, peer: StalledPeer, requests, go: threading.Event, sent: threading.Event):
+    """Start the WriteKV ``requests`` (stalled after its first piece until ``go``), hold pool ``p``'s
+    exclusive lock with a PullKV from ``peer`` , let the rest of the stream go, and
+    return the status the write ends with while its commit still waits for the lock (the watchdog
+    cancels it after 1 s); then let the pull (page 1 of q onto page 1 of p) finish. Returns ``(code,
+    pull result)``."""
+    call = c._write_kv_raw.future(requests, timeout=30)
+    assert sent.wait(30)
+    pulled: dict = {}
+
+    def pull():
+        pulled["r"] = c.pull_kv("p", peer.address, "q", src_pages=[1], dst_pages=[1], transport="grpc", timeout=60)
+
+    t = threading.Thread(target=pull)
+    t.start()
+    try:
+        assert peer.reading.wait(30)  # the pull holds p's exclusive lock now
+        go.set()
+        with pytest.raises(grpc.RpcError) as e:
+            call.result(30)
+    finally:
+        go.set()
+        peer.release.set()
+        t.join(60)
+    return e.value.code(), pulled.get("r")
+
+
+def test_a_write_that_allocates_cancelled_while_its_commit_waits_allocates_nothing(idle_daemon):
+    """Regression: the stream of a write that allocates arrived whole, its commit waited for the pool's
+    lock (held by a PullKV) past --stream-idle-seconds and the watchdog cancelled the call -- the
+    client saw CANCELLED, yet the commit went on and granted the 2 pages to no one who knew of them
+    (free pages 13 of 15 afterwards, for good). A commit of a call no longer active gives them back."""
+    d, c, peer = idle_daemon
+    assert c.allocate_slots("p", PAGE_SIZE).tolist() == slots_of([1], PAGE_SIZE)  # the pull's destination
+    free = c.describe_pool("p").free_pages
+    assert free == 15
+    latent, _ = random_kv(128, seed=41, layers=[0], live=[])
+    go, sent = threading.Event(), threading.Event()
+    code, pulled = _commit_under_a_held_lock(c, peer, _stream(c, "p", latent, 128, stall=go, sent=sent), go, sent)
+    assert code == grpc.StatusCode.CANCELLED
+    assert pulled is not None and pulled.num_pages == 1
+    assert c.describe_pool("p").free_pages == free  # the write's pages 2, 3 came back
+    assert c.write_new_kv("p", latent=latent).tolist() == slots_of([2, 3], 128)  # and are handed out again
+
+
+def test_a_write_into_named_slots_cancelled_while_its_commit_waits_writes_nothing(idle_daemon):
+    """Regression (README "Threads": a cancelled WriteKV wrote nothing): page 2 of p holds layer 0 rows
+    of seed 42; a write of seed 43's rows into it arrived whole, its commit waited for the pool's lock
+    (a PullKV) until the watchdog cancelled the call -- the client saw CANCELLED, yet the commit
+    overwrote the page. Afterwards the page still holds seed 42's rows."""
+    d, c, peer = idle_daemon
+    assert c.allocate_slots("p", PAGE_SIZE).tolist() == slots_of([1], PAGE_SIZE)  # the pull's destination
+    target = c.allocate_slots("p", PAGE_SIZE)
+    assert target.tolist() == slots_of([2], PAGE_SIZE)
+    kept, _ = random_kv(PAGE_SIZE, seed=42, layers=[0], live=[])
+    c.write_kv("p", target, latent=kept)
+    latent, _ = random_kv(PAGE_SIZE, seed=43, layers=[0], live=[])
+    go, sent = threading.Event(), threading.Event()
+    code, _ = _commit_under_a_held_lock(c, peer, _stream(c, "p", latent, 0, slots=target.tolist(), stall=go, sent=sent),
+                                        go, sent)
+    assert code == grpc.StatusCode.CANCELLED
+    got = c.read_kv("p", target, latent_layers=[0], index_layers=[])
+    assert torch.equal(got.latent[0].contiguous().view(torch.uint8).view(PAGE_SIZE, -1), kept[0])

@@ -6,7 +6,7 @@ import grpc
 
 from kvtier.server.pool import AllocatorError
 from kvtier.server.daemon.errors import (
-    AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unauthenticated,
+    AlreadyExists, Cancelled, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unauthenticated,
 )
 from kvtier.server.service.errors import status_code_for
 
@@ -18,6 +18,7 @@ def test_status_codes():
     assert status_code_for(ResourceExhausted("x")) == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert status_code_for(FailedPrecondition("x")) == grpc.StatusCode.FAILED_PRECONDITION
     assert status_code_for(Unauthenticated("x")) == grpc.StatusCode.UNAUTHENTICATED
+    assert status_code_for(Cancelled("x")) == grpc.StatusCode.CANCELLED
 
     class TierFull(ResourceExhausted):
         pass
