@@ -117,7 +117,10 @@ class PoolServicer(pool_pb2_grpc.PoolServiceServicer):
             if msg is not first and (msg.header is not None or msg.packed or msg.allocate_tokens):
                 raise InvalidArgument("WriteKV takes one header (and packed, allocate_tokens), in its first message")
             if not msg.data:
-                continue
+                if msg is first:
+                    continue
+                raise InvalidArgument("a WriteKV message after the first must carry data (an empty one moves nothing "
+                                      "yet would keep the stream alive past --stream-idle-seconds)")
             if first.packed:
                 if msg.layer_id or msg.component:
                     raise InvalidArgument("a packed WriteKV stream's messages name no layer or component")

@@ -276,3 +276,24 @@ def test_a_write_into_named_slots_cancelled_while_its_commit_waits_writes_nothin
     assert code == grpc.StatusCode.CANCELLED
     got = c.read_kv("p", target, latent_layers=[0], index_layers=[])
     assert torch.equal(got.latent[0].contiguous().view(torch.uint8).view(PAGE_SIZE, -1), kept[0])
+
+
+@pytest.mark.parametrize("allocate", [True, False])
+def test_empty_messages_are_refused_not_taken_as_liveness(client, pool, allocate):
+    """Regression: a WriteKV message without data after the header was skipped, yet it counted as a
+    message moved, so a client sending empty messages now and then held a worker thread (and, for a
+    write that allocates, its reserved pages) for ever past --stream-idle-seconds and the 4096-byte
+    chunk rule. Now INVALID_ARGUMENT at the first such message; nothing allocated, nothing written."""
+    free = client.describe_pool(pool).free_pages
+    slots = [] if allocate else client.allocate_slots(pool, PAGE_SIZE).tolist()
+    latent, _ = random_kv(PAGE_SIZE, seed=44, layers=[0], live=[])
+    header = pool_pb2.KVHeader(pool_id=pool, slots=slots, latent_layers=[0],
+                               layout_digest=client.layout(pool).fingerprint_digest).SerializeToString()
+    rows = memoryview(latent[0].numpy()).cast("B")
+    requests = [encode_write_chunk(0, 0, 0, [], header=header, allocate_tokens=PAGE_SIZE if allocate else 0),
+                encode_write_chunk(0, pool_pb2.COMPONENT_LATENT, 0, []),
+                encode_write_chunk(0, pool_pb2.COMPONENT_LATENT, 0, [rows])]
+    with pytest.raises(grpc.RpcError) as e:
+        client._write_kv_raw(iter(requests), timeout=30)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "carry data" in e.value.details()
+    assert client.describe_pool(pool).free_pages == free - (0 if allocate else 1)
