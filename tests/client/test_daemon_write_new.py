@@ -215,8 +215,7 @@ def idle_daemon():
 
 def _commit_under_a_held_lock(c: KVTierClient, peer: StalledPeer, requests, go: threading.Event, sent: threading.Event):
     """Start the WriteKV ``requests`` (stalled after its first piece until ``go``), hold pool ``p``'s
-    exclusive lock with a PullKV from ``peer`` , let the rest of the stream go, and
-    return the status the write ends with while its commit still waits for the lock (the watchdog
+    exclusive lock with a PullKV from ``peer``, let the rest of the stream go, and return the status the write ends with while its commit still waits for the lock (the watchdog
     cancels it after 1 s); then let the pull (page 1 of q onto page 1 of p) finish. Returns ``(code,
     pull result)``."""
     call = c._write_kv_raw.future(requests, timeout=30)
@@ -254,6 +253,8 @@ def test_a_write_that_allocates_cancelled_while_its_commit_waits_allocates_nothi
     code, pulled = _commit_under_a_held_lock(c, peer, _stream(c, "p", latent, 128, stall=go, sent=sent), go, sent)
     assert code == grpc.StatusCode.CANCELLED
     assert pulled is not None and pulled.num_pages == 1
+    got = c.read_kv("p", slots_of([1], PAGE_SIZE), latent_layers=[0], index_layers=[])  # the pull's page, seed 40
+    assert torch.equal(got.latent[0].contiguous().view(torch.uint8).view(PAGE_SIZE, -1), random_kv(PAGE_SIZE, seed=40)[0][0])
     assert c.describe_pool("p").free_pages == free  # the write's pages 2, 3 came back
     assert c.write_new_kv("p", latent=latent).tolist() == slots_of([2, 3], 128)  # and are handed out again
 
