@@ -1,9 +1,7 @@
-"""KV operations on a daemon pool: write, read, move, offload, restore, drop, buffer infos.
+"""KV operations on a daemon pool: slots, read, move, offload, restore, drop, buffer infos, and the
+stream segments every KV stream is made of (writes: :mod:`kvtier.server.daemon.kv_write`).
 
-Every operation checks all of its input before it changes anything. A KV write is staged whole in
-host memory (:class:`KVWriteBuffer`) and only then, under the pool's exclusive lock and after checking
-again, written into the pool: a stream that breaks off, or a chunk that does not fit, leaves the pool
-untouched.
+Every operation checks all of its input before it changes anything.
 
 KV streams are made of *segments*: one per (layer, component), holding that component's bytes for
 every slot in slot order. Components: ``latent`` (``latent_row_bytes`` a token), ``index_k``
@@ -19,9 +17,7 @@ by another session are never freed, written, moved onto or restored into (FAILED
 
 from __future__ import annotations
 
-import bisect
-import itertools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +26,7 @@ import torch
 
 from kvtier.server.pool.buffer_info import BufInfos
 from kvtier.server.daemon.config import MIN_CHUNK_BYTES
-from kvtier.server.daemon.errors import Cancelled, FailedPrecondition, InvalidArgument, NotFound
+from kvtier.server.daemon.errors import FailedPrecondition, InvalidArgument
 from kvtier.server.daemon.offload_store import HostCopy, OffloadStore
 from kvtier.server.daemon.pools import PoolEntry, PoolRegistry
 from kvtier.server.daemon.tenants import Caller
@@ -117,163 +113,6 @@ def plan_segments(entry: PoolEntry, sel: KVSelection, n_slots: int) -> list[Segm
     return segs
 
 
-class KVWriteBuffer:
-    """Where the bytes of one WriteKV stream land as they arrive: host staging, written into the pool
-    only at commit (:func:`write_kv`), or, for a write into pages it allocated
-    (:func:`reserve_write`), the latent rows straight into those pages.
-
-    The staging is one block of the pool's host arena (faulted in once, reused by every stream;
-    fresh memory when the arena is full) holding the staged segments back to back in stream order,
-    so a packed stream (:meth:`add_packed`) and a per-segment one (:meth:`add`) land the same way.
-    Written in place, each latent segment lands in its layer's rows of the reserved pages (one view
-    of the pool a run of consecutive slots, :meth:`~kvtier.server.pool.MLATokenToKVPool.latent_row_views`):
-    nobody else reads or writes those pages until the commit grants them, and a stream that breaks
-    off gives them back, so its bytes there are never seen. Indexer keys and scales (about 5% of a
-    GLM-5.2 stream) are always staged: the pool writes them in its page layout at commit.
-
-    Args:
-        entry: the target pool (read only here).
-        sel: the stream's header; checked at once (layers, slots) so a bad header fails before any data.
-        reserved: ``(n,)`` int64 slots of pages :meth:`PoolEntry.reserve` took for this stream (the
-            header names no slots then); None: the header's slots, which must be allocated.
-
-    Raises:
-        InvalidArgument / FailedPrecondition: see :func:`plan_segments` and :meth:`PoolEntry.slots`.
-    """
-
-    def __init__(self, entry: PoolEntry, sel: KVSelection, reserved: torch.Tensor | None = None) -> None:
-        self.selection = sel
-        self.entry = entry
-        self.slots = entry.slots(sel.slots, unique=True) if reserved is None else reserved
-        if self.slots.numel() == 0:
-            raise InvalidArgument("a KV write needs at least one slot")
-        n = self.slots.numel()
-        self.segments = plan_segments(entry, sel, n)
-        self.reserved = reserved is not None
-        direct = entry.pool.latent_row_views(sel.latent_layers, self.slots, n) if self.reserved else None
-        self.in_place = direct is not None
-        """True when the latent rows land in the pool as they arrive (a CPU pool, reserved pages)."""
-        self._starts: dict[tuple[int, str], int] = {}
-        self._sizes = {(seg.layer_id, seg.component): seg.nbytes for seg in self.segments}
-        total = staged = 0
-        seg_starts, lands = [], []
-        views = iter(direct or ())
-        for seg in self.segments:
-            self._starts[(seg.layer_id, seg.component)] = total
-            seg_starts.append(total)
-            if direct is not None and seg.component == LATENT:
-                runs = [v.numpy() for v in next(views)]
-                lands.append((None, list(itertools.accumulate((r.size for r in runs[:-1]), initial=0)), runs))
-            else:
-                lands.append((staged, None, None))
-                staged += seg.nbytes
-            total += seg.nbytes
-        self.nbytes = total
-        """Data bytes the stream must carry."""
-        self._seg_starts, self._lands = seg_starts, lands
-        self._block = entry.pool.host_block(staged)
-        self._buf = self._block.numpy()
-        self._staged_at = {(seg.layer_id, seg.component): land[0] for seg, land in zip(self.segments, lands)}
-        self._filled = dict.fromkeys(self._starts, 0)
-        self._packed_filled: int | None = None  # set once the stream is packed
-
-    def _land(self, offset: int, data: bytes | memoryview) -> None:
-        """Put ``data`` at byte ``offset`` of the whole stream (checked by the caller)."""
-        if not self.in_place:  # everything staged, back to back in stream order: one copy
-            self._buf[offset:offset + len(data)] = np.frombuffer(data, dtype=np.uint8)
-            return
-        src = np.frombuffer(data, dtype=np.uint8)
-        i = bisect.bisect_right(self._seg_starts, offset) - 1
-        pos = 0
-        while pos < src.size:
-            seg_off = offset + pos - self._seg_starts[i]
-            take = min(src.size - pos, self.segments[i].nbytes - seg_off)
-            staged_at, run_starts, runs = self._lands[i]
-            if runs is None:
-                self._buf[staged_at + seg_off:staged_at + seg_off + take] = src[pos:pos + take]
-            else:  # the layer's rows in the reserved pages, a run of slots at a time
-                r, done = bisect.bisect_right(run_starts, seg_off) - 1, 0
-                while done < take:
-                    at = seg_off + done - run_starts[r]
-                    k = min(take - done, runs[r].size - at)
-                    runs[r][at:at + k] = src[pos + done:pos + done + k]
-                    done += k
-                    r += 1
-            pos += take
-            i += 1
-
-    def add(self, layer_id: int, component: str, offset: int, data: bytes | memoryview) -> None:
-        """Stage ``data`` at ``offset`` of segment (``layer_id``, ``component``).
-
-        Raises:
-            InvalidArgument: a segment not in the header, an offset other than the bytes received so
-                far for it (gap, overlap or reordering), more bytes than the segment holds, a piece
-                under :data:`MIN_CHUNK_BYTES` that does not end its segment, or a packed stream.
-        """
-        key = (layer_id, component)
-        start = self._starts.get(key)
-        if start is None:
-            raise InvalidArgument(f"chunk for layer {layer_id} {component}, which the header did not select")
-        if self._packed_filled is not None:
-            raise InvalidArgument("a packed WriteKV stream carries offsets in the whole stream, not segment pieces")
-        size = self._sizes[key]
-        filled = self._filled[key]
-        if offset != filled:
-            raise InvalidArgument(f"chunk for layer {layer_id} {component} at offset {offset}; expected {filled}")
-        end = offset + len(data)
-        if end > size:
-            raise InvalidArgument(f"layer {layer_id} {component} gets {end} bytes; it holds {size}")
-        if len(data) < MIN_CHUNK_BYTES and end != size:
-            raise InvalidArgument(f"chunk of {len(data)} bytes for layer {layer_id} {component}: pieces must hold at "
-                                  f"least {MIN_CHUNK_BYTES} bytes unless they end their segment")
-        self._land(start + offset, data)
-        self._filled[key] = end
-
-    def add_packed(self, offset: int, data: bytes | memoryview) -> None:
-        """Stage ``data`` at byte ``offset`` of the whole stream (every segment back to back, in stream order).
-
-        Raises:
-            InvalidArgument: an offset other than the bytes received so far, more bytes than the
-                stream holds, a piece under :data:`MIN_CHUNK_BYTES` that does not end the stream, or
-                segment pieces received before.
-        """
-        if self._packed_filled is None:
-            if any(self._filled.values()):
-                raise InvalidArgument("a WriteKV stream is packed from its first data message or not at all")
-            self._packed_filled = 0
-        filled = self._packed_filled
-        if offset != filled:
-            raise InvalidArgument(f"packed chunk at offset {offset}; expected {filled}")
-        end = offset + len(data)
-        if end > self.nbytes:
-            raise InvalidArgument(f"the packed stream gets {end} bytes; what the header selects holds {self.nbytes} "
-                                  f"({len(self.segments)} segments of {self.slots.numel()} slots)")
-        if len(data) < MIN_CHUNK_BYTES and end != self.nbytes:
-            raise InvalidArgument(f"packed chunk of {len(data)} bytes: pieces must hold at least {MIN_CHUNK_BYTES} "
-                                  f"bytes unless they end the stream")
-        self._land(offset, data)
-        self._packed_filled = end
-
-    def check_complete(self) -> None:
-        """Raise InvalidArgument naming the first segment that did not receive all its bytes."""
-        if self._packed_filled is not None:
-            if self._packed_filled != self.nbytes:
-                raise InvalidArgument(f"the packed stream got {self._packed_filled} of {self.nbytes} bytes")
-            return
-        for seg in self.segments:
-            got = self._filled[(seg.layer_id, seg.component)]
-            if got != seg.nbytes:
-                raise InvalidArgument(f"layer {seg.layer_id} {seg.component} got {got} of {seg.nbytes} bytes")
-
-    def tensor(self, layer_id: int, component: str) -> torch.Tensor:
-        """The staged bytes of a segment as a ``(nbytes,)`` uint8 tensor (shares memory); not for a
-        latent segment written in place."""
-        start = self._staged_at[(layer_id, component)]
-        if start is None:
-            raise ValueError(f"layer {layer_id} {component} was written in place, not staged")
-        return self._block[start:start + self._sizes[(layer_id, component)]]
-
-
 def allocate_slots(registry: PoolRegistry, caller: Caller, pool_id: str, num_tokens: int) -> tuple[torch.Tensor, int]:
     """Allocate whole pages for ``num_tokens`` (owned by the caller's attach session, if any);
     returns ``(slots (num_tokens,) int64, page_size)``.
@@ -294,111 +133,6 @@ def free_slots(registry: PoolRegistry, caller: Caller, pool_id: str, slots: Any)
     """
     with registry.locked(caller, pool_id, exclusive=True) as entry:
         return entry.free(entry.slots(slots), entry.owner_of(caller))
-
-
-def write_kv(registry: PoolRegistry, caller: Caller, buf: KVWriteBuffer,
-             wanted: Callable[[], bool] = lambda: True) -> int:
-    """Commit a complete :class:`KVWriteBuffer` into its pool; returns the bytes written.
-
-    The slots are checked again under the pool's exclusive lock (the allocation may have changed
-    while the stream arrived); all checks run before the first byte is written, the last of them
-    ``wanted()`` (the call still active: a call cancelled, or past its deadline, while the commit
-    waited for the lock writes nothing, as its client was told).
-
-    Raises:
-        InvalidArgument: incomplete stream, or slots no longer allocated. NotFound: pool deleted.
-        Cancelled: ``wanted()`` was false; nothing was written.
-    """
-    buf.check_complete()
-    sel = buf.selection
-    with registry.locked(caller, sel.pool_id, exclusive=True) as entry:
-        slots = entry.slots(buf.slots, unique=True)
-        entry.check_owner(torch.unique(slots // entry.page_size), entry.owner_of(caller))
-        _check_wanted(wanted)
-        _write_staged(entry, buf, slots)
-    return buf.nbytes
-
-
-def _check_wanted(wanted: Callable[[], bool]) -> None:
-    """Raise Cancelled unless ``wanted()`` (the call is still active); the commit's pool lock is held."""
-    if not wanted():
-        raise Cancelled("the WriteKV was cancelled or ran past its deadline before its commit; nothing was written")
-
-
-def _write_staged(entry: PoolEntry, buf: KVWriteBuffer, slots: torch.Tensor) -> None:
-    """Write the staged segments of ``buf`` into ``slots`` (the pool's exclusive lock held)."""
-    sel, n, pool = buf.selection, slots.numel(), entry.pool
-    sw = pool.index_scale_bytes // 4
-    # every tensor is made before the first byte is written (all or nothing); every segment
-    # starts on a word (a daemon pool's rows are whole 8-byte words: PoolRegistry.create)
-    rows = [] if buf.in_place else [buf.tensor(x, LATENT).view(n, pool.row_bytes) for x in sel.latent_layers]
-    keys = [buf.tensor(x, INDEX_K).view(n, pool.index_head_dim) for x in sel.index_layers]
-    scales = [buf.tensor(x, INDEX_SCALE).view(torch.float32).view(n, sw) for x in sel.index_layers]
-    if rows:
-        pool.set_kv_buffer_layers(sel.latent_layers, slots, rows)
-    if sel.index_layers:
-        pool.set_index_k_scale_layers(sel.index_layers, slots, keys, scales)
-
-
-def reserve_write(registry: PoolRegistry, caller: Caller, sel: KVSelection, num_tokens: int) -> KVWriteBuffer:
-    """Begin a WriteKV that allocates: check the header (``sel.slots`` empty), take whole pages for
-    ``num_tokens`` (:meth:`PoolEntry.reserve`, under the pool's exclusive lock) and return the
-    buffer that writes the stream into them. End it with :func:`write_new_kv`, or
-    :func:`abort_reserved` on any failure.
-
-    Raises:
-        InvalidArgument: slots named as well, ``num_tokens`` not positive, a bad header
-            (:func:`plan_segments`). ResourceExhausted: too few free pages. NotFound: unknown pool,
-            or the caller's attach session ended. Nothing is taken then.
-    """
-    if len(sel.slots):
-        raise InvalidArgument("a WriteKV names its slots in the header or asks for allocate_tokens, not both")
-    if num_tokens <= 0:
-        raise InvalidArgument(f"allocate_tokens must be positive, got {num_tokens}")
-    with registry.locked(caller, sel.pool_id, exclusive=True) as entry:
-        plan_segments(entry, sel, num_tokens)  # the header checked before any page is taken
-        entry.owner_of(caller)  # a session that ended takes nothing
-        slots = entry.reserve(num_tokens)
-    try:
-        return KVWriteBuffer(entry, sel, reserved=slots)
-    except BaseException:
-        abort_reserved(registry, caller, entry, slots)
-        raise
-
-
-def write_new_kv(registry: PoolRegistry, caller: Caller, buf: KVWriteBuffer,
-                 wanted: Callable[[], bool] = lambda: True) -> tuple[torch.Tensor, int]:
-    """Commit a complete :class:`KVWriteBuffer` of :func:`reserve_write`: the staged segments
-    written, then the reserved pages granted to the caller (its attach session's, if any) in one
-    exclusive section, once ``wanted()`` says the call is still active (pages granted to a call
-    that was cancelled, or ran past its deadline, while the commit waited for the lock would be
-    allocated to no one who knows of them). Returns ``(slots (n,) int64, bytes written)``.
-
-    Raises:
-        InvalidArgument: incomplete stream. NotFound: the pool was deleted (or re-created) while
-            the stream arrived, or the caller's attach session ended. Cancelled: ``wanted()`` was
-            false. The caller then calls :func:`abort_reserved`.
-    """
-    buf.check_complete()
-    with registry.locked(caller, buf.selection.pool_id, exclusive=True) as entry:
-        if entry is not buf.entry:
-            raise NotFound(f"pool {entry.pool_id!r} was deleted and made again while the stream arrived; nothing was written")
-        owner = entry.owner_of(caller)
-        _check_wanted(wanted)
-        _write_staged(entry, buf, buf.slots)
-        entry.grant(buf.slots, owner)
-    return buf.slots, buf.nbytes
-
-
-def abort_reserved(registry: PoolRegistry, caller: Caller, entry: PoolEntry, slots: torch.Tensor) -> None:
-    """Give back the pages :func:`reserve_write` took for ``slots`` of ``entry`` (a stream that broke
-    off or failed a check); nothing when the pool is gone. Never raises a daemon error."""
-    try:
-        with registry.locked(caller, entry.pool_id, exclusive=True) as current:
-            if current is entry:
-                entry.unreserve(slots)
-    except NotFound:
-        pass  # deleted: its pages went with it
 
 
 def read_kv(registry: PoolRegistry, caller: Caller, sel: KVSelection) -> list[tuple[Segment, np.ndarray]]:

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 
 import grpc
 
-from kvtier.server.daemon import kv_ops, kv_stream
+from kvtier.server.daemon import kv_ops, kv_stream, kv_write
 from kvtier.server.daemon.core import Daemon
 from kvtier.server.daemon.errors import InvalidArgument
 from kvtier.server.daemon.kv_ops import KVSelection
@@ -90,17 +90,17 @@ class PoolServicer(pool_pb2_grpc.PoolServiceServicer):
                 raise InvalidArgument("WriteKV must start with a message carrying the header")
             sel = _selection(first.header)
             if first.allocate_tokens:
-                buf = kv_ops.reserve_write(self.pools, caller, sel, first.allocate_tokens)
+                buf = kv_write.reserve_write(self.pools, caller, sel, first.allocate_tokens)
                 try:
                     self._receive(buf, first, request_iterator, touch)
-                    slots, nbytes = kv_ops.write_new_kv(self.pools, caller, buf, context.is_active)
+                    slots, nbytes = kv_write.write_new_kv(self.pools, caller, buf, context.is_active)
                 except BaseException:
-                    kv_ops.abort_reserved(self.pools, caller, buf.entry, buf.slots)
+                    kv_write.abort_reserved(self.pools, caller, buf.entry, buf.slots)
                     raise
             else:
-                buf = kv_ops.KVWriteBuffer(self.pools.get(caller, sel.pool_id), sel)
+                buf = kv_write.KVWriteBuffer(self.pools.get(caller, sel.pool_id), sel)
                 self._receive(buf, first, request_iterator, touch)
-                slots, nbytes = None, kv_ops.write_kv(self.pools, caller, buf, context.is_active)
+                slots, nbytes = None, kv_write.write_kv(self.pools, caller, buf, context.is_active)
         self.state.counters.add(caller, "kv_writes")
         self.state.counters.add(caller, "kv_bytes_written", nbytes)
         if slots is None:
@@ -110,7 +110,7 @@ class PoolServicer(pool_pb2_grpc.PoolServiceServicer):
                                         pages=slots[::ps].div(ps, rounding_mode="floor").tolist())
 
     @staticmethod
-    def _receive(buf: kv_ops.KVWriteBuffer, first: kv_wire.WriteChunk, request_iterator: Iterator[kv_wire.WriteChunk],
+    def _receive(buf: kv_write.KVWriteBuffer, first: kv_wire.WriteChunk, request_iterator: Iterator[kv_wire.WriteChunk],
                  touch: Callable[[], None]) -> None:
         """Land every data message of the stream in ``buf`` (checked as it comes)."""
         for msg in messages.chained(first, request_iterator, touch):  # kv_wire.WriteChunk: data is a view

@@ -13,9 +13,10 @@ import pytest
 import torch
 from daemonkit import A, B, PS, daemon, keys, pool, rows, store_prefix
 
-from kvtier.server.daemon import kv_ops
+from kvtier.server.daemon import kv_ops, kv_write
 from kvtier.server.daemon.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unauthenticated
-from kvtier.server.daemon.kv_ops import KVSelection, KVWriteBuffer
+from kvtier.server.daemon.kv_ops import KVSelection
+from kvtier.server.daemon.kv_write import KVWriteBuffer
 from kvtier.server.daemon.sessions import PeerCredentials
 from kvtier.server.daemon.tier_settings import TierSettings
 
@@ -32,7 +33,7 @@ def write_rows(d, caller, pool_id, slots, seed):
     data = rows(len(slots), 656, seed).numpy().tobytes()
     for off in range(0, len(data), 1 << 20):
         buf.add(0, "latent", off, data[off:off + (1 << 20)])
-    return kv_ops.write_kv(d.pools, caller, buf)
+    return kv_write.write_kv(d.pools, caller, buf)
 
 
 def tokens_file(path):
