@@ -431,8 +431,10 @@ class PoolRegistry:
         """
         with self.locked(caller, pool_id, exclusive=True) as entry:
             if entry.allocator.used_pages and not force:
+                writing = entry.allocator.used_pages - int(entry.page_allocated.sum())
+                held = f" ({writing} of them taken by writes still arriving)" if writing else ""
                 raise FailedPrecondition(
-                    f"pool {pool_id!r} still has {entry.allocator.used_pages} pages allocated; free them or force")
+                    f"pool {pool_id!r} still has {entry.allocator.used_pages} pages allocated{held}; free them or force")
             entry.deleted = True
         for shm in entry.pool.shared_memory.values():
             shm.close_fd()  # no new attach; mappings (the daemon's, attached workers') keep the memory until gone

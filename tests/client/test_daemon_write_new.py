@@ -124,6 +124,8 @@ def test_pages_of_a_stream_in_flight_belong_to_no_one_until_it_commits(daemon, c
         assert sent.wait(30)
         reserved = slots_of([1, 2], 128)
         assert client.describe_pool(pool).free_pages == free - 2
+        with pytest.raises(FailedPreconditionError, match=r"2 pages allocated \(2 of them taken by writes still arriving\)"):
+            client.delete_pool(pool)
         with pytest.raises(InvalidArgumentError, match="not allocated"):
             client.read_kv(pool, reserved[:4], latent_layers=[0], index_layers=[])
         with pytest.raises(InvalidArgumentError, match="not allocated"):
