@@ -118,29 +118,34 @@ class Faults:
                         self.errors.append(f"{fault.__name__}: {type(e).__name__}: {e}\n{traceback.format_exc(limit=4)}")
 
     # ----- faults in this process ---------------------------------------------------------------
+    def _stall_and_cancel(self, c: KVTierClient, slots: torch.Tensor | None, latent: dict[int, torch.Tensor], what: str) -> None:
+        """A WriteKV of ``latent`` (on ``slots``; None: allocating) stalled after its first chunk and
+        cancelled: it must end CANCELLED (or INVALID_ARGUMENT, had the stream's end won the race)."""
+        sent, gate = threading.Event(), threading.Event()
+        call = c._write_kv_raw.future(stalled_requests(c, POOL, slots, latent, sent, gate), timeout=30)
+        try:
+            if not sent.wait(30):
+                raise AssertionError(f"the stalled {what} never sent its first chunk")
+            time.sleep(self.rng.uniform(0, 0.05))
+            call.cancel()
+        finally:
+            gate.set()
+        try:
+            call.result(30)
+            raise AssertionError(f"a cancelled {what} succeeded")
+        except grpc.FutureCancelledError:
+            pass
+        except grpc.RpcError as e:
+            if e.code() not in (grpc.StatusCode.CANCELLED, grpc.StatusCode.INVALID_ARGUMENT):
+                raise AssertionError(f"a cancelled {what} ended {e.code().name}: {e.details()}") from None
+
     def cancelled_write(self, c: KVTierClient) -> None:
         n = self.rng.randint(1, 3) * PS
         slots = c.allocate_slots(POOL, n)
         try:
             a, b = latent_content(self.rng.getrandbits(31), n), latent_content(self.rng.getrandbits(31), n)
             c.write_kv(POOL, slots, latent=a)
-            sent, gate = threading.Event(), threading.Event()
-            call = c._write_kv_raw.future(stalled_requests(c, POOL, slots, b, sent, gate), timeout=30)
-            try:
-                if not sent.wait(30):
-                    raise AssertionError("the stalled write never sent its first chunk")
-                time.sleep(self.rng.uniform(0, 0.05))
-                call.cancel()
-            finally:
-                gate.set()
-            try:
-                call.result(30)
-                raise AssertionError("a cancelled write succeeded")
-            except grpc.FutureCancelledError:
-                pass
-            except grpc.RpcError as e:
-                if e.code() not in (grpc.StatusCode.CANCELLED, grpc.StatusCode.INVALID_ARGUMENT):
-                    raise AssertionError(f"a cancelled write ended {e.code().name}: {e.details()}") from None
+            self._stall_and_cancel(c, slots, b, "write")
             if not holds(c, slots, a):
                 raise AssertionError("a cancelled write changed the slots it named")
         finally:
@@ -148,24 +153,7 @@ class Faults:
 
     def cancelled_new_write(self, c: KVTierClient) -> None:
         n = self.rng.randint(1, 3) * PS
-        sent, gate = threading.Event(), threading.Event()
-        call = c._write_kv_raw.future(stalled_requests(c, POOL, None, latent_content(self.rng.getrandbits(31), n), sent, gate),
-                                      timeout=30)
-        try:
-            if not sent.wait(30):
-                raise AssertionError("the stalled write never sent its first chunk")
-            time.sleep(self.rng.uniform(0, 0.05))
-            call.cancel()
-        finally:
-            gate.set()
-        try:
-            call.result(30)
-            raise AssertionError("a cancelled write that allocates succeeded")
-        except grpc.FutureCancelledError:
-            pass
-        except grpc.RpcError as e:
-            if e.code() not in (grpc.StatusCode.CANCELLED, grpc.StatusCode.INVALID_ARGUMENT):
-                raise AssertionError(f"a cancelled write that allocates ended {e.code().name}: {e.details()}") from None
+        self._stall_and_cancel(c, None, latent_content(self.rng.getrandbits(31), n), "write that allocates")
 
     def abandoned_read(self, c: KVTierClient) -> None:
         n = 4 * PS
@@ -199,6 +187,21 @@ class Faults:
             c.free_slots(POOL, slots)
 
     # ----- processes killed with SIGKILL --------------------------------------------------------
+    @staticmethod
+    def _start_then_kill(argv: list[str], started) -> None:
+        """Run ``argv``, wait for its first line to satisfy ``started``, then SIGKILL it."""
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            line = proc.stdout.readline()
+            if not line or not started(line):
+                raise AssertionError(f"{Path(argv[1]).name} did not start: {line!r} {proc.stderr.read()[-2000:]}")
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
     def killed_writer(self, c: KVTierClient) -> None:
         n = 2 * PS
         slots = c.allocate_slots(POOL, n)
@@ -206,18 +209,8 @@ class Faults:
             seed_a, seed_b = self.rng.getrandbits(31), self.rng.getrandbits(31)
             a = latent_content(seed_a, n)
             c.write_kv(POOL, slots, latent=a)
-            proc = subprocess.Popen([sys.executable, str(STALLED_WRITER), self.address, POOL, json.dumps(slots.tolist()),
-                                     str(seed_b)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            try:
-                line = proc.stdout.readline()
-                if line.strip() != "sent":
-                    raise AssertionError(f"the stalled writer did not start: {line!r} {proc.stderr.read()[-2000:]}")
-                proc.send_signal(signal.SIGKILL)
-                proc.wait(30)
-            finally:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
+            self._start_then_kill([sys.executable, str(STALLED_WRITER), self.address, POOL, json.dumps(slots.tolist()),
+                                   str(seed_b)], lambda line: line.strip() == "sent")
             if not holds(c, slots, a):
                 raise AssertionError("a writer killed mid-stream changed the slots it named")
         finally:
@@ -225,16 +218,6 @@ class Faults:
 
     def killed_attached_worker(self, c: KVTierClient) -> None:
         keys = [uuid.uuid4().bytes]
-        proc = subprocess.Popen([sys.executable, str(ATTACH_WORKER), self.address, "soak-pfx", "hold",
-                                 json.dumps({"slots": PS, "keys": [k.hex() for k in keys]})],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        try:
-            line = proc.stdout.readline()
-            if not line or not json.loads(line).get("ready"):
-                raise AssertionError(f"the attached worker did not start: {line!r} {proc.stderr.read()[-2000:]}")
-            proc.send_signal(signal.SIGKILL)
-            proc.wait(30)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        self._start_then_kill([sys.executable, str(ATTACH_WORKER), self.address, "soak-pfx", "hold",
+                               json.dumps({"slots": PS, "keys": [k.hex() for k in keys]})],
+                              lambda line: bool(json.loads(line).get("ready")))
