@@ -18,6 +18,7 @@ step by the tier monitor thread, which :func:`serve` starts once serving) and, w
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import signal
@@ -130,7 +131,35 @@ def check_listen_address(config: DaemonConfig) -> str:
     if is_unix(address):
         path = Path(socket_path(address))
         _prepare_unix_socket(path, default=not config.listen or path == default_socket_path())
+    else:
+        _check_port_free(address)
     return address
+
+
+def _check_port_free(address: str) -> None:
+    """Raise AddressError when another process listens on TCP ``address`` (HOST:PORT; port 0 is
+    always free): a plain test bind, so the refusal comes before the daemon allocates anything.
+    The server's own bind (without SO_REUSEPORT) refuses it too, should the port be taken in between."""
+    host, _, port = address.rpartition(":")
+    if not port.isdigit() or int(port) == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)
+    except OSError:
+        return  # left to the server's bind, which names the address
+    for family, kind, proto, _, sockaddr in infos:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds: a port in TIME_WAIT is free
+            try:
+                probe.bind(sockaddr)
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    raise AddressError(_IN_USE.format(address=address)) from None
+                return
+
+
+_IN_USE = ("could not listen on {address}: the port is in use (another kvtier daemon?); stop that process or give "
+           "another --listen")
 
 
 def _bind(server: grpc.Server, config: DaemonConfig) -> str:
@@ -149,10 +178,11 @@ def _bind(server: grpc.Server, config: DaemonConfig) -> str:
         return address
     try:
         port = server.add_secure_port(address, creds) if creds else server.add_insecure_port(address)
-    except RuntimeError as e:
-        raise AddressError(f"could not bind {address}: {e}") from None
+    except RuntimeError:
+        port = 0
     if not port:
-        raise AddressError(f"could not bind {address}")
+        raise AddressError(f"could not listen on {address}: the port is in use (another kvtier daemon?) or the address "
+                           f"is not this machine's; stop that process or give another --listen")
     host = address.rpartition(":")[0]
     return f"{host}:{port}"
 
@@ -204,7 +234,9 @@ def create_server(
     server = grpc.server(
         ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="kvtier-rpc"),
         interceptors=interceptors,
-        options=config.grpc_options(),
+        # gRPC sets SO_REUSEPORT by default: a second daemon on the same TCP port would start and the
+        # kernel would share connections between the two. One daemon a port: the second one's bind fails.
+        options=[*config.grpc_options(), ("grpc.so_reuseport", 0)],
     )
     for entry in services:
         entry.add_to_server(entry.factory(state, streams), server)

@@ -18,9 +18,11 @@ from pathlib import Path
 import pytest
 from small_fs import small_tmpfs
 
+from kvtier.client import KVTierClient
 from kvtier.client.spawn import DaemonProcess
 
 SMALL_POOL = ["--device", "cpu", "--pool", "glm-5.2:64", "--pool-layers", "2"]
+SMALL_POOL_TOKENS = 64
 
 
 def kvtier(*args: str, env: dict[str, str] | None = None, timeout: float = 120, prefix: list[str] | None = None):
@@ -158,3 +160,15 @@ def test_a_second_daemon_on_a_served_socket_says_what_to_do():
         line = one_line_error(kvtier("serve", "--listen", d.address, *SMALL_POOL))
         assert "is in use by a running daemon (stop it, or pass --listen unix:///another/path.sock)" in line
         assert kvtier("status", "--server", d.address, "--json").returncode == 0
+
+
+def test_a_second_daemon_on_a_served_tcp_port_is_refused():
+    """``kvtier serve --listen 127.0.0.1:PORT`` on the port a running daemon listens on: refused in one
+    line naming the address (gRPC's default SO_REUSEPORT would have let both listen and the kernel
+    share connections between them); every client still reaches the first daemon, its one pool."""
+    with DaemonProcess("127.0.0.1:0", extra_args=SMALL_POOL) as d:
+        line = one_line_error(kvtier("serve", "--listen", d.address, "--pool", "glm-5.2:64", "--pool-layers", "2"))
+        assert f"could not listen on {d.address}: the port is in use" in line
+        for _ in range(4):
+            with KVTierClient(d.address, timeout=10) as c:
+                assert [p.size_tokens for p in c.list_pools()] == [SMALL_POOL_TOKENS]
