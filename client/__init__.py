@@ -11,14 +11,14 @@ tests and embedded use).
 from kvtier.client.attach import AttachedPool
 from kvtier.client.client import KVTierClient
 from kvtier.client.errors import (
-    AlreadyExistsError, DeadlineExceededError, FailedPreconditionError, InvalidArgumentError, KVTierError,
+    AbortedError, AlreadyExistsError, CancelledError, DeadlineExceededError, FailedPreconditionError, InvalidArgumentError, KVTierError,
     NotFoundError, ResourceExhaustedError, UnauthenticatedError, UnavailableError,
 )
 from kvtier.client.pool import KVData, OffloadResult
 from kvtier.client.spawn import DaemonProcess, spawn_daemon
 
 __all__ = [
-    "AlreadyExistsError", "AttachedPool", "DaemonProcess", "DeadlineExceededError", "FailedPreconditionError", "InvalidArgumentError",
+    "AbortedError", "AlreadyExistsError", "CancelledError", "AttachedPool", "DaemonProcess", "DeadlineExceededError", "FailedPreconditionError", "InvalidArgumentError",
     "KVData", "KVTierClient", "KVTierError", "NotFoundError", "OffloadResult", "ResourceExhaustedError",
     "UnauthenticatedError", "UnavailableError", "spawn_daemon",
 ]

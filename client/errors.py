@@ -61,9 +61,21 @@ class DeadlineExceededError(KVTierError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 
 
+class AbortedError(KVTierError):
+    """A transfer failed while moving bytes (PullKV: the peer went away, the engine failed); the
+    destination pages it named were freed (the message says which)."""
+    code = grpc.StatusCode.ABORTED
+
+
+class CancelledError(KVTierError):
+    """The call was cancelled (by the client, or by the daemon's stream watchdog) before it changed anything."""
+    code = grpc.StatusCode.CANCELLED
+
+
 _BY_CODE: dict[grpc.StatusCode, type[KVTierError]] = {
     cls.code: cls for cls in (InvalidArgumentError, NotFoundError, AlreadyExistsError, ResourceExhaustedError,
-                              FailedPreconditionError, UnavailableError, DeadlineExceededError, UnauthenticatedError)
+                              FailedPreconditionError, UnavailableError, DeadlineExceededError, UnauthenticatedError,
+                              AbortedError, CancelledError)
 }
 
 

@@ -57,3 +57,26 @@ sys.exit(1 if bad else 0)
 """
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_every_status_the_daemon_answers_has_its_error_class():
+    """Each status code the daemon's one mapping can answer (server/service/errors.py) comes back as
+    its own KVTierError subclass on the client, with that code: none is left as a bare KVTierError."""
+    import grpc
+
+    from kvtier.client import errors
+    from kvtier.server.service.errors import STATUS_CODES
+
+    class Failed(grpc.RpcError):
+        def __init__(self, code):
+            self._code = code
+
+        def code(self):
+            return self._code
+
+        def details(self):
+            return "what went wrong"
+
+    for _, code in STATUS_CODES:
+        err = errors.from_rpc_error(Failed(code))
+        assert type(err) is not errors.KVTierError and err.code == code, code

@@ -66,9 +66,11 @@ CASES = {
     "padding slot 0": (INVALID, "not allocated", lambda s: s.client.write_kv(s.pool, [0], latent={0: s.latent[0][:1]})),
     "negative slot": (INVALID, "negative", lambda s: s.client.read_kv(s.pool, [-1])),
     "duplicate target slots": (INVALID, "duplicate", lambda s: s.client.write_kv(s.pool, [64, 64], latent={0: s.latent[0][:2]})),
-    "latent rows one byte short": (INVALID, "of", lambda s: s.client.write_kv(s.pool, _n(s), latent={1: torch.zeros(3, ROW_BYTES - 1, dtype=torch.uint8)})),
-    "latent rows one byte long": (INVALID, "holds", lambda s: s.client.write_kv(s.pool, _n(s), latent={1: torch.zeros(3, ROW_BYTES + 1, dtype=torch.uint8)})),
-    "float64 scales": (INVALID, "holds", lambda s: s.client.write_kv(s.pool, _n(s), index={0: (torch.zeros(3, 128, dtype=torch.uint8), torch.ones(3, dtype=torch.float64))})),
+    # (the client checks shapes against the pool's layout before it sends; the daemon's own byte checks
+    # are tested through raw streams in test_daemon_write_new.py and the fuzz test)
+    "latent rows one byte short": (INVALID, "expected (3, 656) uint8 or float8_e4m3fn rows for 3 tokens, got (3, 655) uint8", lambda s: s.client.write_kv(s.pool, _n(s), latent={1: torch.zeros(3, ROW_BYTES - 1, dtype=torch.uint8)})),
+    "latent rows one byte long": (INVALID, "got (3, 657) uint8", lambda s: s.client.write_kv(s.pool, _n(s), latent={1: torch.zeros(3, ROW_BYTES + 1, dtype=torch.uint8)})),
+    "float64 scales": (INVALID, "index[0] scales: expected (3,) float32 for 3 tokens, got (3,) float64", lambda s: s.client.write_kv(s.pool, _n(s), index={0: (torch.zeros(3, 128, dtype=torch.uint8), torch.ones(3, dtype=torch.float64))})),
     "latent layer out of range": (INVALID, "outside", lambda s: s.client.write_kv(s.pool, _n(s), latent={NUM_LAYERS: s.latent[0][:3]})),
     "read layer out of range": (INVALID, "outside", lambda s: s.client.read_kv(s.pool, _n(s), latent_layers=[9], index_layers=[])),
     "move lengths differ": (INVALID, "slots", lambda s: s.client.move_kv(s.pool, s.slots[:3], s.slots[3:5])),

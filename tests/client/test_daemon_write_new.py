@@ -53,15 +53,15 @@ def test_write_new_kv_into_scattered_free_pages_in_small_chunks(daemon, client, 
 
 
 def test_write_new_kv_refusals_allocate_nothing(client, pool):
-    """Too many tokens, rows of unequal length, a skip layer's indexer data: each refused with its own
-    error, the pool's free pages unchanged."""
+    """Too many tokens, rows of unequal length (the client's check, naming the tensor), a skip layer's
+    indexer data: each refused with its own error, the pool's free pages unchanged."""
     free = client.describe_pool(pool).free_pages
     latent, index = random_kv(17 * PAGE_SIZE, seed=13, layers=[0], live=[])
     with pytest.raises(ResourceExhaustedError, match="pages"):
         client.write_new_kv(pool, latent=latent)
     a, _ = random_kv(10, seed=1, layers=[0], live=[])
     b, _ = random_kv(12, seed=1, layers=[1], live=[])
-    with pytest.raises(ValueError, match="one number of rows"):
+    with pytest.raises(InvalidArgumentError, match=r"latent\[1\]: expected \(10, 656\) uint8 or float8_e4m3fn rows for 10 tokens"):
         client.write_new_kv(pool, latent={**a, **b})
     _, idx = random_kv(10, seed=1, layers=[], live=[3])
     with pytest.raises(FailedPreconditionError, match="skips top-k"):
