@@ -270,7 +270,7 @@ def restore(registry: PoolRegistry, store: OffloadStore, caller: Caller, pool_id
                 entry.free(t, owner)
             raise
     if drop:
-        store.drop(caller, key)
+        store.drop(caller, key, known_nbytes=hc.nbytes)
     return t, hc.nbytes
 
 

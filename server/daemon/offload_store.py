@@ -203,13 +203,15 @@ class OffloadStore:
             raise Unavailable(f"the offloaded copy under key {key!r} is on the {held.name} tier; {self._retry_hint(held)}")
         raise NotFound(f"no offloaded copy under key {key!r}")
 
-    def drop(self, caller: Caller, key: str) -> int | None:
+    def drop(self, caller: Caller, key: str, *, known_nbytes: int | None = None) -> int | None:
         """Remove the tenant's copy under ``key`` from every tier; returns its bytes (None if there was
         none). A copy on an unhealthy tier is dropped too (deleted there when the tier recovers); it
-        cannot be read then, so its bytes are unknown and 0 is returned."""
+        cannot be read then, so its bytes are unknown and 0 is returned. ``known_nbytes``: the
+        caller has just read the copy (a Restore with drop) and knows its bytes, so no tier reads it
+        again to learn them (a 7 MB disk record was read and checksummed twice)."""
         tkey = self._key(caller, key)
-        nbytes = None
-        for tier in self.stack.cascade:
+        nbytes = known_nbytes
+        for tier in self.stack.cascade if known_nbytes is None else ():
             with tier.borrow([tkey]) as (rec,):
                 if rec is not None and nbytes is None:
                     try:

@@ -269,3 +269,26 @@ def test_a_pool_whose_rows_are_not_whole_words_is_refused_at_create(client):
     with pytest.raises(InvalidArgumentError, match=r"latent rows are 1022 bytes, not whole 8-byte words"):
         client.create_pool(ODD_ROW_MODEL, kv_cache_dtype="bf16", size_tokens=256, pool_id="odd-rows")
     assert "odd-rows" not in [p.pool_id for p in client.list_pools()]
+
+
+def test_a_restore_that_drops_its_copy_reads_it_once(client, pool):
+    """Offload 2 pages, Restore with drop: the host tier counts one hit and the record's bytes read
+    once (the drop knows the copy's size from the restore; it read and checksummed it again before),
+    and the copy is gone."""
+    slots = client.allocate_slots(pool, 128)
+    latent, index = random_kv(128, seed=21)
+    client.write_kv(pool, slots, latent=latent, index=index)
+    key = f"once-{slots[0].item()}-{id(client)}"
+    used = client.tier_stats().tiers["host"]["used_bytes"]
+    client.offload(pool, key, slots, free_slots=True)
+    before = client.tier_stats().tiers["host"]
+    written = before["used_bytes"] - used  # the record's bytes on the host tier
+    back = client.restore(pool, key, drop=True)
+    after = client.tier_stats().tiers["host"]
+    assert after["used_bytes"] == used
+    assert after["hits"] - before["hits"] == 1
+    assert after["bytes_read"] - before["bytes_read"] == written
+    verify_kv(client.read_kv(pool, back), latent, index)
+    with pytest.raises(Exception, match="no offloaded copy"):
+        client.restore(pool, key)
+    client.free_slots(pool, back)
