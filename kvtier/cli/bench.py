@@ -17,7 +17,7 @@ def _case_names() -> list[str]:
     return ["capacity", "copies", "disk", "daemon", "attach", "pd", "mooncake", "replay", "storage"]
 
 
-@click.command()
+@click.command(short_help='Measure kvtier against plain baselines of the same bytes (ratios, plots).')
 @click.option("--quick", is_flag=True, help="Small sizes and few repetitions (the whole run takes under 2 minutes).")
 @click.option("--out", "out", type=click.Path(file_okay=False, path_type=Path), default=Path("bench-results"),
               show_default=True, help="Directory for results.json and one PNG plot per comparison.")

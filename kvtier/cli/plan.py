@@ -44,7 +44,7 @@ def _bytes(_ctx: click.Context, _param: click.Parameter, value: str) -> int:
         raise click.BadParameter(str(e)) from None
 
 
-@click.command()
+@click.command(short_help='Plan a pool: tokens that fit, naive vs skip-aware, and its bytes.')
 @click.option("--model", "model", default="glm-5.2", show_default=True,
               help=f"Preset ({', '.join(preset_names())}) or path to an HF config.json.")
 @click.option("--available-bytes", callback=_bytes, required=True, metavar="BYTES",

@@ -157,7 +157,7 @@ def _print_report(res: ReplayResult, belady: int | None) -> None:
     c.print(t)
 
 
-@click.command()
+@click.command(short_help='Replay the Mooncake trace through the tiers; hit rates vs Belady.')
 @click.option("--trace", "trace_path", type=click.Path(dir_okay=False), default=DEFAULT_TRACE, show_default=True,
               callback=_trace_path,
               help="Mooncake trace (JSON lines with hash_ids). The default is looked up from the current directory, "

@@ -30,15 +30,16 @@ def _layers(_ctx: click.Context, _param: click.Parameter, value: str | None) -> 
     raise click.BadParameter(f"must be N (the first N layers) or START:END with START < END, e.g. 20:40; got {value!r}")
 
 
-@click.command()
+@click.command(short_help='Run the kvtier daemon (until SIGTERM/SIGINT).')
 @click.option("--listen", default=None, metavar="ADDR",
               help="unix:///path or HOST:PORT (port 0: any free port). Default: a unix socket in a private "
-                   "directory ($XDG_RUNTIME_DIR/kvtier or /tmp/kvtier-UID). TCP only on loopback unless TLS is set.")
+                   "directory ($XDG_RUNTIME_DIR/kvtier or /tmp/kvtier-UID). TCP only on loopback unless TLS and "
+                   "--auth-tokens are set; one daemon a port.")
 @click.option("--config", "config_file", type=click.Path(exists=True, dir_okay=False), default=None,
               help="TOML file with DaemonConfig keys (flags given here override it).")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default=None, help="Pool device [auto].")
 @click.option("--host-memory", "host_memory_bytes", callback=_bytes, default=None, metavar="BYTES",
-              help="Host tier budget for offloaded copies, e.g. 8GiB [4GiB].")
+              help="Host tier budget (offloaded copies, and prefix pages evicted from the pools), e.g. 8GiB [4GiB].")
 @click.option("--pool-memory", "pool_memory_bytes", callback=_bytes, default=None, metavar="BYTES",
               help="Cap on all pools' bytes together; 0 = none [0].")
 @click.option("--workers", type=click.IntRange(min=1), default=None, help="gRPC worker threads [16].")
@@ -75,7 +76,8 @@ def _layers(_ctx: click.Context, _param: click.Parameter, value: str | None) -> 
 @click.option("--log-format", type=click.Choice(["text", "json"]), default=None,
               help="Log lines as text or one JSON object a line [text].")
 @click.option("--pool", "pools", multiple=True, metavar="[ID=]MODEL:TOKENS|BYTES",
-              help="Create a pool at start, e.g. glm-5.2:65536 or main=glm-5.2:2GiB (repeatable; replaces the file's pools).")
+              help="Create a pool at start, e.g. glm-5.2:65536 (named 'default') or main=glm-5.2:2GiB (repeatable; "
+                   "replaces the file's pools).")
 @click.option("--pool-layers", callback=_layers, default=None, metavar="N|START:END",
               help="Layers of --pool pools: the first N (small test pools), or model layers START..END-1 "
                    "(a pipeline-parallel stage, e.g. 20:40).")
@@ -93,6 +95,9 @@ def serve(config_file: str | None, pools: tuple[str, ...], pool_layers: dict[str
         if flags.get("log_level"):
             flags["log_level"] = str(flags["log_level"]).upper()
         specs = None
+        if pool_layers and not pools:
+            raise ValueError("--pool-layers sets the layers of --pool pools: give --pool too (e.g. --pool glm-5.2:4096 "
+                             "--pool-layers 20:40)")
         if pools:
             specs = tuple(PoolSpec.parse(p) for p in pools)
             if pool_layers:

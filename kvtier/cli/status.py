@@ -9,7 +9,7 @@ import click
 from kvtier.cli.common import call_daemon, console, message_to_dict, server_options
 
 
-@click.command()
+@click.command(short_help='Health, version, tiers and pools of a running daemon.')
 @server_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
 def status(server: str | None, timeout: float, as_json: bool) -> None:

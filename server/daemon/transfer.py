@@ -225,8 +225,8 @@ class TransferState:
                 try:
                     pages = np.asarray(list(check_pages), dtype=np.int64)
                 except (TypeError, ValueError) as e:
-                    raise InvalidArgument(f"check_pages: {e}") from None
-                _check_allocated(entry, pages, "check_pages")
+                    raise InvalidArgument(f"source pages (check_pages): {e}") from None
+                _check_allocated(entry, pages, "source pages (check_pages)")
             layout, digest = self._layout_of(entry)
             return entry, (None if known_digest and known_digest == digest else layout), digest
 

@@ -172,3 +172,11 @@ def test_a_second_daemon_on_a_served_tcp_port_is_refused():
         for _ in range(4):
             with KVTierClient(d.address, timeout=10) as c:
                 assert [p.size_tokens for p in c.list_pools()] == [SMALL_POOL_TOKENS]
+
+
+def test_pool_layers_without_a_pool_is_refused():
+    """``--pool-layers`` sets the layers of ``--pool`` pools: alone it used to start a daemon with no pool
+    and no word; now a usage error naming what to add, and nothing starts."""
+    r = kvtier("serve", "--device", "cpu", "--pool-layers", "20:40", timeout=60)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "--pool-layers sets the layers of --pool pools: give --pool too" in r.stderr
