@@ -126,7 +126,7 @@ def print_table(cases: list[CaseResult], console: Any) -> None:
     """One row per comparison: kvtier, baseline, ratio, target (green when met, red when not)."""
     from rich.table import Table
 
-    t = Table(title="kvtier bench (medians; ratio > 1: kvtier better)", show_lines=False)
+    t = Table(title="kvtier bench (kvtier, baseline: medians; ratio: the median of the per-round ratios, so not 'kvtier / baseline' of the columns; > 1: kvtier better)", show_lines=False)
     for col, just in (("comparison", "left"), ("kvtier", "right"), ("baseline", "right"), ("unit", "left"),
                       ("ratio", "right"), ("target", "right")):
         t.add_column(col, justify=just)  # type: ignore[arg-type]

@@ -60,9 +60,12 @@ def call_daemon(fn: Callable[[], Any]) -> Any:
         return fn()
     except KVTierError as e:
         if getattr(e, "code", None) == grpc.StatusCode.UNAVAILABLE:
+            head, sep, grpc_says = e.details.partition("; gRPC: ")
+            where = head.split(" (", 1)[0] if sep and head.startswith("no kvtier daemon answers at ") else \
+                "no kvtier daemon answers there"
             raise click.ClickException(
-                f"no kvtier daemon answers there (start one with `kvtier serve`, or pass --server ADDR; a daemon "
-                f"with --tls-cert needs KVTIER_TLS_CA=its CA file): UNAVAILABLE: {e.details.split('; gRPC: ', 1)[-1]}") from None
+                f"{where} (start one with `kvtier serve`, or pass --server ADDR; a daemon with --tls-cert needs "
+                f"KVTIER_TLS_CA=its CA file): UNAVAILABLE: {grpc_says if sep else e.details}") from None
         if getattr(e, "code", None) == grpc.StatusCode.UNAUTHENTICATED:
             raise click.ClickException(
                 "the daemon serves tenants and did not accept this call's token: set KVTIER_TOKEN to a token "

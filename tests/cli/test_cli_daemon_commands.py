@@ -96,7 +96,7 @@ def test_status_without_a_daemon_says_so(tmp_path):
 
     result = CliRunner().invoke(main, ["status", "--server", f"unix://{tmp_path}/none.sock", "--timeout", "2"])
     assert result.exit_code == 1
-    assert "no kvtier daemon answers there" in result.output
+    assert f"no kvtier daemon answers at unix://{tmp_path}/none.sock (start one" in result.output
 
 
 def test_status_and_pools_honour_kvtier_token(tmp_path):
