@@ -38,7 +38,9 @@ def status(server: str | None, timeout: float, as_json: bool) -> None:
               f"max message {stats.max_message_bytes:,} bytes")
     if stats.metrics_address:
         con.print(f"metrics: {stats.metrics_address}")
-    t = Table(title="tiers (all tenants; yours beside)")
+    t = Table(title="tiers (all tenants; yours beside)",
+              caption="device: the pools' memory (entries: pools; budget: --pool-memory); the pages in use are in the "
+                      "pools table and the kvtier_tier_used_bytes metric")
     for col in ("tier", "health", "used bytes", "budget bytes", "entries", "your bytes", "your quota"):
         t.add_column(col, justify="left" if col in ("tier", "health") else "right")
     for tier in stats.tiers:
