@@ -288,10 +288,9 @@ class TierRuntime:
         self.monitor.stop()
         try:
             if len(self.stack.cascade) > 1:
-                for entry in self.pools.list():
-                    if entry.prefix_cache is not None:
-                        entry.prefix_cache.drop_all()
+                pages = sum(entry.prefix_cache.drop_all() for entry in self.pools.list() if entry.prefix_cache is not None)
                 moved = self.stack.spill_down()
-                log.info("tiers: %d records moved down to the disk tier at shutdown", moved)
+                log.info("tiers: at shutdown %d unpinned device pages went down the stack and %d records moved "
+                         "down to the disk tier", pages, moved)
         finally:
             self.stack.close()

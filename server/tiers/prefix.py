@@ -468,10 +468,12 @@ class PrefixCache:
                 self.allocator.free_pages_by_id(lease.fresh)
             self.counters["releases"] += 1
 
-    def drop_all(self) -> None:
-        """Evict every unpinned device page down the stack (e.g. before shutdown)."""
+    def drop_all(self) -> int:
+        """Evict every unpinned device page down the stack (e.g. before shutdown); returns how many."""
         with self._lock:
-            self._evict_device([k for k in self._device.keys() if self._device.pin_count(k) == 0])
+            keys = [k for k in self._device.keys() if self._device.pin_count(k) == 0]
+            self._evict_device(keys)
+            return len(keys)
 
     # ----- stats --------------------------------------------------------------------------------
     @property
