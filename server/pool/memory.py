@@ -57,4 +57,5 @@ def shortfall_message(nbytes: int, mem: DeviceMemory, what: str = "the pool") ->
     total = f" of {mem.total:,} in all" if mem.total else ""
     return (f"{what} needs {nbytes:,} bytes but {mem.device} has {mem.available:,} bytes available{total}; "
             f"plan a pool that fits with `kvtier plan --available-bytes {mem.available}` "
-            f"(or give the pool a byte budget, e.g. --pool MODEL:{max(mem.available // (1 << 30), 1)}GiB)")
+            f"(or give the pool a byte budget: `--pool MODEL:{max(mem.available // (1 << 30), 1)}GiB` at serve, "
+            f"memory_budget_bytes= in create_pool)")
