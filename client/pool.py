@@ -42,19 +42,12 @@ def _as_tensor(t: torch.Tensor | np.ndarray, what: str) -> torch.Tensor:
     return t
 
 
-def _as_bytes(t: torch.Tensor | np.ndarray, what: str) -> memoryview:
-    if isinstance(t, np.ndarray):
-        t = torch.from_numpy(np.ascontiguousarray(t))
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{what} must be a torch.Tensor or numpy array, got {type(t).__name__}")
+def _as_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of a host-copyable tensor (made by :func:`_as_tensor`), as one flat view."""
     return memoryview(t.detach().cpu().contiguous().view(torch.uint8).reshape(-1).numpy())
 
 
 _LATENT_ELEMENTS = {"fp8": (torch.uint8, torch.float8_e4m3fn), "bf16": (torch.bfloat16,)}
-
-
-def _shape_of(t: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype]:
-    return tuple(t.shape), t.dtype
 
 
 def check_write_tensors(lay: pool_pb2.PoolLayout, n: int, latent: Mapping[int, Any], index: Mapping[int, tuple[Any, Any]]) -> None:
@@ -70,7 +63,7 @@ def check_write_tensors(lay: pool_pb2.PoolLayout, n: int, latent: Mapping[int, A
     dim, rb, hd = lay.kv_cache_dim, lay.latent_row_bytes, lay.index_head_dim
     elements = _LATENT_ELEMENTS.get(lay.kv_cache_dtype, ())
     for x, t in latent.items():
-        shape, dtype = _shape_of(t)
+        shape, dtype = tuple(t.shape), t.dtype
         ok = (shape == (n, rb) and dtype == torch.uint8) or (shape in ((n, dim), (n, 1, dim)) and dtype in elements)
         if not ok:
             names = " or ".join(str(e).removeprefix("torch.") for e in elements)
@@ -79,11 +72,11 @@ def check_write_tensors(lay: pool_pb2.PoolLayout, n: int, latent: Mapping[int, A
                                        f"got {shape} {str(dtype).removeprefix('torch.')}")
     k = max(1, hd // 128)
     for x, (keys, scales) in index.items():
-        shape, dtype = _shape_of(keys)
+        shape, dtype = tuple(keys.shape), keys.dtype
         if shape != (n, hd) or dtype not in (torch.uint8, torch.float8_e4m3fn):
             raise InvalidArgumentError(f"index[{x}] keys: expected ({n}, {hd}) uint8 (fp8) for {n} tokens, "
                                        f"got {shape} {str(dtype).removeprefix('torch.')}")
-        shape, dtype = _shape_of(scales)
+        shape, dtype = tuple(scales.shape), scales.dtype
         if shape not in ((n,), (n, k)) or dtype != torch.float32:
             raise InvalidArgumentError(f"index[{x}] scales: expected ({n},) float32 for {n} tokens, "
                                        f"got {shape} {str(dtype).removeprefix('torch.')}")
@@ -267,7 +260,7 @@ class PoolMixin(BaseClient):
             skip-topk layer), NotFoundError, DeadlineExceededError (then nothing was written).
         """
         ids = slot_list(slots)
-        header, segs, packed = self._write_stream(pool_id, latent, index, slots=ids, n=len(ids))
+        header, segs, packed, _ = self._write_stream(pool_id, latent, index, slots=ids, n=len(ids))
         resp = self.unary(self._write_kv_raw, self._write_requests(header, segs, packed=packed), idempotent=False, timeout=timeout)
         return resp.bytes_written
 
@@ -293,21 +286,17 @@ class PoolMixin(BaseClient):
             few free pages), FailedPreconditionError (indexer data for a skip-topk layer),
             NotFoundError, DeadlineExceededError (then nothing was allocated).
         """
-        tensors = [*(latent or {}).values(), *(t for pair in (index or {}).values() for t in pair)] \
-            if isinstance(latent, (Mapping, type(None))) and isinstance(index, (Mapping, type(None))) else []
-        n = len(tensors[0]) if tensors and hasattr(tensors[0], "__len__") else 0
-        if n == 0:
-            raise InvalidArgumentError("write_new_kv needs latent or index tensors of at least one row (token)")
-        header, segs, packed = self._write_stream(pool_id, latent, index, slots=[], n=n)
+        header, segs, packed, n = self._write_stream(pool_id, latent, index, slots=[], n=None)
         resp = self.unary(self._write_kv_raw, self._write_requests(header, segs, packed=packed, allocate_tokens=n),
                           idempotent=False, timeout=timeout)
         pages = torch.tensor(list(resp.pages), dtype=torch.int64)
         return (pages.view(-1, 1) * resp.page_size + torch.arange(resp.page_size, dtype=torch.int64)).view(-1)[:resp.num_slots]
 
     def _write_stream(self, pool_id: str, latent: Any, index: Any, *, slots: list[int],
-                      n: int) -> tuple[pool_pb2.KVHeader, list[tuple[int, int, memoryview]], bool]:
-        """The header, segments and packed flag of a WriteKV stream of ``n`` tokens, every tensor
-        checked against the pool's layout first (:func:`check_write_tensors`)."""
+                      n: int | None) -> tuple[pool_pb2.KVHeader, list[tuple[int, int, memoryview]], bool, int]:
+        """The header, segments, packed flag and token count of a WriteKV stream of ``n`` tokens
+        (None: the rows of the first tensor, for a write that allocates), every tensor checked against
+        the pool's layout first (:func:`check_write_tensors`)."""
         if latent is not None and not isinstance(latent, Mapping):
             raise TypeError(f"latent must be a dict {{layer id: (n, latent_row_bytes) uint8 tensor}}, got {type(latent).__name__}")
         if index is not None and not isinstance(index, Mapping):
@@ -318,15 +307,20 @@ class PoolMixin(BaseClient):
                 raise TypeError(f"index[{x}] must be a (keys, scales) pair of tensors, got {type(pair).__name__}")
         latent = {x: _as_tensor(t, f"latent[{x}]") for x, t in (latent or {}).items()}
         index = {x: (_as_tensor(k, f"index[{x}] keys"), _as_tensor(sc, f"index[{x}] scales")) for x, (k, sc) in (index or {}).items()}
+        if n is None:
+            first = next(iter([*latent.values(), *(k for k, _ in index.values())]), None)
+            n = 0 if first is None or first.dim() == 0 else first.shape[0]
+            if n == 0:
+                raise InvalidArgumentError("write_new_kv needs latent or index tensors of at least one row (token)")
         lay = self.layout(pool_id)  # cached after the first call (it says whether the daemon takes packed writes)
         check_write_tensors(lay, n, latent, index)
-        segs: list[tuple[int, int, memoryview]] = [(x, _LATENT, _as_bytes(t, f"latent[{x}]")) for x, t in latent.items()]
+        segs: list[tuple[int, int, memoryview]] = [(x, _LATENT, _as_bytes(t)) for x, t in latent.items()]
         for x, (keys, scales) in index.items():
-            segs.append((x, _INDEX_K, _as_bytes(keys, f"index[{x}] keys")))
-            segs.append((x, _INDEX_SCALE, _as_bytes(scales, f"index[{x}] scales")))
+            segs.append((x, _INDEX_K, _as_bytes(keys)))
+            segs.append((x, _INDEX_SCALE, _as_bytes(scales)))
         header = pool_pb2.KVHeader(pool_id=pool_id, slots=slots, latent_layers=list(latent), index_layers=list(index),
                                    layout_digest=lay.fingerprint_digest)
-        return header, segs, self.__dict__.get("_packed_writes", {}).get(pool_id, False)
+        return header, segs, self.__dict__.get("_packed_writes", {}).get(pool_id, False), n
 
     def read_kv(
         self,
