@@ -1,10 +1,13 @@
 """Case ``pd``: PullKV between two daemons (``--transfer-engine mooncake`` on 127.0.0.1) against raw
 Mooncake Transfer Engine reads of the same bytes, and against PullKV's gRPC fallback.
 
-A GLM-5.2 request of ``pages`` pages is written on the prefill daemon and pulled onto other pages of
-the decode daemon. Two engines in this process with the same number of bytes registered do one
-``transfer_sync_read`` of all of them (the ceiling), interleaved with PullKV alone, each going first
-in every other round (after a heavy call, the next is slower whichever it is); then, interleaved
+A GLM-5.2 request of ``pages`` pages (4,096 tokens, 221 MB: the request issue 11 measures) is
+written on the prefill daemon and pulled onto other pages of the decode daemon. Two engines in this
+process with the same number of bytes registered do one ``transfer_sync_read`` of all of them (the
+ceiling), and one ``batch_transfer_sync_read`` of the same bytes in the pieces a pool holds them in
+(one range a layer's latent rows, one a live layer's indexer pages: what PullKV's plan reads),
+interleaved with PullKV alone, each going first in every other round (after a heavy call, the next
+is slower whichever it is); then, interleaved
 with each other, PullKV's gRPC fallback, the draft pool's pull and one raw read per page and
 component (what an uncoalesced transfer list costs). Full runs add a draft pool (an indexer on all 78 layers)
 for the bytes skip-awareness saves.
@@ -29,17 +32,24 @@ PS = 64
 class RawReads:
     """Two engines in this process with ``total_bytes`` registered each: the raw baseline."""
 
-    def __init__(self, total_bytes: int, items: list[int]) -> None:
+    def __init__(self, total_bytes: int, items: list[int], ranges: list[int] | None = None) -> None:
         self.a, self.b = MooncakeTransferEngine(), MooncakeTransferEngine()
         self.src = torch.randint(0, 256, (total_bytes,), dtype=torch.uint8)
         self.dst = torch.zeros(total_bytes, dtype=torch.uint8)
         self.a.register([(self.src.data_ptr(), total_bytes)])
         self.b.register([(self.dst.data_ptr(), total_bytes)])
-        self.total, self.items = total_bytes, items
+        self.total, self.items, self.ranges = total_bytes, items, ranges or [total_bytes]
 
     def one(self) -> None:
         """One ``transfer_sync_read`` of all the bytes."""
         self.b.read_raw(self.a.endpoint, self.dst.data_ptr(), self.src.data_ptr(), self.total)
+
+    def in_ranges(self) -> None:
+        """One ``batch_transfer_sync_read`` of the bytes in :attr:`ranges` (back to back, the pool's pieces)."""
+        offs, sp, dp = [0], self.src.data_ptr(), self.dst.data_ptr()
+        for n in self.ranges[:-1]:
+            offs.append(offs[-1] + n)
+        self.b.read_ranges(self.a.endpoint, [dp + o for o in offs], [sp + o for o in offs], self.ranges)
 
     def per_item(self) -> None:
         """One ``transfer_sync_read`` per page and component (no coalescing)."""
@@ -64,7 +74,7 @@ class PDTransferCase(Case):
         return self.setup_steps + 2 * (s["reps"] + s["warmup"])  # two interleaved groups
 
     def settings(self, ctx: BenchContext) -> dict[str, Any]:
-        return {"model": "glm-5.2", "pages": 32, "pool_tokens": 4096, "reps": 3 if ctx.quick else 9,
+        return {"model": "glm-5.2", "pages": 64, "pool_tokens": 8192, "reps": 3 if ctx.quick else 9,
                 "warmup": 1, "draft_pool": not ctx.quick, "protocol": "tcp", "host": "127.0.0.1"}
 
 
@@ -76,7 +86,8 @@ class PDTransferCase(Case):
         n_live, n_layers = len(model.live_indexer_layers), model.num_layers
         lat_page, idx_page, pages = model.latent_row_bytes * PS, model.index_page_bytes, s["pages"]
         total = n_layers * pages * lat_page + n_live * pages * idx_page
-        raw = RawReads(total, [lat_page] * (n_layers * pages) + [idx_page] * (n_live * pages))
+        raw = RawReads(total, [lat_page] * (n_layers * pages) + [idx_page] * (n_live * pages),
+                       [lat_page * pages] * n_layers + [idx_page * pages] * n_live)
         flags = ["--pool", f"glm-5.2:{s['pool_tokens']}", "--device", "cpu", "--transfer-engine", "mooncake",
                  "--host-memory", "64MiB", "--log-level", "WARNING"]
         roles = ("target", "draft") if s["draft_pool"] else ("target",)
@@ -105,7 +116,7 @@ class PDTransferCase(Case):
             ctx.advance(1)
             # the headline pair alone, each first in every other round: a heavy call just before
             # (the gRPC fallback's 110 MB stream, 3,168 small raw reads) slows whichever call follows it
-            pair = {"target/mooncake": fns.pop("target/mooncake"), "raw/one": raw.one}
+            pair = {"target/mooncake": fns.pop("target/mooncake"), "raw/one": raw.one, "raw/ranges": raw.in_ranges}
             t = interleaved(pair, s["reps"], warmup=s["warmup"], rotate=True, tick=lambda: ctx.advance(1))
             t.update(interleaved(fns, s["reps"], warmup=s["warmup"], tick=lambda: ctx.advance(1)))
             fns.update(pair)
@@ -122,6 +133,10 @@ class PDTransferCase(Case):
         c.append(Comparison("pd.pullkv_vs_raw_read", "PullKV over Mooncake (layout fetch, checks, gRPC call included) vs one raw transfer_sync_read",
                             "GB/s", throughput("kvtier PullKV, Mooncake TE", total, t["target/mooncake"]),
                             throughput("one raw transfer_sync_read", total, t["raw/one"]), target=0.9))
+        c.append(Comparison("pd.pullkv_vs_raw_ranges", f"PullKV over Mooncake vs one raw batch_transfer_sync_read of the same bytes in the pool's "
+                            f"{len(raw.ranges)} pieces (a range per layer: where the pool holds them)",
+                            "GB/s", throughput("kvtier PullKV, Mooncake TE", total, t["target/mooncake"]),
+                            throughput(f"raw batch read, {len(raw.ranges)} ranges", total, t["raw/ranges"]), target=0.9))
         c.append(Comparison("pd.pullkv_vs_per_page_reads", "PullKV over Mooncake vs raw reads page by page (uncoalesced)",
                             "GB/s", throughput("kvtier PullKV, Mooncake TE", total, t["target/mooncake"]),
                             throughput("transfer_sync_read per page and component", total, t["raw/per_item"])))

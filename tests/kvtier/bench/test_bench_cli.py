@@ -49,7 +49,8 @@ def test_results_name_the_machine_settings_and_issue_targets(quick_run):
     assert doc["settings"]["quick"] is True and doc["settings"]["torch_threads"] == 1
     targets = {c["key"]: c["target"] for case in doc["cases"].values() for c in case["comparisons"]}
     assert targets["copies.get_cpu_copy_vs_plain"] == 0.8 and targets["disk.spill_fsync_vs_file"] == 0.9
-    assert targets["pd.pullkv_vs_raw_read"] == 0.9 and targets["daemon.read_vs_echo"] == 0.9
+    assert targets["pd.pullkv_vs_raw_read"] == targets["pd.pullkv_vs_raw_ranges"] == 0.9
+    assert targets["daemon.read_vs_echo"] == 0.9
     assert targets["daemon.write_vs_echo"] == targets["daemon.write_new_vs_echo"] == 0.9
     assert targets["attach.write_vs_in_process"] == 0.9 and targets["attach.read_vs_in_process"] == 0.9
     assert "copies" in stderr  # progress went to stderr, the JSON alone to stdout
@@ -57,11 +58,14 @@ def test_results_name_the_machine_settings_and_issue_targets(quick_run):
 
 def test_byte_counts_are_the_skip_aware_layouts(quick_run):
     """Computed, not timed: a 4,096-token GLM-5.2 copy holds 78 x 4096 x 656 latent bytes plus 21 of 78
-    layers' page rows (64 pages x 8448); the replay's hits equal the simulation's."""
+    layers' page rows (64 pages x 8448), and PullKV moves the same bytes in 99 ranges; the replay's
+    hits equal the simulation's."""
     _, doc, _ = quick_run
     b = doc["cases"]["copies"]["figures"]["bytes"]
     assert b["latent"] == 78 * 4096 * 656 and b["index_k"] == 21 * 64 * 8448 and b["all_layers"] == b["latent"] + 78 * 64 * 8448
     assert doc["cases"]["replay"]["figures"]["equal_to_simulate"] is True
+    pd = doc["cases"]["pd"]["figures"]["bytes"]  # the same 4,096-token request, pulled in one range a layer
+    assert pd["total"] == 78 * 4096 * 656 + 21 * 64 * 8448 and pd["ranges"] == 78 + 21
     cap = {c["key"]: c for c in doc["cases"]["capacity"]["comparisons"]}
     assert cap["capacity.glm-5.2.sglang"]["kvtier"]["value"] == 2_813_952
     assert cap["capacity.glm-5.2.sglang"]["baseline"]["value"] == 2_430_528
