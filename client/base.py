@@ -156,10 +156,10 @@ class BaseClient:
             stub = self._stubs[stub_cls] = stub_cls(self._channel)
         return stub
 
-    def _attempts(self, idempotent: bool, timeout: float | None) -> Iterator[float]:
+    def _attempts(self, timeout: float | None) -> Iterator[float]:
         """Yield the time left for each attempt; stop after the retries or the deadline."""
         deadline = time.monotonic() + (timeout if timeout is not None else self.timeout)
-        for attempt in range(1 + (self.retries if idempotent else 0)):
+        for attempt in range(1 + self.retries):
             if attempt:
                 time.sleep(min(0.05 * 2 ** (attempt - 1), max(deadline - time.monotonic(), 0)))
             left = deadline - time.monotonic()
@@ -168,13 +168,16 @@ class BaseClient:
             yield left
 
     def _run(self, fn: Callable[[float], T], idempotent: bool, timeout: float | None) -> T:
+        """``fn(time left)`` until it succeeds; an UNAVAILABLE is tried again (up to :attr:`retries`
+        times, within the deadline) when the call is idempotent or the daemon said it changed
+        nothing (``unchanged``: e.g. slots a write still arriving is writing)."""
         last: KVTierError | None = None
-        for left in self._attempts(idempotent, timeout):
+        for left in self._attempts(timeout):
             try:
                 return fn(left)
             except grpc.RpcError as e:
                 last = self._no_daemon_hint(from_rpc_error(e))
-                if not (idempotent and last.code == grpc.StatusCode.UNAVAILABLE):
+                if not (last.code == grpc.StatusCode.UNAVAILABLE and (idempotent or last.unchanged)):
                     raise last from None
         assert last is not None
         raise last
@@ -188,10 +191,17 @@ class BaseClient:
         return err
 
     def unary(self, rpc: Callable[..., T], request: Any, *, idempotent: bool, timeout: float | None = None) -> T:
-        """Call a unary (or client-streaming, with ``request`` an iterable made fresh per attempt:
-        pass only ``idempotent=False`` then) RPC with a deadline; UNAVAILABLE is retried only when
-        ``idempotent``. Raises a :class:`~kvtier.client.errors.KVTierError` subclass on failure."""
+        """Call a unary RPC with a deadline; UNAVAILABLE is retried when ``idempotent`` or when the
+        daemon changed nothing (:meth:`_run`). Raises a :class:`~kvtier.client.errors.KVTierError`
+        subclass on failure."""
         return self._run(lambda left: rpc(request, timeout=left), idempotent, timeout)
+
+    def client_stream(self, rpc: Callable[..., T], requests: Callable[[], Iterator[Any]], *,
+                      timeout: float | None = None) -> T:
+        """Call a client-streaming RPC (a write: never idempotent) with a deadline; ``requests()``
+        makes the stream afresh for each attempt, so an answer that changed nothing is sent again
+        whole (:meth:`_run`). Raises a :class:`~kvtier.client.errors.KVTierError` subclass on failure."""
+        return self._run(lambda left: rpc(requests(), timeout=left), False, timeout)
 
     def server_stream(self, rpc: Callable[..., Iterator[Any]], request: Any, consume: Callable[[Iterator[Any]], T], *,
                       idempotent: bool, timeout: float | None = None) -> T:

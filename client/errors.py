@@ -4,15 +4,23 @@ from __future__ import annotations
 
 import grpc
 
+RETRY_UNCHANGED = ("kvtier-retry", "unchanged")
+"""Trailing metadata the daemon adds to an answer that changed nothing (the wire contract; the daemon's
+``kvtier.server.daemon.errors.RETRY_UNCHANGED``)."""
+
 
 class KVTierError(Exception):
-    """A call failed. ``code`` is the gRPC status code, ``details`` the daemon's message."""
+    """A call failed. ``code`` is the gRPC status code, ``details`` the daemon's message;
+    ``unchanged``: the daemon said it changed nothing (trailing metadata ``kvtier-retry: unchanged``,
+    e.g. slots a write still arriving is writing), so even a write may be sent again."""
 
     code: grpc.StatusCode = grpc.StatusCode.UNKNOWN
+    unchanged: bool = False
 
-    def __init__(self, details: str, code: grpc.StatusCode | None = None) -> None:
+    def __init__(self, details: str, code: grpc.StatusCode | None = None, unchanged: bool = False) -> None:
         super().__init__(details)
         self.details = details
+        self.unchanged = unchanged
         if code is not None:
             self.code = code
 
@@ -84,7 +92,9 @@ def from_rpc_error(err: grpc.RpcError) -> KVTierError:
     code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
     details = (err.details() if hasattr(err, "details") else None) or str(err)
     cls = _BY_CODE.get(code, KVTierError)
-    return cls(details, code)
+    trailing = err.trailing_metadata() if hasattr(err, "trailing_metadata") else None
+    unchanged = any(tuple(kv) == RETRY_UNCHANGED for kv in (trailing or ()))
+    return cls(details, code, unchanged)
 
 
 def from_code_name(name: str, details: str) -> KVTierError:

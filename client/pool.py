@@ -261,7 +261,7 @@ class PoolMixin(BaseClient):
         """
         ids = slot_list(slots)
         header, segs, packed, _ = self._write_stream(pool_id, latent, index, slots=ids, n=len(ids))
-        resp = self.unary(self._write_kv_raw, self._write_requests(header, segs, packed=packed), idempotent=False, timeout=timeout)
+        resp = self.client_stream(self._write_kv_raw, lambda: self._write_requests(header, segs, packed=packed), timeout=timeout)
         return resp.bytes_written
 
     def write_new_kv(
@@ -287,8 +287,8 @@ class PoolMixin(BaseClient):
             NotFoundError, DeadlineExceededError (then nothing was allocated).
         """
         header, segs, packed, n = self._write_stream(pool_id, latent, index, slots=[], n=None)
-        resp = self.unary(self._write_kv_raw, self._write_requests(header, segs, packed=packed, allocate_tokens=n),
-                          idempotent=False, timeout=timeout)
+        resp = self.client_stream(self._write_kv_raw, lambda: self._write_requests(header, segs, packed=packed, allocate_tokens=n),
+                                  timeout=timeout)
         pages = torch.tensor(list(resp.pages), dtype=torch.int64)
         return (pages.view(-1, 1) * resp.page_size + torch.arange(resp.page_size, dtype=torch.int64)).view(-1)[:resp.num_slots]
 

@@ -154,7 +154,7 @@ class StorageMixin(BaseClient):
         """
         keys = list(keys)
         buf = _flat_bytes(data, len(keys) * space.part_nbytes(part), "data")
-        r = self.unary(self._storage.PutUnits, self._put_requests(space, keys, part, buf), idempotent=False, timeout=timeout)
+        r = self.client_stream(self._storage.PutUnits, lambda: self._put_requests(space, keys, part, buf), timeout=timeout)
         return PutUnitsResult(list(r.accepted), r.completed, r.pending)
 
     def get_units(self, space: UnitSpaceSpec, keys: Sequence[bytes], part: str, out: torch.Tensor, *,

@@ -3,8 +3,9 @@ bytes echo of the same bytes in the same chunks (:mod:`kvtier.bench.echo`), inte
 
 The payload is one GLM-5.2-shaped request: latent rows of every layer (656-byte fp8 rows) and the
 live layers' keys+scales (132 bytes a token on 21 of 78 layers). WriteKV is timed both ways users
-call it: into slots allocated before (``write_kv``: staged whole, then copied in at commit, all or
-nothing) and as the write that allocates its pages (``write_new_kv``: the rows land in the new
+call it: into slots allocated before (``write_kv``: their pages claimed, the latent rows written in
+place as they arrive after an undo copy of the rows they replace, all or nothing) and as the write
+that allocates its pages (``write_new_kv``: the rows land in the new
 pages as they arrive; each round's pages are freed, untimed, before the next). Both servers are
 their own processes; what both writes wrote is read back and checked byte for byte.
 """
@@ -88,7 +89,7 @@ class DaemonIOCase(Case):
                     raise RuntimeError("ReadKV returned other bytes than WriteKV wrote")
             c.delete_pool("bench", force=True)
         ctx.advance(1)
-        res.comparisons.append(Comparison("daemon.write_vs_echo", "WriteKV into named slots (staged, checked, copied in at commit: all or nothing) vs echo upload",
+        res.comparisons.append(Comparison("daemon.write_vs_echo", "WriteKV into named slots (pages claimed, rows in place with an undo copy: all or nothing) vs echo upload",
                                           "GB/s", throughput("kvtier WriteKV", nbytes, t["daemon_write"]),
                                           throughput("gRPC byte echo upload", nbytes, t["echo_upload"]), target=0.9))
         res.comparisons.append(Comparison("daemon.write_new_vs_echo",

@@ -180,7 +180,8 @@ class Daemon:
             with entry.lock.exclusive():
                 session.ended = True  # a call in the session that takes the lock after this fails NOT_FOUND
                 if not entry.deleted:
-                    pages = entry.session_pages(session.number)
+                    # pages a WriteKV of the session is writing in place stay: that write frees them when it ends
+                    pages = [p for p in entry.session_pages(session.number) if not bool(entry.page_claimed[p])]
                     if pages:
                         slots = slots_of_pages(torch.tensor(pages, dtype=torch.int64), entry.page_size)
                         freed = entry.free(slots, session.number)

@@ -34,6 +34,17 @@ class Unavailable(KVTierError):
     service (``kvtier.tier.<name>``) is SERVING again (UNAVAILABLE)."""
 
 
+class Busy(Unavailable):
+    """Refused before anything changed, because another call holds what this one names for a short
+    while (pages a WriteKV still arriving is writing in place); retrying is safe for any call, write
+    or not (UNAVAILABLE, with :data:`RETRY_UNCHANGED` in the trailing metadata)."""
+
+
+RETRY_UNCHANGED = ("kvtier-retry", "unchanged")
+"""Trailing metadata of a :class:`Busy` answer: the daemon changed nothing, so a client may retry
+even a call that is not idempotent."""
+
+
 class FailedPrecondition(KVTierError):
     """The request does not fit the current layout or state: a host copy or peer whose layout
     differs from the pool's, indexer data for a skip-topk layer, deleting a busy pool (FAILED_PRECONDITION)."""

@@ -1,11 +1,18 @@
 """KV writes into a daemon pool (WriteKV): where a stream's bytes land as they arrive, and the commit.
 
-A write into named slots is staged whole in host memory (:class:`KVWriteBuffer`) and only then,
-under the pool's exclusive lock and after checking again, written into the pool (:func:`write_kv`):
-a stream that breaks off, or a chunk that does not fit, leaves the pool untouched. A write that
-allocates (:func:`reserve_write`, :func:`write_new_kv`) takes whole pages first, writes the latent
-rows straight into them and grants them at commit; on any failure :func:`abort_reserved` gives
-them back. Streams are made of the segments of :func:`~kvtier.server.daemon.kv_ops.plan_segments`.
+Every write is all or nothing: a stream that breaks off, or a chunk that does not fit, leaves the
+slots' old bytes. Streams are made of the segments of :func:`~kvtier.server.daemon.kv_ops.plan_segments`.
+
+* A write into named slots (:func:`begin_write`, :func:`write_kv`) on a CPU pool **claims** their
+  pages (:meth:`PoolEntry.claim`) and writes each latent chunk in place as it arrives, after copying
+  the rows it replaces into an undo buffer; every other call that names those pages is refused
+  UNAVAILABLE until the write ends, so nobody sees half a write. The commit writes the staged
+  indexer part and ends the claim; on any failure :func:`abort_claimed` copies the old rows back.
+  Slots on prefix-cache pages, slots in many runs and device pools are staged whole instead and
+  written at commit, under the pool's exclusive lock.
+* A write that allocates (:func:`reserve_write`, :func:`write_new_kv`) takes whole pages first,
+  writes the latent rows straight into them (nobody can name pages that are not granted; no undo
+  needed) and grants them at commit; on any failure :func:`abort_reserved` gives them back.
 """
 
 from __future__ import annotations
@@ -23,11 +30,16 @@ from kvtier.server.daemon.kv_ops import INDEX_K, INDEX_SCALE, LATENT, KVSelectio
 from kvtier.server.daemon.pools import PoolEntry, PoolRegistry
 from kvtier.server.daemon.tenants import Caller
 
+MAX_CLAIM_RUNS = 16
+"""A write into named slots is written in place only when its slots make at most this many runs of
+consecutive slots (views of the pool a run and layer); more scattered slots are staged whole."""
+
 
 class KVWriteBuffer:
     """Where the bytes of one WriteKV stream land as they arrive: host staging, written into the pool
-    only at commit (:func:`write_kv`), or, for a write into pages it allocated
-    (:func:`reserve_write`), the latent rows straight into those pages.
+    only at commit (:func:`write_kv`); or the latent rows straight into the pool: into pages the
+    write allocated (:func:`reserve_write`), or into named slots whose pages it claims
+    (:func:`begin_write`), the rows they replace copied to an undo buffer first.
 
     The staging is one block of the pool's host arena (faulted in once, reused by every stream;
     fresh memory when the arena is full) holding the staged segments back to back in stream order,
@@ -43,12 +55,17 @@ class KVWriteBuffer:
         sel: the stream's header; checked at once (layers, slots) so a bad header fails before any data.
         reserved: ``(n,)`` int64 slots of pages :meth:`PoolEntry.reserve` took for this stream (the
             header names no slots then); None: the header's slots, which must be allocated.
+        claim: with named slots, write the latent rows in place (with an undo copy) when the pool
+            allows it (a CPU pool, no prefix-cache page, at most :data:`MAX_CLAIM_RUNS` runs); the
+            caller then claims :attr:`pages` under the pool's exclusive lock before any data lands.
 
     Raises:
-        InvalidArgument / FailedPrecondition: see :func:`plan_segments` and :meth:`PoolEntry.slots`.
+        InvalidArgument / FailedPrecondition / Unavailable: see :func:`plan_segments` and
+            :meth:`PoolEntry.slots`.
     """
 
-    def __init__(self, entry: PoolEntry, sel: KVSelection, reserved: torch.Tensor | None = None) -> None:
+    def __init__(self, entry: PoolEntry, sel: KVSelection, reserved: torch.Tensor | None = None,
+                 claim: bool = False) -> None:
         self.selection = sel
         self.entry = entry
         self.slots = entry.slots(sel.slots, unique=True) if reserved is None else reserved
@@ -57,9 +74,18 @@ class KVWriteBuffer:
         n = self.slots.numel()
         self.segments = plan_segments(entry, sel, n)
         self.reserved = reserved is not None
-        direct = entry.pool.latent_row_views(sel.latent_layers, self.slots, n) if self.reserved else None
+        self.pages = torch.unique(self.slots // entry.page_size)
+        """``(p,)`` int64 pages the slots lie on."""
+        direct = None
+        if self.reserved:
+            direct = entry.pool.latent_row_views(sel.latent_layers, self.slots, n)
+        elif claim and not bool(entry.cache_owned[self.pages].any()):
+            direct = entry.pool.latent_row_views(sel.latent_layers, self.slots, MAX_CLAIM_RUNS)
         self.in_place = direct is not None
-        """True when the latent rows land in the pool as they arrive (a CPU pool, reserved pages)."""
+        """True when the latent rows land in the pool as they arrive (a CPU pool, reserved or claimed pages)."""
+        self.claimed = self.in_place and not self.reserved
+        """True for named slots written in place: their pages must be claimed, and the rows they
+        replace are kept in the undo buffer (:meth:`restore`)."""
         self._starts: dict[tuple[int, str], int] = {}
         self._sizes = {(seg.layer_id, seg.component): seg.nbytes for seg in self.segments}
         total = staged = 0
@@ -70,7 +96,9 @@ class KVWriteBuffer:
             seg_starts.append(total)
             if direct is not None and seg.component == LATENT:
                 runs = [v.numpy() for v in next(views)]
-                lands.append((None, list(itertools.accumulate((r.size for r in runs[:-1]), initial=0)), runs))
+                undo = staged if self.claimed else None  # the replaced rows, at the segment's own offsets
+                lands.append((undo, list(itertools.accumulate((r.size for r in runs[:-1]), initial=0)), runs))
+                staged += seg.nbytes if self.claimed else 0
             else:
                 lands.append((staged, None, None))
                 staged += seg.nbytes
@@ -80,9 +108,11 @@ class KVWriteBuffer:
         self._seg_starts, self._lands = seg_starts, lands
         self._block = entry.pool.host_block(staged)
         self._buf = self._block.numpy()
-        self._staged_at = {(seg.layer_id, seg.component): land[0] for seg, land in zip(self.segments, lands)}
+        self._staged_at = {(seg.layer_id, seg.component): None if land[2] is not None else land[0]
+                           for seg, land in zip(self.segments, lands)}
         self._filled = dict.fromkeys(self._starts, 0)
         self._packed_filled: int | None = None  # set once the stream is packed
+        self._undo_end = [0] * len(self.segments)  # claimed: bytes of each segment whose old rows are in undo
 
     def _land(self, offset: int, data: bytes | memoryview) -> None:
         """Put ``data`` at byte ``offset`` of the whole stream (checked by the caller)."""
@@ -98,11 +128,15 @@ class KVWriteBuffer:
             staged_at, run_starts, runs = self._lands[i]
             if runs is None:
                 self._buf[staged_at + seg_off:staged_at + seg_off + take] = src[pos:pos + take]
-            else:  # the layer's rows in the reserved pages, a run of slots at a time
+            else:  # the layer's rows in the pool, a run of slots at a time (claimed: old rows to undo first)
                 r, done = bisect.bisect_right(run_starts, seg_off) - 1, 0
                 while done < take:
                     at = seg_off + done - run_starts[r]
                     k = min(take - done, runs[r].size - at)
+                    if staged_at is not None:
+                        u = staged_at + seg_off + done
+                        self._buf[u:u + k] = runs[r][at:at + k]
+                        self._undo_end[i] = seg_off + done + k  # before the rows change: restore() covers them
                     runs[r][at:at + k] = src[pos + done:pos + done + k]
                     done += k
                     r += 1
@@ -180,28 +214,88 @@ class KVWriteBuffer:
             raise ValueError(f"layer {layer_id} {component} was written in place, not staged")
         return self._block[start:start + self._sizes[(layer_id, component)]]
 
+    def restore(self) -> None:
+        """Copy back the rows a claimed write replaced (the bytes landed so far of each latent
+        segment, from the undo buffer); the pool's exclusive lock held, the claim not yet ended."""
+        if not self.claimed:
+            return
+        for (undo, run_starts, runs), filled in zip(self._lands, self._undo_end):
+            if runs is None:
+                continue
+            for r, run in enumerate(runs):
+                lo, hi = run_starts[r], min(run_starts[r] + run.size, filled)
+                if hi > lo:
+                    run[:hi - lo] = self._buf[undo + lo:undo + hi]
+
+
+def begin_write(registry: PoolRegistry, caller: Caller, sel: KVSelection) -> KVWriteBuffer:
+    """Begin a WriteKV into the header's named slots: check the header and the slots (allocated, the
+    caller's to overwrite, not claimed) under the pool's exclusive lock and, when the write goes in
+    place (:attr:`KVWriteBuffer.claimed`), claim their pages there. End it with :func:`write_kv`, or
+    :func:`abort_claimed` on any failure.
+
+    Raises:
+        InvalidArgument / FailedPrecondition: a bad header or slots (:class:`KVWriteBuffer`), slots of
+            another worker's attach session. Unavailable: a page another write is writing.
+            NotFound: unknown pool, or the caller's attach session ended. Nothing is claimed then.
+    """
+    with registry.locked(caller, sel.pool_id, exclusive=True) as entry:
+        buf = KVWriteBuffer(entry, sel, claim=True)
+        entry.check_owner(buf.pages, entry.owner_of(caller))
+        if buf.claimed:
+            entry.claim(buf.pages)
+    return buf
+
 
 def write_kv(registry: PoolRegistry, caller: Caller, buf: KVWriteBuffer,
              wanted: Callable[[], bool] = lambda: True) -> int:
-    """Commit a complete :class:`KVWriteBuffer` into its pool; returns the bytes written.
+    """Commit a complete :class:`KVWriteBuffer` of :func:`begin_write` into its pool; returns the
+    bytes written. The caller calls :func:`abort_claimed` when this raises.
 
     The slots are checked again under the pool's exclusive lock (the allocation may have changed
-    while the stream arrived); all checks run before the first byte is written, the last of them
-    ``wanted()`` (the call still active: a call cancelled, or past its deadline, while the commit
-    waited for the lock writes nothing, as its client was told).
+    while the stream arrived; claimed pages cannot change); all checks run before the first staged
+    byte is written, the last of them ``wanted()`` (the call still active: a call cancelled, or
+    past its deadline, while the commit waited for the lock writes nothing, as its client was told).
+    A claimed write's latent rows are in the pool already; the commit writes the rest and ends the claim.
 
     Raises:
-        InvalidArgument: incomplete stream, or slots no longer allocated. NotFound: pool deleted.
-        Cancelled: ``wanted()`` was false; nothing was written.
+        InvalidArgument: incomplete stream, or slots no longer allocated. NotFound: pool deleted (or
+            made again), or the caller's attach session ended. Cancelled: ``wanted()`` was false.
     """
     buf.check_complete()
     sel = buf.selection
     with registry.locked(caller, sel.pool_id, exclusive=True) as entry:
-        slots = entry.slots(buf.slots, unique=True)
-        entry.check_owner(torch.unique(slots // entry.page_size), entry.owner_of(caller))
+        if entry is not buf.entry:
+            raise NotFound(f"pool {entry.pool_id!r} was deleted and made again while the stream arrived; nothing was written")
+        slots = entry.slots(buf.slots, unique=True, claimed_ok=buf.claimed)
+        entry.check_owner(buf.pages, entry.owner_of(caller))
         _check_wanted(wanted)
         _write_staged(entry, buf, slots)
+        if buf.claimed:
+            entry.unclaim(buf.pages)
+            buf.claimed = False  # committed: nothing to restore
     return buf.nbytes
+
+
+def abort_claimed(registry: PoolRegistry, caller: Caller, buf: KVWriteBuffer) -> None:
+    """End a write of :func:`begin_write` that failed or broke off: the rows it replaced are copied
+    back from the undo buffer and its claim ends, under the pool's exclusive lock. Pages that the
+    caller's attach session held when it ended (its end leaves claimed pages to the write) are freed
+    then. Nothing for a staged write or a deleted pool. Never raises a daemon error."""
+    if not buf.claimed:
+        return
+    entry = buf.entry
+    with entry.lock.exclusive():
+        if entry.deleted:
+            return
+        buf.restore()
+        entry.unclaim(buf.pages)
+        buf.claimed = False
+        session = caller.session
+        if session is not None and session.entry is entry and session.ended:
+            mine = buf.pages[entry.page_owner[buf.pages] == session.number]
+            if mine.numel():
+                entry.free(mine * entry.page_size, session.number)
 
 
 def _check_wanted(wanted: Callable[[], bool]) -> None:

@@ -35,7 +35,7 @@ from kvtier.server.pool.memory import device_memory, shortfall_message
 from kvtier.server.pool.validation import as_slots
 from kvtier.server.pool_configurator import PoolPlan, exact_pool_bytes, plan_pool
 from kvtier.server.daemon.errors import (
-    AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable,
+    AlreadyExists, Busy, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable,
 )
 from kvtier.server.daemon.locks import LockBusy, RWLock
 from kvtier.server.daemon.quotas import Quotas
@@ -114,6 +114,9 @@ class PoolEntry:
             page (0: none). Changed under the exclusive lock only.
         lease_owner: lease id -> number of the attach session that took it (LoadPrefix in a
             session); only that session may store or release it. Under the exclusive lock only.
+        page_claimed: ``(num_pages + 1,)`` bool, True on pages a WriteKV into named slots is writing
+            in place while its stream arrives (:meth:`claim`); every call that names them is refused
+            UNAVAILABLE until the write commits or gives them back. Under the exclusive lock only.
     """
 
     pool_id: str
@@ -132,10 +135,14 @@ class PoolEntry:
     cache_owned: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.bool))
     page_owner: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
     lease_owner: dict[str, int] = field(default_factory=dict, repr=False)
+    page_claimed: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.bool))
+    claimed_pages: int = 0
+    """How many pages :attr:`page_claimed` marks (0: no check needed)."""
     deleted: bool = False
 
     def __post_init__(self) -> None:
         self.page_allocated = torch.zeros(self.allocator.num_pages + 1, dtype=torch.bool)
+        self.page_claimed = torch.zeros(self.allocator.num_pages + 1, dtype=torch.bool)
         self.cache_owned = torch.zeros(self.allocator.num_pages + 1, dtype=torch.bool)
         self.page_owner = torch.zeros(self.allocator.num_pages + 1, dtype=torch.int64)
 
@@ -189,11 +196,15 @@ class PoolEntry:
         """Exclusive upper bound of slots on allocatable pages."""
         return (self.allocator.num_pages + 1) * self.page_size
 
-    def slots(self, loc: Any, what: str = "slots", *, unique: bool = False, allocated: bool = True) -> torch.Tensor:
-        """``loc`` as ``(n,)`` int64 CPU slots, checked: in range, on allocated pages, optionally unique.
+    def slots(self, loc: Any, what: str = "slots", *, unique: bool = False, allocated: bool = True,
+              claimed_ok: bool = False) -> torch.Tensor:
+        """``loc`` as ``(n,)`` int64 CPU slots, checked: in range, on allocated pages, optionally unique;
+        with ``allocated``, also on no page a write in flight claims (:meth:`claim`) unless
+        ``claimed_ok`` (that write's own commit).
 
         Raises:
             InvalidArgument: naming the first bad slot.
+            Busy: a slot on a page a WriteKV still arriving is writing (UNAVAILABLE; retry once it ends).
         """
         try:
             t = as_slots(loc, limit=self.slot_limit, what=what)
@@ -207,7 +218,34 @@ class PoolEntry:
             if bool(bad.any()):
                 first = int(t[bad][0])
                 raise InvalidArgument(f"{what} contains slot {first} on page {first // self.page_size}, which is not allocated")
+            if self.claimed_pages and not claimed_ok:
+                self.check_unclaimed(pages, what)
         return t
+
+    def check_unclaimed(self, pages: Any, what: str = "slots") -> None:
+        """Raise Busy (UNAVAILABLE, safe to retry) if any of ``pages`` is claimed by a WriteKV still
+        arriving (:meth:`claim`)."""
+        if not self.claimed_pages:
+            return
+        t = torch.as_tensor(pages, dtype=torch.int64).reshape(-1)
+        busy = self.page_claimed[t]
+        if bool(busy.any()):
+            raise Busy(f"{what}: page {int(t[busy][0])} of pool {self.pool_id!r} is being written by a WriteKV "
+                              f"whose stream is still arriving; retry once that write ends")
+
+    def claim(self, pages: torch.Tensor) -> None:
+        """Claim ``pages`` (allocated, unclaimed: checked by the caller) for a WriteKV that writes them in
+        place as its stream arrives; caller holds the lock exclusive. Until :meth:`unclaim` every
+        :meth:`slots` and :meth:`check_unclaimed` check refuses them, so nothing reads, writes, frees or
+        moves them, and an attach session that ends leaves them allocated to it: the write frees them
+        when it ends (:func:`~kvtier.server.daemon.kv_write.abort_claimed`)."""
+        self.page_claimed[pages] = True
+        self.claimed_pages = int(self.page_claimed.sum())
+
+    def unclaim(self, pages: torch.Tensor) -> None:
+        """End the claim of :meth:`claim` on ``pages``; caller holds the lock exclusive."""
+        self.page_claimed[pages] = False
+        self.claimed_pages = int(self.page_claimed.sum())
 
     def alloc(self, n_tokens: int, owner: int = 0) -> torch.Tensor:
         """Allocate whole pages for ``n_tokens``; caller holds the lock exclusive. Returns ``(n,)`` slots.

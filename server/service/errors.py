@@ -19,7 +19,7 @@ from typing import Any
 import grpc
 
 from kvtier.server.daemon.errors import (
-    AlreadyExists, Cancelled, FailedPrecondition, InvalidArgument, KVTierError, NotFound, ResourceExhausted, Unauthenticated,
+    RETRY_UNCHANGED, AlreadyExists, Busy, Cancelled, FailedPrecondition, InvalidArgument, KVTierError, NotFound, ResourceExhausted, Unauthenticated,
     Unavailable,
 )
 from kvtier.server.service.interceptors import handler_like
@@ -127,6 +127,8 @@ def _abort(context: grpc.ServicerContext, exc: BaseException, method: str) -> No
     else:
         log.info("%s -> %s: %s", method, code.name, short_message(str(exc)))
         message = str(exc)
+    if isinstance(exc, Busy):  # nothing changed: the client may retry even a write
+        context.set_trailing_metadata((RETRY_UNCHANGED,))
     context.abort(code, short_message(message))
 
 

@@ -98,9 +98,13 @@ class PoolServicer(pool_pb2_grpc.PoolServiceServicer):
                     kv_write.abort_reserved(self.pools, caller, buf.entry, buf.slots)
                     raise
             else:
-                buf = kv_write.KVWriteBuffer(self.pools.get(caller, sel.pool_id), sel)
-                self._receive(buf, first, request_iterator, touch)
-                slots, nbytes = None, kv_write.write_kv(self.pools, caller, buf, context.is_active)
+                buf = kv_write.begin_write(self.pools, caller, sel)
+                try:
+                    self._receive(buf, first, request_iterator, touch)
+                    slots, nbytes = None, kv_write.write_kv(self.pools, caller, buf, context.is_active)
+                except BaseException:
+                    kv_write.abort_claimed(self.pools, caller, buf)
+                    raise
         self.state.counters.add(caller, "kv_writes")
         self.state.counters.add(caller, "kv_bytes_written", nbytes)
         if slots is None:

@@ -3,7 +3,8 @@
 Implements the domain's :class:`~kvtier.server.daemon.transfer.PeerConnector`: the domain decides
 what to move; this module only asks the peer over gRPC and writes the bytes a ReadPages stream
 brings into the destination pool's pages. Peer errors become the daemon's typed errors (the peer's
-NOT_FOUND / INVALID_ARGUMENT stay what they are; anything else is a :class:`TransferError`).
+NOT_FOUND / INVALID_ARGUMENT stay what they are, an UNAVAILABLE that changed nothing, such as source
+pages a write is landing on, is :class:`Busy`; anything else is a :class:`TransferError`).
 
 Credentials: PullKV presents the *caller's* bearer token to the peer (``authorization: Bearer``), so
 the peer serves the pool of the tenant that token names there (run both daemons with the same
@@ -26,7 +27,7 @@ import torch
 
 from kvtier.addresses import is_loopback
 from kvtier.server.daemon.config import DaemonConfig
-from kvtier.server.daemon.errors import FailedPrecondition, InvalidArgument, NotFound
+from kvtier.server.daemon.errors import RETRY_UNCHANGED, Busy, FailedPrecondition, InvalidArgument, NotFound
 from kvtier.server.daemon.pools import PoolEntry
 from kvtier.server.daemon.tenants import Caller
 from kvtier.server.daemon.transfer import PEER_LAYOUT_TIMEOUT_S, PEER_STREAM_TIMEOUT_S, PullSpec
@@ -101,6 +102,8 @@ class GrpcPeerLink:
                 raise NotFound(f"peer {self.address}: {details}") from None
             if code == grpc.StatusCode.INVALID_ARGUMENT:
                 raise InvalidArgument(f"peer {self.address}: {details}") from None
+            if code == grpc.StatusCode.UNAVAILABLE and RETRY_UNCHANGED in tuple(tuple(kv) for kv in (e.trailing_metadata() or ())):
+                raise Busy(f"peer {self.address}: {details}") from None  # e.g. source pages a write is landing on
             raise TransferError(f"peer {self.address} GetTransferLayout failed: {code.name}: {details}") from None
         return msg.layout_digest, (None if msg.unchanged else peer_layout(msg))
 

@@ -10,13 +10,11 @@ import os
 import time
 
 import pytest
-import torch
 from daemonkit import A, B, PS, daemon, keys, pool, rows, store_prefix
 
 from kvtier.server.daemon import kv_ops, kv_write
 from kvtier.server.daemon.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unauthenticated
 from kvtier.server.daemon.kv_ops import KVSelection
-from kvtier.server.daemon.kv_write import KVWriteBuffer
 from kvtier.server.daemon.sessions import PeerCredentials
 from kvtier.server.daemon.tier_settings import TierSettings
 
@@ -29,7 +27,7 @@ def attach(d, caller, pool_id="p"):
 
 
 def write_rows(d, caller, pool_id, slots, seed):
-    buf = KVWriteBuffer(d.pools.get(caller, pool_id), KVSelection(pool_id, slots, (0,), ()))
+    buf = kv_write.begin_write(d.pools, caller, KVSelection(pool_id, slots, (0,), ()))
     data = rows(len(slots), 656, seed).numpy().tobytes()
     for off in range(0, len(data), 1 << 20):
         buf.add(0, "latent", off, data[off:off + (1 << 20)])

@@ -42,17 +42,20 @@ def test_stalled_writes_leave_threads_for_control_calls_and_are_cancelled(d):
     """Regression (issue 8, defect 7): 16 WriteKV streams that sent their header and then nothing took
     all 16 worker threads, so ListPools timed out. Now 8 (half the workers) hold stream slots, the
     other 8 are refused at once, ListPools answers while they stall, the stalled ones are cancelled
-    after 2 s idle (writing nothing) and the slots serve new streams."""
+    after 2 s idle (writing nothing) and the slots serve new streams. Each writer names a page of its
+    own (two writes into the same slots cannot both be in flight: the second is UNAVAILABLE)."""
     with KVTierClient(d.address, timeout=30) as c:
-        slots = c.allocate_slots("default", PS)
+        slots = c.allocate_slots("default", 16 * PS)
         before = c.read_kv("default", slots, index_layers=[]).latent[0].clone()
     release = threading.Event()
     results: list[grpc.StatusCode] = []
     lock = threading.Lock()
 
-    def stalled_writer() -> None:
+    def stalled_writer(i: int) -> None:
+        mine = slots[i * PS:(i + 1) * PS].tolist()
+
         def messages():
-            yield pool_pb2.WriteKVRequest(header=pool_pb2.KVHeader(pool_id="default", slots=slots.tolist(), latent_layers=[0]))
+            yield pool_pb2.WriteKVRequest(header=pool_pb2.KVHeader(pool_id="default", slots=mine, latent_layers=[0]))
             release.wait(120)  # a client that stopped sending
 
         with grpc.insecure_channel(d.address) as ch:
@@ -64,7 +67,7 @@ def test_stalled_writes_leave_threads_for_control_calls_and_are_cancelled(d):
         with lock:
             results.append(code)
 
-    writers = [threading.Thread(target=stalled_writer, daemon=True) for _ in range(16)]
+    writers = [threading.Thread(target=stalled_writer, args=(i,), daemon=True) for i in range(16)]
     for t in writers:
         t.start()
     try:
@@ -81,7 +84,7 @@ def test_stalled_writes_leave_threads_for_control_calls_and_are_cancelled(d):
     assert sorted(r.name for r in results) == ["CANCELLED"] * 8 + ["RESOURCE_EXHAUSTED"] * 8
     with KVTierClient(d.address, timeout=30) as c:
         assert torch.equal(c.read_kv("default", slots, index_layers=[]).latent[0], before)  # nothing was written
-        rows = torch.full((PS, 656), 7, dtype=torch.uint8)
+        rows = torch.full((16 * PS, 656), 7, dtype=torch.uint8)
         c.write_kv("default", slots, latent={0: rows})
         assert torch.equal(c.read_kv("default", slots, index_layers=[]).latent[0], rows)
         c.free_slots("default", slots)
