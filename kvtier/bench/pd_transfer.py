@@ -137,6 +137,10 @@ class PDTransferCase(Case):
                             f"{len(raw.ranges)} pieces (a range per layer: where the pool holds them)",
                             "GB/s", throughput("kvtier PullKV, Mooncake TE", total, t["target/mooncake"]),
                             throughput(f"raw batch read, {len(raw.ranges)} ranges", total, t["raw/ranges"]), target=0.9))
+        c.append(Comparison("pd.raw_ranges_vs_raw_read", f"the engine alone: one raw batch read of the {len(raw.ranges)} ranges vs one "
+                            f"contiguous raw read of the same bytes (what a layer-major layout costs the engine)",
+                            "GB/s", throughput(f"raw batch read, {len(raw.ranges)} ranges", total, t["raw/ranges"]),
+                            throughput("one raw transfer_sync_read", total, t["raw/one"])))
         c.append(Comparison("pd.pullkv_vs_per_page_reads", "PullKV over Mooncake vs raw reads page by page (uncoalesced)",
                             "GB/s", throughput("kvtier PullKV, Mooncake TE", total, t["target/mooncake"]),
                             throughput("transfer_sync_read per page and component", total, t["raw/per_item"])))
