@@ -56,7 +56,8 @@ class KVWriteBuffer:
         reserved: ``(n,)`` int64 slots of pages :meth:`PoolEntry.reserve` took for this stream (the
             header names no slots then); None: the header's slots, which must be allocated.
         claim: with named slots, write the latent rows in place (with an undo copy) when the pool
-            allows it (a CPU pool, no prefix-cache page, at most :data:`MAX_CLAIM_RUNS` runs); the
+            allows it (a CPU pool, latent layers selected, no prefix-cache page, at most
+            :data:`MAX_CLAIM_RUNS` runs); the
             caller then claims :attr:`pages` under the pool's exclusive lock before any data lands.
 
     Raises:
@@ -79,7 +80,8 @@ class KVWriteBuffer:
         direct = None
         if self.reserved:
             direct = entry.pool.latent_row_views(sel.latent_layers, self.slots, n)
-        elif claim and not bool(entry.cache_owned[self.pages].any()):
+        elif claim and sel.latent_layers and not bool(entry.cache_owned[self.pages].any()):
+            # (no latent layer: nothing lands in place, so nothing to claim; the indexer part is staged)
             direct = entry.pool.latent_row_views(sel.latent_layers, self.slots, MAX_CLAIM_RUNS)
         self.in_place = direct is not None
         """True when the latent rows land in the pool as they arrive (a CPU pool, reserved or claimed pages)."""

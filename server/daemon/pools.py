@@ -471,6 +471,9 @@ class PoolRegistry:
             if entry.allocator.used_pages and not force:
                 writing = entry.allocator.used_pages - int(entry.page_allocated.sum())
                 held = f" ({writing} of them taken by writes still arriving)" if writing else ""
+                if entry.claimed_pages:  # FreeSlots refuses these until the write ends
+                    held += (f" ({entry.claimed_pages} of them being written in place by a WriteKV still arriving: "
+                             f"wait for it to end)")
                 raise FailedPrecondition(
                     f"pool {pool_id!r} still has {entry.allocator.used_pages} pages allocated{held}; free them or force")
             entry.deleted = True

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from kvtier.addresses import resolve_address
-from kvtier.server.daemon.errors import FailedPrecondition, InvalidArgument
+from kvtier.server.daemon.errors import FailedPrecondition, InvalidArgument, NotFound
 from kvtier.server.daemon.kv_ops import chunk_size
 from kvtier.server.daemon.pools import PoolEntry, PoolRegistry
 from kvtier.server.daemon.tenants import Caller
@@ -315,20 +315,29 @@ class TransferState:
                    chunk_bytes: int) -> Iterator[tuple[int, int, bytes]]:
         """ReadPages: ``(run index, offset, data)`` chunks of each ``(layer, component, first_page, num_pages)`` run.
 
-        Every run is checked (layer, component, page range, pages allocated) before the first chunk.
+        Every run is checked (layer, component, page range, pages allocated) before the first chunk,
+        and its pages again when it is copied (under the shared lock it is copied under).
 
         Raises:
-            InvalidArgument/PageMappingError: a bad run or chunk size.
+            InvalidArgument/PageMappingError: a bad run or chunk size, or a run's pages freed meanwhile.
+            Busy: a run's pages are being written by a WriteKV still arriving (before or mid-stream).
+            NotFound: the pool was deleted (or made again) mid-stream.
         """
         chunk = chunk_size(chunk_bytes, self.chunk_bytes, self.max_chunk_bytes)
         if not runs:
             raise PageMappingError("ReadPages needs at least one page run")
-        with self.pools.locked(caller, pool_id, exclusive=False) as entry:
+        with self.pools.locked(caller, pool_id, exclusive=False) as checked:
             for layer, comp, first, n in runs:
-                page_run(entry.pool, comp, layer, first, n)
-                _check_allocated(entry, np.arange(first, first + n, dtype=np.int64), f"run of layer {layer} {comp}")
+                page_run(checked.pool, comp, layer, first, n)
+                _check_allocated(checked, np.arange(first, first + n, dtype=np.int64), f"run of layer {layer} {comp}")
         for i, (layer, comp, first, n) in enumerate(runs):
             with self.pools.locked(caller, pool_id, exclusive=False) as entry:  # a consistent copy of the run...
+                if entry is not checked:
+                    raise NotFound(f"pool {pool_id!r} was deleted and made again while ReadPages streamed it; "
+                                   f"pull again")
+                # checked again: the lock was let go since the first check (a WriteKV may have claimed
+                # the pages and be landing rows in place, or the pages may have been freed)
+                _check_allocated(entry, np.arange(first, first + n, dtype=np.int64), f"run of layer {layer} {comp}")
                 view = page_run(entry.pool, comp, layer, first, n)
                 pieces = [view[off:off + chunk].cpu().numpy().tobytes() for off in range(0, view.numel(), chunk)]
             for k, data in enumerate(pieces):  # ...streamed without holding the lock

@@ -41,7 +41,7 @@ from pathlib import Path
 import grpc
 import torch
 
-from kvtier.client import DeadlineExceededError, KVTierClient
+from kvtier.client import DeadlineExceededError, KVTierClient, UnavailableError
 from kvtier.client.pool import slot_list
 from kvtier.client.wire import encode_write_chunk
 from kvtier.v1 import pool_pb2
@@ -75,8 +75,26 @@ def stalled_requests(c: KVTierClient, pool_id: str, slots: torch.Tensor | None, 
     gate.wait(60)
 
 
-def holds(c: KVTierClient, slots: torch.Tensor, latent: dict[int, torch.Tensor]) -> bool:
-    kv = c.read_kv(POOL, slots, latent_layers=list(latent), index_layers=[])
+def once_written(fn, bound_s: float = 30.0):
+    """``fn()`` once no write still arriving holds the slots it names. A write this thread cancelled,
+    let run past its deadline or killed ends on the daemon's own thread a moment after its client gave
+    up; until then the daemon refuses its slots UNAVAILABLE "changed nothing" (a write into named slots
+    claims their pages), which is safe to retry. Any other error, or a claim past ``bound_s``, raises."""
+    end = time.monotonic() + bound_s
+    while True:
+        try:
+            return fn()
+        except UnavailableError as e:
+            if not e.unchanged or time.monotonic() > end:
+                raise
+            time.sleep(0.02)
+
+
+def holds(c: KVTierClient, slots: torch.Tensor, latent: dict[int, torch.Tensor], *, settle: bool = True) -> bool:
+    """Whether ``slots`` hold ``latent``; ``settle``: read once no write that a fault broke off holds them
+    (:func:`once_written`)."""
+    read = lambda: c.read_kv(POOL, slots, latent_layers=list(latent), index_layers=[])  # noqa: E731
+    kv = once_written(read) if settle else read()
     return all(torch.equal(kv.latent[x], latent[x]) for x in latent)
 
 
@@ -149,7 +167,7 @@ class Faults:
             if not holds(c, slots, a):
                 raise AssertionError("a cancelled write changed the slots it named")
         finally:
-            c.free_slots(POOL, slots)
+            once_written(lambda: c.free_slots(POOL, slots))
 
     def cancelled_new_write(self, c: KVTierClient) -> None:
         n = self.rng.randint(1, 3) * PS
@@ -166,10 +184,10 @@ class Faults:
             stream = c._read_kv_raw(pool_pb2.ReadKVRequest(header=header, chunk_bytes=4096, packed=True), timeout=30)
             next(stream)
             stream.cancel()
-            if not holds(c, slots, a):  # the pool still serves this client (and everyone else) at once
+            if not holds(c, slots, a, settle=False):  # the pool still serves this client (and everyone else) at once
                 raise AssertionError("slots read back differ after an abandoned read")
         finally:
-            c.free_slots(POOL, slots)
+            once_written(lambda: c.free_slots(POOL, slots))
 
     def deadline_write(self, c: KVTierClient) -> None:
         n = self.rng.randint(1, 3) * PS
@@ -184,7 +202,7 @@ class Faults:
             if not (holds(c, slots, a) or holds(c, slots, b)):
                 raise AssertionError("a write past its deadline left a mix of old and new bytes")
         finally:
-            c.free_slots(POOL, slots)
+            once_written(lambda: c.free_slots(POOL, slots))
 
     # ----- processes killed with SIGKILL --------------------------------------------------------
     @staticmethod
@@ -214,7 +232,7 @@ class Faults:
             if not holds(c, slots, a):
                 raise AssertionError("a writer killed mid-stream changed the slots it named")
         finally:
-            c.free_slots(POOL, slots)
+            once_written(lambda: c.free_slots(POOL, slots))
 
     def killed_attached_worker(self, c: KVTierClient) -> None:
         keys = [uuid.uuid4().bytes]

@@ -242,3 +242,24 @@ def test_a_pool_deleted_under_a_claimed_write_ends_it_not_found(d):
         kv_write.write_kv(d.pools, A, buf)
     kv_write.abort_claimed(d.pools, A, buf)
     assert not bool(read_rows(d, A, "p", again).any())  # the new pool's rows: never written
+
+
+def test_a_write_of_indexer_parts_only_is_staged_not_claimed(d):
+    """A WriteKV into named slots that selects no latent layer (indexer keys and scales of layer 0
+    only) has nothing to write in place -- the indexer part is always staged -- yet it claimed its
+    pages, so every reader of them was refused for the whole stream. Staged now: no claim, readers
+    are served meanwhile, and the commit writes the keys and scales."""
+    pool(d, A)
+    with d.pools.locked(A, "p", exclusive=True) as e:
+        slots = e.alloc(PS)
+    data, _, idx = stream_bytes(PS, [], (0,), seed=8)
+    buf = kv_write.begin_write(d.pools, A, KVSelection("p", slots.tolist(), (), (0,)))
+    assert not buf.claimed and not buf.in_place
+    buf.add_packed(0, memoryview(data)[:4096])
+    assert kv_ops.read_kv(d.pools, A, KVSelection("p", slots.tolist(), (0,), (0,)))  # served, not Busy
+    buf.add_packed(4096, memoryview(data)[4096:])
+    kv_write.write_kv(d.pools, A, buf)
+    with d.pools.locked(A, "p", exclusive=False) as e:
+        keys, scales = e.pool.get_index_k_scale(0, slots)
+    assert torch.equal(keys.view(torch.uint8).reshape(PS, -1), idx[0][0])
+    assert torch.equal(scales.reshape(-1), idx[0][1])

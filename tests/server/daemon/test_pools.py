@@ -102,3 +102,21 @@ def test_allocation_evicts_unpinned_prefix_cache_pages(d):
     fill(d, A, "p", 3 * PS, seed=5)  # fills the three freed pages again
     back, _ = kv_ops.restore(d.pools, d.offload_store, A, "p", "copy", None, drop=True)  # evicts three cached pages
     assert back.numel() == 3 * PS and d.tiers.where_is(A, "p", ks[3:6]) == [["host"]] * 3
+
+
+def test_deleting_a_pool_under_a_write_in_place_says_the_pages_cannot_be_freed_yet(d):
+    """DeletePool without force while a WriteKV into named slots (page 1) is in flight: the refusal said
+    "free them or force", yet freeing them is refused while the write claims them; it now counts the
+    page as being written by a write still arriving, so the operator knows to wait or force."""
+    from kvtier.server.daemon import kv_write
+    from kvtier.server.daemon.errors import FailedPrecondition
+    from kvtier.server.daemon.kv_ops import KVSelection
+
+    pool(d, A)
+    slots, _ = fill(d, A, "p", PS, seed=1)
+    buf = kv_write.begin_write(d.pools, A, KVSelection("p", slots.tolist(), (0,), ()))
+    assert buf.claimed
+    with pytest.raises(FailedPrecondition, match=r"1 pages allocated \(1 of them being written in place by a "
+                                                 r"WriteKV still arriving: wait for it to end\)"):
+        d.delete_pool(A, "p")
+    kv_write.abort_claimed(d.pools, A, buf)
