@@ -30,6 +30,8 @@ TOKEN_ENV = "KVTIER_TOKEN"
 TLS_ENV = {"tls_root_cert": "KVTIER_TLS_CA", "tls_server_name": "KVTIER_TLS_SERVER_NAME",
            "tls_client_cert": "KVTIER_TLS_CERT", "tls_client_key": "KVTIER_TLS_KEY"}
 T = TypeVar("T")
+BUSY_MAX_PAUSE_S = 0.2
+"""Longest pause between attempts of a call the daemon answered "changed nothing" (it retries until its deadline)."""
 
 
 class _CallDetails(collections.namedtuple("_CallDetails", ("method", "timeout", "metadata", "credentials",
@@ -75,7 +77,9 @@ class BaseClient:
         timeout: deadline in seconds of every call (a call may pass its own); retries share it.
         max_message_bytes: largest gRPC message either way; use the daemon's value (default 4 MiB).
         chunk_bytes: data bytes per streamed KV chunk (at most ``max_message_bytes - 1024``).
-        retries: extra attempts for idempotent calls that fail with UNAVAILABLE.
+        retries: extra attempts for idempotent calls that fail with UNAVAILABLE; an UNAVAILABLE the
+            daemon marks "changed nothing" (slots a write still arriving is writing) is retried until
+            the call's deadline, any call. 0: no retries at all.
         token: bearer token of a daemon with tenants (``--auth-tokens``); None: ``$KVTIER_TOKEN`` if
             set. Sent as ``authorization: Bearer <token>`` on every call; never printed.
         tls_root_cert: PEM file of the daemon's certificate authority: connect with TLS. None:
@@ -156,31 +160,42 @@ class BaseClient:
             stub = self._stubs[stub_cls] = stub_cls(self._channel)
         return stub
 
-    def _attempts(self, timeout: float | None) -> Iterator[float]:
-        """Yield the time left for each attempt; stop after the retries or the deadline."""
+    def _run(self, fn: Callable[[float], T], idempotent: bool, timeout: float | None) -> T:
+        """``fn(time left)`` until it succeeds, within one deadline for every attempt.
+
+        An UNAVAILABLE the daemon marks "changed nothing" (``unchanged``: slots a write still arriving
+        is writing) is sent again, writes too, until the deadline, pausing 0.05 s then doubling to at
+        most :data:`BUSY_MAX_PAUSE_S` (the claim lasts as long as that write's stream); any other
+        UNAVAILABLE only for an idempotent call, at most :attr:`retries` times (0.05, 0.1, 0.2 s ...).
+        ``retries=0`` turns both off.
+
+        Raises:
+            KVTierError: the last answer's subclass; DeadlineExceededError when the deadline passes
+                between attempts (naming the last answer).
+        """
         deadline = time.monotonic() + (timeout if timeout is not None else self.timeout)
-        for attempt in range(1 + self.retries):
-            if attempt:
-                time.sleep(min(0.05 * 2 ** (attempt - 1), max(deadline - time.monotonic(), 0)))
+        plain = busy = 0
+        last: KVTierError | None = None
+        while True:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise DeadlineExceededError("deadline passed while retrying an unavailable daemon")
-            yield left
-
-    def _run(self, fn: Callable[[float], T], idempotent: bool, timeout: float | None) -> T:
-        """``fn(time left)`` until it succeeds; an UNAVAILABLE is tried again (up to :attr:`retries`
-        times, within the deadline) when the call is idempotent or the daemon said it changed
-        nothing (``unchanged``: e.g. slots a write still arriving is writing)."""
-        last: KVTierError | None = None
-        for left in self._attempts(timeout):
+                raise DeadlineExceededError("deadline passed before the call could be sent" if last is None else
+                                            f"deadline passed while retrying; the last answer was {last}")
             try:
                 return fn(left)
             except grpc.RpcError as e:
                 last = self._no_daemon_hint(from_rpc_error(e))
-                if not (last.code == grpc.StatusCode.UNAVAILABLE and (idempotent or last.unchanged)):
-                    raise last from None
-        assert last is not None
-        raise last
+            if last.code != grpc.StatusCode.UNAVAILABLE or not self.retries:
+                raise last from None
+            if last.unchanged:
+                busy += 1
+                pause = min(0.05 * 2 ** (busy - 1), BUSY_MAX_PAUSE_S)
+            elif idempotent and plain < self.retries:
+                plain += 1
+                pause = 0.05 * 2 ** (plain - 1)
+            else:
+                raise last from None
+            time.sleep(min(pause, max(deadline - time.monotonic(), 0)))
 
     def _no_daemon_hint(self, err: KVTierError) -> KVTierError:
         """An UNAVAILABLE that is a failed connect says so first, with what to do (gRPC's own

@@ -181,9 +181,10 @@ class Daemon:
                 session.ended = True  # a call in the session that takes the lock after this fails NOT_FOUND
                 if not entry.deleted:
                     # pages a WriteKV of the session is writing in place stay: that write frees them when it ends
-                    pages = [p for p in entry.session_pages(session.number) if not bool(entry.page_claimed[p])]
-                    if pages:
-                        slots = slots_of_pages(torch.tensor(pages, dtype=torch.int64), entry.page_size)
+                    pages = torch.tensor(entry.session_pages(session.number), dtype=torch.int64)
+                    pages = pages[~entry.page_claimed[pages]] if entry.claimed_pages else pages
+                    if pages.numel():
+                        slots = slots_of_pages(pages, entry.page_size)
                         freed = entry.free(slots, session.number)
                     released = self.tiers.release_session_leases(entry, session)
         for shm in session.staging:

@@ -125,7 +125,9 @@ def _abort(context: grpc.ServicerContext, exc: BaseException, method: str) -> No
         log.exception("internal error in %s", method)
         message = f"internal error: {type(exc).__name__}: {exc}"
     else:
-        log.info("%s -> %s: %s", method, code.name, short_message(str(exc)))
+        # a Busy answer is retried by the client until the claim ends: one line per attempt would flood the log
+        log.log(logging.DEBUG if isinstance(exc, Busy) else logging.INFO, "%s -> %s: %s", method, code.name,
+                short_message(str(exc)))
         message = str(exc)
     if isinstance(exc, Busy):  # nothing changed: the client may retry even a write
         context.set_trailing_metadata((RETRY_UNCHANGED,))

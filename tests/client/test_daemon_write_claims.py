@@ -103,8 +103,9 @@ def test_a_write_whose_stream_breaks_off_leaves_the_old_rows(client, pool):
 
 def test_a_write_into_slots_being_written_is_sent_again_once_they_are_free(daemon, client, pool):
     """A write into slots another write is landing on is refused UNAVAILABLE "changed nothing", so the
-    client sends it again (it would never resend a write after a plain UNAVAILABLE): cancelled 0.1 s
-    later, the first write's claim ends and the second write lands whole."""
+    client sends it again until its deadline (it would never resend a write after a plain
+    UNAVAILABLE, and retries one only 3 times, ~0.35 s): the first write, cancelled 1 s later, ends its
+    claim, and the second write lands whole."""
     slots = client.allocate_slots(pool, PAGE_SIZE)
     first = random_kv(PAGE_SIZE, seed=25, layers=[0], live=[])[0]
     second = random_kv(PAGE_SIZE, seed=26, layers=[0], live=[])[0]
@@ -112,10 +113,10 @@ def test_a_write_into_slots_being_written_is_sent_again_once_they_are_free(daemo
     call = client._write_kv_raw.future(_stream(client, pool, first, 0, slots=slots.tolist(), stall=stall, sent=sent), timeout=30)
     try:
         assert sent.wait(30)
-        _until_claimed(client, pool, slots)
-        threading.Timer(0.1, call.cancel).start()
-        with KVTierClient(daemon.address, timeout=30, retries=6) as patient:  # backoffs 0.05 .. 1.6 s
-            assert patient.write_kv(pool, slots, latent=second) == PAGE_SIZE * 656
+        with KVTierClient(daemon.address, timeout=30, retries=0) as quick:
+            _until_claimed(quick, pool, slots)
+        threading.Timer(1.0, call.cancel).start()  # longer than the 3 retries of a plain UNAVAILABLE take
+        assert client.write_kv(pool, slots, latent=second) == PAGE_SIZE * 656  # the default client: 3 retries
     finally:
         stall.set()
     assert torch.equal(_latent0(client, pool, slots), second[0])
