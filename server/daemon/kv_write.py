@@ -8,8 +8,8 @@ slots' old bytes. Streams are made of the segments of :func:`~kvtier.server.daem
   the rows it replaces into an undo buffer; every other call that names those pages is refused
   UNAVAILABLE until the write ends, so nobody sees half a write. The commit writes the staged
   indexer part and ends the claim; on any failure :func:`abort_claimed` copies the old rows back.
-  Slots on prefix-cache pages, slots in many runs and device pools are staged whole instead and
-  written at commit, under the pool's exclusive lock.
+  Slots on prefix-cache pages, slots in many runs, writes of indexer parts only and device pools
+  are staged whole instead and written at commit, under the pool's exclusive lock.
 * A write that allocates (:func:`reserve_write`, :func:`write_new_kv`) takes whole pages first,
   writes the latent rows straight into them (nobody can name pages that are not granted; no undo
   needed) and grants them at commit; on any failure :func:`abort_reserved` gives them back.
@@ -61,7 +61,7 @@ class KVWriteBuffer:
             caller then claims :attr:`pages` under the pool's exclusive lock before any data lands.
 
     Raises:
-        InvalidArgument / FailedPrecondition / Unavailable: see :func:`plan_segments` and
+        InvalidArgument / FailedPrecondition / Busy: see :func:`plan_segments` and
             :meth:`PoolEntry.slots`.
     """
 
@@ -238,7 +238,8 @@ def begin_write(registry: PoolRegistry, caller: Caller, sel: KVSelection) -> KVW
 
     Raises:
         InvalidArgument / FailedPrecondition: a bad header or slots (:class:`KVWriteBuffer`), slots of
-            another worker's attach session. Unavailable: a page another write is writing.
+            another worker's attach session. Busy (UNAVAILABLE, "changed nothing"): a page another
+            write is writing.
             NotFound: unknown pool, or the caller's attach session ended. Nothing is claimed then.
     """
     with registry.locked(caller, sel.pool_id, exclusive=True) as entry:
