@@ -112,7 +112,8 @@ class OffloadResult:
 
 class PoolMixin(BaseClient):
     """PoolService methods. Every call has a deadline (the client's ``timeout`` unless given);
-    reads, describes, lists, stats and drops retry on UNAVAILABLE, changes never do."""
+    reads, describes, lists, stats and drops retry on UNAVAILABLE; changes only on an UNAVAILABLE
+    that changed nothing (slots a write still arriving is writing: :meth:`BaseClient._run`)."""
 
     _layouts: dict[str, pool_pb2.PoolLayout]
 

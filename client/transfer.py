@@ -66,7 +66,9 @@ class PullResult:
 
 
 class TransferMixin(BaseClient):
-    """TransferService methods. PullKV is never retried (a failed pull frees the destination pages)."""
+    """TransferService methods. PullKV is retried only on an answer that changed nothing (pages a write
+    still arriving is writing, here or on the peer), never after a failure (a failed pull frees the
+    destination pages)."""
 
     @property
     def _transfer(self) -> transfer_pb2_grpc.TransferServiceStub:
