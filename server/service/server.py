@@ -25,6 +25,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,6 +54,7 @@ from kvtier.server.transfer.engine import check_engine_available
 log = logging.getLogger("kvtier.service")
 
 STOP_SLACK_SECONDS = 5.0  # after the grace period: time for cancelled calls to leave their workers
+STREAMS_SETTLE_SECONDS = 1.0  # after the stream watchdog cancels the KV streams left: time for them to end
 
 
 class AddressError(ValueError):
@@ -335,6 +337,7 @@ def serve(config: DaemonConfig) -> int:
     while not stop.wait(1.0):
         pass
     hs.enter_graceful_shutdown()
+    stop_began = time.monotonic()
     stopped = server.stop(config.grace_seconds)
     stopped.wait(config.grace_seconds + STOP_SLACK_SECONDS)
     if attach is not None:
@@ -342,10 +345,13 @@ def serve(config: DaemonConfig) -> int:
     built.streams.close()
     if state.metrics is not None:
         state.metrics.stop()
+    settle = time.monotonic() + STREAMS_SETTLE_SECONDS  # streams just cancelled end on their own threads
+    while built.calls.in_flight and time.monotonic() < settle:
+        time.sleep(0.02)
     stuck = built.calls.in_flight
     if stuck:
-        log.error("%d calls are still running in worker threads after the %.1f s grace period; closing without them",
-                  stuck, config.grace_seconds)
+        log.error("%d calls are still running in worker threads %.1f s after the shutdown began (grace period "
+                  "%.1f s); closing without them", stuck, time.monotonic() - stop_began, config.grace_seconds)
     closed = _run_bounded(state.close, config.close_seconds)
     if not closed:
         log.error("the shutdown work (moving records down to disk, closing tiers) did not finish in %.0f s "
