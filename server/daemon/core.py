@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
 
 from kvtier import __version__
 from kvtier.server.daemon.attach import AttachService
@@ -181,7 +180,7 @@ class Daemon:
                 session.ended = True  # a call in the session that takes the lock after this fails NOT_FOUND
                 if not entry.deleted:
                     # pages a WriteKV of the session is writing in place stay: that write frees them when it ends
-                    pages = torch.tensor(entry.session_pages(session.number), dtype=torch.int64)
+                    pages = entry.session_pages(session.number)
                     pages = pages[~entry.page_claimed[pages]] if entry.claimed_pages else pages
                     if pages.numel():
                         slots = slots_of_pages(pages, entry.page_size)

@@ -268,8 +268,7 @@ def write_kv(registry: PoolRegistry, caller: Caller, buf: KVWriteBuffer,
     buf.check_complete()
     sel = buf.selection
     with registry.locked(caller, sel.pool_id, exclusive=True) as entry:
-        if entry is not buf.entry:
-            raise NotFound(f"pool {entry.pool_id!r} was deleted and made again while the stream arrived; nothing was written")
+        _check_same_pool(entry, buf)
         slots = entry.slots(buf.slots, unique=True, claimed_ok=buf.claimed)
         entry.check_owner(buf.pages, entry.owner_of(caller))
         _check_wanted(wanted)
@@ -299,6 +298,21 @@ def abort_claimed(registry: PoolRegistry, caller: Caller, buf: KVWriteBuffer) ->
             mine = buf.pages[entry.page_owner[buf.pages] == session.number]
             if mine.numel():
                 entry.free(mine * entry.page_size, session.number)
+
+
+def abort_write(registry: PoolRegistry, caller: Caller, buf: KVWriteBuffer) -> None:
+    """End a write that failed or broke off, whichever kind: :func:`abort_reserved` for a write that
+    allocates, :func:`abort_claimed` for one into named slots. Never raises a daemon error."""
+    if buf.reserved:
+        abort_reserved(registry, caller, buf.entry, buf.slots)
+    else:
+        abort_claimed(registry, caller, buf)
+
+
+def _check_same_pool(entry: PoolEntry, buf: KVWriteBuffer) -> None:
+    """Raise NotFound unless ``entry`` (the pool under the stream's id now) is the one the stream began on."""
+    if entry is not buf.entry:
+        raise NotFound(f"pool {entry.pool_id!r} was deleted and made again while the stream arrived; nothing was written")
 
 
 def _check_wanted(wanted: Callable[[], bool]) -> None:
@@ -363,8 +377,7 @@ def write_new_kv(registry: PoolRegistry, caller: Caller, buf: KVWriteBuffer,
     """
     buf.check_complete()
     with registry.locked(caller, buf.selection.pool_id, exclusive=True) as entry:
-        if entry is not buf.entry:
-            raise NotFound(f"pool {entry.pool_id!r} was deleted and made again while the stream arrived; nothing was written")
+        _check_same_pool(entry, buf)
         owner = entry.owner_of(caller)
         _check_wanted(wanted)
         _write_staged(entry, buf, buf.slots)

@@ -171,9 +171,9 @@ class PoolEntry:
                     f"{what}: page {int(t[bad][0])} of pool {self.pool_id!r} belongs to another worker's attach "
                     f"session; only that worker may free, overwrite or move onto it")
 
-    def session_pages(self, owner: int) -> list[int]:
-        """Pages the attach session numbered ``owner`` (> 0) holds."""
-        return torch.nonzero(self.page_owner == owner).reshape(-1).tolist()
+    def session_pages(self, owner: int) -> torch.Tensor:
+        """``(p,)`` int64 pages the attach session numbered ``owner`` (> 0) holds."""
+        return torch.nonzero(self.page_owner == owner).reshape(-1)
 
     def check_client_owned(self, pages: Any, what: str = "slots") -> None:
         """Raise FailedPrecondition if any of ``pages`` belongs to the prefix cache (its own pages,
@@ -218,7 +218,7 @@ class PoolEntry:
             if bool(bad.any()):
                 first = int(t[bad][0])
                 raise InvalidArgument(f"{what} contains slot {first} on page {first // self.page_size}, which is not allocated")
-            if self.claimed_pages and not claimed_ok:
+            if not claimed_ok:
                 self.check_unclaimed(pages, what)
         return t
 
@@ -231,7 +231,7 @@ class PoolEntry:
         busy = self.page_claimed[t]
         if bool(busy.any()):
             raise Busy(f"{what}: page {int(t[busy][0])} of pool {self.pool_id!r} is being written by a WriteKV "
-                              f"whose stream is still arriving; retry once that write ends")
+                       f"whose stream is still arriving; retry once that write ends")
 
     def claim(self, pages: torch.Tensor) -> None:
         """Claim ``pages`` (allocated, unclaimed: checked by the caller) for a WriteKV that writes them in

@@ -111,7 +111,7 @@ def _check_allocated(entry: PoolEntry, pages: np.ndarray, what: str) -> None:
     bad = pages[~entry.page_allocated[torch.from_numpy(pages)].numpy()]
     if bad.size:
         raise InvalidArgument(f"{what} contains page {int(bad[0])}, which is not allocated in pool {entry.pool_id!r}")
-    entry.check_unclaimed(torch.from_numpy(pages), what)  # a write in place is landing there: Unavailable
+    entry.check_unclaimed(torch.from_numpy(pages), what)  # a write in place is landing there: Busy
 
 
 class PeerLink(Protocol):

@@ -89,22 +89,17 @@ class PoolServicer(pool_pb2_grpc.PoolServiceServicer):
             if first is None or first.header is None:
                 raise InvalidArgument("WriteKV must start with a message carrying the header")
             sel = _selection(first.header)
-            if first.allocate_tokens:
-                buf = kv_write.reserve_write(self.pools, caller, sel, first.allocate_tokens)
-                try:
-                    self._receive(buf, first, request_iterator, touch)
+            buf = (kv_write.reserve_write(self.pools, caller, sel, first.allocate_tokens) if first.allocate_tokens
+                   else kv_write.begin_write(self.pools, caller, sel))
+            try:
+                self._receive(buf, first, request_iterator, touch)
+                if buf.reserved:
                     slots, nbytes = kv_write.write_new_kv(self.pools, caller, buf, context.is_active)
-                except BaseException:
-                    kv_write.abort_reserved(self.pools, caller, buf.entry, buf.slots)
-                    raise
-            else:
-                buf = kv_write.begin_write(self.pools, caller, sel)
-                try:
-                    self._receive(buf, first, request_iterator, touch)
+                else:
                     slots, nbytes = None, kv_write.write_kv(self.pools, caller, buf, context.is_active)
-                except BaseException:
-                    kv_write.abort_claimed(self.pools, caller, buf)
-                    raise
+            except BaseException:
+                kv_write.abort_write(self.pools, caller, buf)
+                raise
         self.state.counters.add(caller, "kv_writes")
         self.state.counters.add(caller, "kv_bytes_written", nbytes)
         if slots is None:
