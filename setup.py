@@ -5,6 +5,7 @@ linked against the system's xxHash library (Debian: ``libxxhash-dev``)."""
 from setuptools import Extension, setup
 
 setup(ext_modules=[
-    Extension("kvtier.server.tiers._recordio", ["server/tiers/_recordio.c"], libraries=["xxhash"],
+    Extension("kvtier.server.tiers._recordio", ["server/tiers/_recordio.c", "server/tiers/_copy_xxh3.c"],
+              depends=["server/tiers/_copy_xxh3.h"], libraries=["xxhash"],
               extra_compile_args=["-O3", "-std=c11", "-Wall", "-Werror"]),
 ])
