@@ -21,6 +21,13 @@ setting either one turns glibc's dynamic adjustment of the other off. Large tens
 threshold) are still mapped and unmapped as before, so a process keeps at most about the trim
 threshold of freed heap memory mapped.
 
+The mmap threshold is glibc's largest (32 MiB on 64-bit): an offloaded request copy is one record,
+one LMDB value (13.8 MB for 256 GLM-5.2 tokens), and with a 4 MiB threshold every such put faulted
+its whole block in again (27,000 minor faults for eight records; the offload to disk ran 0.32x a
+plain file write, 0.97x with the block on the heap: BENCHMARKS.md, fix 20). The trim threshold is
+twice a write transaction's record bytes (``DiskTierConfig.max_txn_bytes``, 64 MiB), so the blocks
+of one commit are kept for the next. Records larger than 32 MiB are still mapped afresh for each put.
+
 Process-wide and idempotent; a no-op on a C library that is not glibc, or when the environment says
 ``KVTIER_MALLOC_TUNE=0``.
 """
@@ -36,9 +43,9 @@ import threading
 log = logging.getLogger(__name__)
 
 #: Allocations below this come from the heap (glibc's ``M_MMAP_THRESHOLD``, bytes).
-MMAP_THRESHOLD_BYTES = 4 << 20
+MMAP_THRESHOLD_BYTES = 32 << 20
 #: Free memory the heap keeps at its top instead of returning it (``M_TRIM_THRESHOLD``, bytes).
-TRIM_THRESHOLD_BYTES = 64 << 20
+TRIM_THRESHOLD_BYTES = 128 << 20
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
