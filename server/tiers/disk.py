@@ -64,6 +64,7 @@ from kvtier.server.tiers.disk_faults import (
 from kvtier.server.tiers.disk_env import (  # noqa: F401 - DiskTierConfig, disk_charge, open_environment: re-exported
     LMDB_PAGE_BYTES, MAX_KEY_BYTES, DiskTierConfig, close_environment, disk_charge, open_environment,
 )
+from kvtier.server.tiers._recordio import copy_check
 from kvtier.server.tiers.disk_reads import ABSENT, SHORT, ReadChunks, copy_records, damage_reason, writable_bytes
 from kvtier.server.tiers.disk_writer import DiskJob, WriteBehind, WriteBehindFailed
 from kvtier.server.tiers.errors import EnvironmentInUseError, RecordError, TierFullError, TierUnavailableError
@@ -628,12 +629,14 @@ class DiskTier(Tier):
                             raise ValueError(f"buffer of {o.numel()} bytes is too small for the {n}-byte record of key {k.hex()}")
                     bufs = [o if n else None for n, o in zip(sizes, outs)]
                     dsts = [writable_bytes(o, o.numel()) if n else None for n, o in zip(sizes, outs)]
-                empty = [i for i, n in enumerate(sizes) if not n and views[i] is not None] if 0 in sizes else []
-                if empty:  # a zero-length value (damaged, or planted): nowhere to copy it, a damaged record
+                if 0 in sizes:  # a zero-length value (damaged, or planted): nowhere to copy it, a damaged record
+                    empty = [i for i, n in enumerate(sizes) if not n and views[i] is not None]
                     views = [None if i in empty else v for i, v in enumerate(views)]
-                codes = copy_records(views, dsts, self.config.verify_reads)  # one native call a window
-                for i in empty:
-                    codes[i] = SHORT
+                    codes = copy_records(views, dsts, self.config.verify_reads)
+                    for i in empty:
+                        codes[i] = SHORT
+                else:
+                    codes = copy_check(views, dsts, self.config.verify_reads)  # one native call a window
         except Exception as e:
             if not is_io_fault(e):
                 raise
