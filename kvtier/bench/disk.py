@@ -16,10 +16,15 @@ interleaved (each phase starts at the next function every round, so none always 
   (``sync=True``: LMDB syncs every commit, here one record a commit; the file is fsynced after every
   record) and without;
 * restore, checksum verified: ``DiskTier.borrow`` as the prefix cache calls it (a request's pages
-  ``DiskTier.borrow_batch`` (4) at a time) and one record a call (``Restore``, ``spill_down``), and
-  ``read_into`` one reused buffer; vs ``readinto`` of the same bytes from the plain file into one
+  ``DiskTier.borrow_batch`` (4) at a time), and one page record a call (``borrow`` and ``read_into``
+  one reused buffer: what a call's fixed cost weighs against a 194 KB read; no daemon path reads
+  page records one a call); vs ``readinto`` of the same bytes from the plain file into one
   reused buffer. Both read from the page cache (the files were just written). The LRU updates a
   read defers (``TierIndex.touch_later``) are applied inside the timed run;
+* offloaded request copies (``Offload``/``Restore``: one record a request, GLM-5.2's 78 layers and
+  21 indexer layers, 256 tokens, 13.8 MB): spilled one record a write, and restored one record a
+  call with ``borrow`` as ``Restore`` reads them, vs the plain file's ``write()`` and ``readinto``
+  of the same bytes;
 * LMDB's ``writemap`` (examined, not used): raw LMDB put+commit of the same records, no kvtier code,
   into a warm environment whose pages were written back to disk (``fsync`` in the setup, as the
   pages of records evicted minutes ago are), with ``writemap=True`` (one copy, into the map) against
@@ -37,6 +42,7 @@ import lmdb
 import torch
 
 from kvtier.bench.case import BenchContext, Case, CaseResult, Comparison, interleaved, throughput
+from kvtier.server.model_config import DSAModelConfig
 from kvtier.server.pool import create_pool, slots_of_pages
 from kvtier.server.replay.scale import ReplayScale
 from kvtier.server.tiers import DiskTier, DiskTierConfig, RecordCodec
@@ -59,12 +65,29 @@ def page_records(n: int, seed: int = 0) -> list[torch.Tensor]:
     return [codec.encode_from_pool(pool, slots_of_pages(torch.tensor([1 + i % 64]), 64)) for i in range(n)]
 
 
+def offloaded_copies(n: int, tokens: int, seed: int = 0) -> list[torch.Tensor]:
+    """``n`` sealed records of offloaded GLM-5.2 requests of ``tokens`` tokens (random bytes; every
+    layer's latent rows and the 21 indexer layers' pages), as ``Offload`` stores one a request."""
+    model = DSAModelConfig.from_preset("glm-5.2")
+    pool = create_pool(model, tokens + 64, device="cpu")
+    g = torch.Generator().manual_seed(seed)
+    slots = torch.arange(64, 64 + tokens)
+    for layer in range(model.num_layers):
+        pool.set_kv_buffer(layer, slots, torch.randint(0, 256, (tokens, model.latent_row_bytes), dtype=torch.uint8, generator=g))
+    for layer in model.live_indexer_layers:
+        pool.set_index_k_scale_buffer(layer, slots, torch.randint(0, 256, (tokens, 128), dtype=torch.uint8, generator=g),
+                                      torch.rand(tokens, generator=g))
+    rec = RecordCodec(model).encode_from_pool(pool, slots)
+    return [rec.clone() for _ in range(n)]  # distinct memory each (the bytes need not differ)
+
+
 class DiskRound:
     """The environments and files of the case under ``workdir``: a warm LMDB environment kept across
-    rounds, a fresh one and a new plain file each round."""
+    rounds, a fresh one (with ``fresh``) and a new plain file each round."""
 
-    def __init__(self, records: list[torch.Tensor], workdir: Path, sync: bool) -> None:
-        self.records, self.workdir, self.sync = records, workdir, sync
+    def __init__(self, records: list[torch.Tensor], workdir: Path, sync: bool, fresh: bool = True) -> None:
+        self.records, self.workdir, self.sync, self.with_fresh = records, workdir, sync, fresh
+        workdir.mkdir(parents=True, exist_ok=True)
         self.keys = [b"page-%06d" % i for i in range(len(records))]
         self.batch_keys = [b"batch-" + k for k in self.keys]
         self.total = sum(int(r.numel()) for r in records)
@@ -84,10 +107,14 @@ class DiskRound:
         self.rounds += 1
         self.disk.remove(self.keys + self.batch_keys)
         self._close_fresh()
+        if self.with_fresh:
+            self._open_fresh()
+        self.path.unlink(missing_ok=True)
+
+    def _open_fresh(self) -> None:
         self.fresh = DiskTier(DiskTierConfig(path=str(self.workdir / f"lmdb-fresh-{self.sync}-{self.rounds}"),
                                              capacity_bytes=self.capacity, sync=self.sync))
         self.fresh.open()
-        self.path.unlink(missing_ok=True)
 
     def lmdb_spill(self) -> None:
         for k, r in zip(self.keys, self.records):
@@ -148,7 +175,7 @@ class DiskRound:
 
     def verify(self) -> None:
         """Every record comes back byte for byte, from LMDB and from the file."""
-        for tier in (self.disk, self.fresh):
+        for tier in (self.disk, self.fresh) if self.with_fresh else (self.disk,):
             assert tier is not None
             for k, r in zip(self.keys, self.records):
                 with tier.borrow([k]) as (rec,):
@@ -214,12 +241,13 @@ class DiskCase(Case):
 
     def settings(self, ctx: BenchContext) -> dict[str, Any]:
         return {"records": 256 if ctx.quick else 512, "record_bytes": 194_048, "reps": 5 if ctx.quick else 9,
+                "offloaded_records": 4 if ctx.quick else 16, "offloaded_tokens": 256,
                 "sync_reps": 3 if ctx.quick else 5, "warmup": 1, "restore_batch": BORROW_BATCH,
                 "workdir_fs": "the file system of --out", "environment": "warm (one environment, records removed between rounds)"}
 
     def steps(self, ctx: BenchContext) -> int:
         s = self.settings(ctx)
-        return 1 + 2 * s["reps"] + s["sync_reps"] + 3 * s["warmup"]
+        return 1 + 3 * s["reps"] + s["sync_reps"] + 4 * s["warmup"]
 
     def run(self, ctx: BenchContext) -> CaseResult:
         s = self.settings(ctx)
@@ -245,6 +273,18 @@ class DiskCase(Case):
                              s["sync_reps"], warmup=s["warmup"], tick=tick, setup=synced.setup, rotate=True)
         finally:
             synced.close()
+        copies = offloaded_copies(s["offloaded_records"], s["offloaded_tokens"])
+        copy_bytes = sum(int(r.numel()) for r in copies)
+        s["offloaded_record_bytes"] = int(copies[0].numel())
+        offl = DiskRound(copies, ctx.workdir / "offloaded", sync=False, fresh=False)
+        try:
+            to = interleaved([{"lmdb_spill": offl.lmdb_spill, "file_spill": offl.file_spill},
+                              {"lmdb_borrow_one": offl.lmdb_borrow_one, "file_read": offl.file_read}],
+                             s["reps"], warmup=s["warmup"], tick=tick, setup=offl.setup, rotate=True)
+            offl.verify()
+        finally:
+            offl.close()
+        del copies
         raw = RawLMDB(records, ctx.workdir)
         try:
             tw = interleaved({"writemap": lambda: raw.put(True), "pwrite": lambda: raw.put(False)},
@@ -266,11 +306,20 @@ class DiskCase(Case):
                             target=0.9))
         c.append(Comparison("disk.restore_borrow_vs_file", f"restore as the prefix cache reads (borrow, {BORROW_BATCH} pages a call, checksum verified) vs plain file readinto",
                             "GB/s", gb(f"LMDB tier borrow({BORROW_BATCH} keys)", t["lmdb_borrow"]), file_r, target=0.8))
-        c.append(Comparison("disk.restore_borrow_one_vs_file", "restore one record a call (borrow, checksum verified) vs plain file readinto",
-                            "GB/s", gb("LMDB tier borrow(1 key)", t["lmdb_borrow_one"]), file_r, target=0.8))
-        c.append(Comparison("disk.restore_read_into_vs_file", "restore into a reused buffer (read_into, checksum verified) vs plain file readinto",
-                            "GB/s", gb("LMDB tier read_into()", t["lmdb_read_into"]), file_r, target=0.8))
+        gbo = lambda label, secs: throughput(label, copy_bytes, secs)  # noqa: E731
+        c.append(Comparison("disk.restore_offloaded_vs_file", "restore of offloaded request copies as Restore reads them (borrow, one "
+                            f"{s['offloaded_record_bytes'] / 1e6:.1f} MB record a call, checksum verified) vs plain file readinto",
+                            "GB/s", gbo("LMDB tier borrow(1 key), offloaded copies", to["lmdb_borrow_one"]),
+                            gbo("plain file readinto()", to["file_read"]), target=0.8))
+        c.append(Comparison("disk.spill_offloaded_vs_file", f"offload of request copies to disk (one {s['offloaded_record_bytes'] / 1e6:.1f} MB "
+                            "record a write, warm environment, no fsync) vs plain file write()",
+                            "GB/s", gbo("LMDB tier write(1 record), offloaded copies", to["lmdb_spill"]),
+                            gbo("plain file write()", to["file_spill"])))
+        c.append(Comparison("disk.restore_borrow_one_vs_file", "one 194 KB page record a call (borrow, checksum verified: a call's fixed cost "
+                            "against a small read) vs plain file readinto", "GB/s", gb("LMDB tier borrow(1 key)", t["lmdb_borrow_one"]), file_r))
+        c.append(Comparison("disk.restore_read_into_vs_file", "one 194 KB page record a call into a reused buffer (read_into, checksum "
+                            "verified) vs plain file readinto", "GB/s", gb("LMDB tier read_into()", t["lmdb_read_into"]), file_r))
         c.append(Comparison("disk.lmdb_writemap_vs_pwrite", "raw LMDB put+commit, warm map written back: writemap=True vs the default (pwrite), not used by kvtier",
                             "GB/s", gb("raw LMDB, writemap=True", tw["writemap"]), gb("raw LMDB, default", tw["pwrite"])))
-        res.figures["seconds"] = {"no_fsync": t, "fsync": ts, "raw_lmdb": tw}
+        res.figures["seconds"] = {"no_fsync": t, "fsync": ts, "raw_lmdb": tw, "offloaded": to}
         return res
