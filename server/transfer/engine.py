@@ -8,7 +8,8 @@ registered memory of two processes. This wrapper
 * registers ranges derived from buffer infos (:func:`registration_ranges`: adjacent per-layer
   buffers merged, so a kvtier pool registers each component arena once), never an overlapping or
   zero-length range;
-* runs a :class:`TransferPlan` batch by batch with ``batch_transfer_sync_read``, checks every return
+* runs a :class:`TransferPlan` batch by batch with ``batch_transfer_sync_read``, each range cut into
+  engine requests of about :data:`MAX_REQUEST_BYTES` (:func:`engine_requests`), checks every return
   code (0 is success) and raises :class:`TransferError` otherwise;
 * can fail the k-th batch of every transfer on purpose (``fail_batch``, or the environment
   variable ``KVTIER_TRANSFER_FAIL_BATCH``) so tests can check what a failure leaves behind.
@@ -27,6 +28,17 @@ from kvtier.server.transfer.errors import TransferEngineUnavailable, TransferErr
 from kvtier.server.transfer.plan import TransferPlan
 
 FAIL_BATCH_ENV = "KVTIER_TRANSFER_FAIL_BATCH"
+
+#: A plan's ranges are handed to the engine in requests of at most this many bytes. The TCP
+#: transport runs a batch's requests on a few lanes a peer, in order, 64 KiB at a time; a GLM-5.2
+#: request's 99 ranges (78 of 2.7 MB, 21 of 0.5 MB) read at 0.70-0.87x of one contiguous read of the
+#: same bytes, the same ranges cut into even pieces of <= 1 MiB at 0.90-0.98x, of <= 512 KiB
+#: 0.90-0.95x, of <= 2 MiB 0.89x, of <= 256 KiB 0.87x (two processes on loopback, 12-16 rounds
+#: each; BENCHMARKS.md, fix 21).
+MAX_REQUEST_BYTES = 1 << 20
+
+#: The most requests one engine call carries (the engine fails above ~2,000 queued a peer).
+MAX_ENGINE_BATCH = 1024
 INSTALL_HINT = (
     "install it with `pip install 'kvtier[mooncake]'` (package mooncake-transfer-engine-non-cuda) "
     "and Debian's libibverbs1 librdmacm1 libnuma1"
@@ -51,6 +63,30 @@ def check_injected_failure(fail_batch: int | None, batch: int, transport: str) -
     """Raise the injected :class:`TransferError` when ``batch`` (0-based) is the ``fail_batch``-th."""
     if fail_batch is not None and batch + 1 == fail_batch:
         raise TransferError(f"{transport}: injected failure in batch {batch + 1} ({FAIL_BATCH_ENV}/fail_batch)", batch=batch)
+
+
+def engine_requests(items: Sequence[Any], max_bytes: int) -> tuple[list[int], list[int], list[int]]:
+    """``(dst_addrs, src_addrs, lengths)`` of the engine requests that move ``items`` (objects with
+    ``dst_addr``, ``src_addr``, ``nbytes``): each item whole when it holds at most ``max_bytes``,
+    else cut into ``ceil(nbytes / max_bytes)`` pieces of even size (multiples of 64 bytes, the
+    last one the rest), in order. ``max_bytes <= 0``: every item whole."""
+    dsts: list[int] = []
+    srcs: list[int] = []
+    lens: list[int] = []
+    for it in items:
+        d, s, n = it.dst_addr, it.src_addr, it.nbytes
+        if max_bytes <= 0 or n <= max_bytes:
+            dsts.append(d)
+            srcs.append(s)
+            lens.append(n)
+            continue
+        k = -(-n // max_bytes)
+        piece = (-(-n // k) + 63) // 64 * 64
+        for off in range(0, n, piece):
+            dsts.append(d + off)
+            srcs.append(s + off)
+            lens.append(min(piece, n - off))
+    return dsts, srcs, lens
 
 
 def registration_ranges(*infos: BufInfos) -> list[tuple[int, int]]:
@@ -78,12 +114,15 @@ class TransferEngineConfig:
         protocol: Mooncake transport; ``"tcp"`` works everywhere, ``"rdma"`` needs RDMA NICs.
         metadata: ``"P2PHANDSHAKE"`` (peers exchange segment metadata directly; no metadata server).
         fail_batch: fail the k-th (1-based) batch of every transfer on purpose (tests); None: never.
+        max_request_bytes: ranges longer than this are read as several engine requests of even
+            size (:data:`MAX_REQUEST_BYTES`; 0: every range one request).
     """
 
     host: str = "127.0.0.1"
     protocol: str = "tcp"
     metadata: str = "P2PHANDSHAKE"
     fail_batch: int | None = None
+    max_request_bytes: int = MAX_REQUEST_BYTES
 
 
 def _load_engine_class() -> Any:
@@ -184,7 +223,9 @@ class MooncakeTransferEngine:
     def read(self, peer: str, plan: TransferPlan) -> None:
         """Pull every item of ``plan`` from ``peer`` (its ``src_addr``) to local ``dst_addr``.
 
-        Batches run in order; the first failure stops the transfer (later batches never start).
+        Batches run in order, each as engine requests of at most ``max_request_bytes``
+        (:func:`engine_requests`; :data:`MAX_ENGINE_BATCH` a call); the first failure stops the
+        transfer (later batches never start).
 
         Raises:
             TransferError: a non-zero return code (naming the batch) or the injected failure;
@@ -192,15 +233,16 @@ class MooncakeTransferEngine:
         """
         for b, batch in enumerate(plan.batches):
             check_injected_failure(self.config.fail_batch, b, "mooncake")
-            rc = self._engine.batch_transfer_sync_read(
-                peer, [it.dst_addr for it in batch], [it.src_addr for it in batch], [it.nbytes for it in batch]
-            )
-            if rc != 0:
-                raise TransferError(
-                    f"Mooncake batch_transfer_sync_read from {peer} failed with return code {rc} in batch "
-                    f"{b + 1} of {len(plan.batches)} ({len(batch)} ranges, {sum(i.nbytes for i in batch)} bytes)",
-                    batch=b, return_code=rc,
-                )
+            dsts, srcs, lens = engine_requests(batch, self.config.max_request_bytes)
+            for at in range(0, len(lens), MAX_ENGINE_BATCH):
+                end = at + MAX_ENGINE_BATCH
+                rc = self._engine.batch_transfer_sync_read(peer, dsts[at:end], srcs[at:end], lens[at:end])
+                if rc != 0:
+                    raise TransferError(
+                        f"Mooncake batch_transfer_sync_read from {peer} failed with return code {rc} in batch "
+                        f"{b + 1} of {len(plan.batches)} ({len(batch)} ranges, {sum(it.nbytes for it in batch)} bytes)",
+                        batch=b, return_code=rc,
+                    )
 
     def read_raw(self, peer: str, local_addr: int, remote_addr: int, nbytes: int) -> None:
         """One ``transfer_sync_read`` (the benchmark's baseline). Raises TransferError on rc != 0."""

@@ -15,6 +15,7 @@ from kvtier.server.transfer import (
     LayoutMismatchError, MooncakeTransferEngine, MooncakeTransport, PoolLayout, TransferEngineConfig,
     TransferEngineUnavailable, TransferError, plan_pull, pool_layout, pull_pages, registration_ranges,
 )
+from kvtier.server.transfer.engine import MAX_ENGINE_BATCH, MAX_REQUEST_BYTES, engine_requests
 from transfer_helpers import INDEX_PAGE_BYTES, LATENT_PAGE_BYTES, LIVE_LAYERS, SKIP_LAYERS, filled_pool
 
 
@@ -119,6 +120,50 @@ def test_pull_is_byte_identical_on_every_layer(model, engines, published):
     # runs: 4..6 -> 30..32, 7 -> 2, 11 -> 17, 20 -> 3  => 4 requests a layer and component
     assert stats.latent_requests == 8 * 4 and stats.index_requests == len(LIVE_LAYERS) * 4
     assert stats.batches == -(-(12 * 4) // 7)
+
+
+class _Item:
+    def __init__(self, dst: int, src: int, n: int) -> None:
+        self.dst_addr, self.src_addr, self.nbytes = dst, src, n
+
+
+def test_ranges_longer_than_the_request_size_are_cut_into_even_pieces():
+    """A 2.7 MB range (one GLM-5.2 layer's 64 latent pages) with 1 MiB requests: 3 pieces of
+    895,680 bytes (ceil(2,686,976 / 3) = 895,659, rounded up to 64) and the rest, 895,616, back to
+    back on both sides; a 0.5 MB indexer range and a range of exactly 1 MiB stay whole."""
+    lat, idx = 64 * 656 * 64, 64 * 8448
+    items = [_Item(1_000_000, 50_000_000, lat), _Item(9_000_000, 70_000_000, idx), _Item(20_000_000, 90_000_000, 1 << 20)]
+    dsts, srcs, lens = engine_requests(items, 1 << 20)
+    assert lens == [895_680, 895_680, 895_616, idx, 1 << 20]
+    assert dsts == [1_000_000, 1_895_680, 2_791_360, 9_000_000, 20_000_000]
+    assert srcs == [50_000_000, 50_895_680, 51_791_360, 70_000_000, 90_000_000]
+    assert sum(lens[:3]) == lat and all(n <= 1 << 20 for n in lens)
+    assert engine_requests(items, 0) == ([1_000_000, 9_000_000, 20_000_000], [50_000_000, 70_000_000, 90_000_000],
+                                         [lat, idx, 1 << 20])
+    assert MAX_REQUEST_BYTES == 1 << 20 and TransferEngineConfig().max_request_bytes == MAX_REQUEST_BYTES
+
+
+def test_a_pull_cut_into_more_requests_than_one_engine_call_takes_is_byte_identical(model, engines, published):
+    """2 KiB requests: the plan's runs of 3, 1, 1 and 1 pages become, a layer, 62 + 3 x 21 latent
+    requests (125,952 and 41,984 bytes in pieces of 2,048) and 13 + 3 x 5 indexer ones (25,344 and
+    8,448 bytes in pieces of 1,984 and 1,728): 1,112 requests in the plan's one batch, sent as two
+    engine calls (at most MAX_ENGINE_BATCH each); every page arrives whole and nothing else on the
+    destination changes."""
+    prefill, _ = engines
+    small = MooncakeTransferEngine(TransferEngineConfig(max_request_bytes=2048))
+    src_pool = filled_pool(model, seed=11)
+    dst_pool = filled_pool(model, seed=12)
+    before = filled_pool(model, seed=12)
+    remote = published(src_pool, prefill, model.fingerprint())
+    local = published(dst_pool, small, model.fingerprint())
+    src_pages, dst_pages = [4, 5, 6, 7, 20, 11], [30, 31, 32, 2, 3, 17]
+    plan = plan_pull(local, remote, src_pages, dst_pages, max_batch_items=1024)
+    assert len(plan.batches) == 1
+    n_requests = len(engine_requests(plan.batches[0], 2048)[2])
+    assert n_requests == 8 * (62 + 3 * 21) + len(LIVE_LAYERS) * (13 + 3 * 5) == 1112 > MAX_ENGINE_BATCH
+    pull_pages(MooncakeTransport(small), remote, plan)
+    verify_pages_copied(src_pool, dst_pool, src_pages, dst_pages)
+    verify_untouched(dst_pool, before, set(dst_pages))
 
 
 def test_sglang_shaped_peer_interoperates_by_page_ids(model, engines, published):
