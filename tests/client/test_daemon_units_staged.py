@@ -12,14 +12,13 @@ import json
 import os
 import shutil
 import socket
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from test_attach_security import run_as
 from test_daemon_units import SPACE, TOKEN_A, TOKEN_B, unit_bytes
 
 from kvtier.client import (
@@ -186,9 +185,7 @@ def test_a_foreign_uid_gets_no_storage_session_unless_the_tenant_names_it(tmp_pa
     config.write_text("[tenants.default]\nattach_uids = [65534]\n" if allowed else "")
     with DaemonProcess(f"unix://{sockdir}/kv.sock", extra_args=["--device", "cpu", "--config", str(config)]) as d:
         os.chmod(f"{sockdir}/kv.sock.attach", 0o666)
-        python = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable
-        r = subprocess.run([python, "-I", "-c", RAW_STORAGE, f"{sockdir}/kv.sock.attach"], capture_output=True,
-                           text=True, timeout=60, user=65534, group=65534)
+        r = run_as(65534, RAW_STORAGE, f"{sockdir}/kv.sock.attach")
         assert r.returncode == 0, r.stderr
         got = json.loads(r.stdout)
         if allowed:
