@@ -22,7 +22,7 @@ from kvtier.client.spawn import DaemonProcess
 RUN_FIRST = ("tests/integrations/test_sglang_suite.py::", "tests/kvtier/bench/test_bench_cli.py::")
 
 
-@pytest.hookimpl(trylast=True)  # after pytest's own reordering by fixture (these use no shared fixture)
+@pytest.hookimpl(trylast=True)  # after pytest's own reordering by fixture (neither uses the shared `daemon`)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: not item.nodeid.startswith(RUN_FIRST))  # stable: the rest keep their order
 
