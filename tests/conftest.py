@@ -15,6 +15,17 @@ import pytest
 from kvtier.client import KVTierClient
 from kvtier.client.spawn import DaemonProcess
 
+# The longest tests (about 75 s each on 2 cores), started first. Under pytest-xdist (README's test
+# command: -n 2 --dist worksteal) a worker that runs out of tests takes tests from the end of the other's
+# queue: started last, one of these would run alone at the end, and the bench file's tests, split between
+# the workers, would run its module fixture (the whole `kvtier bench --quick`) on both.
+RUN_FIRST = ("tests/integrations/test_sglang_suite.py::", "tests/kvtier/bench/test_bench_cli.py::")
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's own reordering by fixture (neither uses the shared `daemon`)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    items.sort(key=lambda item: not item.nodeid.startswith(RUN_FIRST))  # stable: the rest keep their order
+
 # Budgets the error tests rely on: a small host tier and a cap on all pools' bytes.
 DAEMON_ARGS = ["--device", "cpu", "--host-memory", "4MiB", "--pool-memory", "256MiB", "--log-level", "WARNING"]
 TRANSPORTS = {"unix": None, "tcp": "127.0.0.1:0"}

@@ -87,11 +87,21 @@ print(json.dumps({"reply": json.loads(data), "fds": len(fds)}))
 """
 
 
-def attach_as(uid: int, path: str) -> dict:
-    """Attach request from a process running as ``uid`` (a system python: its files are world-readable)."""
+def run_as(uid: int, script: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """Run ``script`` in a process of ``uid`` (a system python: its files are world-readable).
+
+    setpriv sets the uid, not subprocess's ``user=``: with ``user=`` Python forks this process, whose
+    gRPC fork handlers then run in the child before it execs (under load such a child once aborted in
+    them: pthread_create EAGAIN, "Check failed: wakeup_fd_->Wakeup().ok()"); without it the child is
+    a vfork that only execs."""
     python = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable
-    r = subprocess.run([python, "-I", "-c", RAW_ATTACH, path], capture_output=True, text=True, timeout=60,
-                       user=uid, group=uid)
+    return subprocess.run(["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--",
+                           python, "-I", "-c", script, *args], capture_output=True, text=True, timeout=60)
+
+
+def attach_as(uid: int, path: str) -> dict:
+    """Attach request from a process running as ``uid``."""
+    r = run_as(uid, RAW_ATTACH, path)
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout)
 
