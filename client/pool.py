@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvtier._streamcopy import copy_into
 from kvtier.client.base import BaseClient
 from kvtier.client.errors import FailedPreconditionError, InvalidArgumentError
 from kvtier.client.wire import ReceiveBuffers, decode_read_chunk, encode_write_chunk
@@ -384,7 +385,7 @@ class PoolMixin(BaseClient):
                     offset += start
                 if offset != filled or offset + len(data) > total:
                     raise RuntimeError(f"daemon sent bytes {offset}..{offset + len(data)} of {total} out of order")
-                buf[offset:offset + len(data)] = np.frombuffer(data, dtype=np.uint8)
+                copy_into(buf, offset, data)  # streaming stores, GIL released (kvtier/_streamcopy.c)
                 filled += len(data)
             if filled != total:
                 raise RuntimeError(f"daemon sent {filled} of {total} bytes")

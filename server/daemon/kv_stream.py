@@ -5,7 +5,8 @@ lock. Each message is built on the thread that sends it, just before it is sent:
 slots make runs of consecutive slots (whole pages do) on a CPU pool, its bytes are joined straight
 from views of the pool's rows (:meth:`~kvtier.server.pool.mla.MLATokenToKVPool.latent_row_views`):
 one copy of each byte in the daemon, the one a plain byte server makes too; other segments (a
-device pool, scattered slots, the indexer's keys and scales) are gathered into host memory first.
+device pool, scattered slots) are gathered into host memory first, and the indexer's keys and
+scales when the stream reaches them (:class:`_Sources`).
 No other thread and no queue stand between the pool and gRPC (a worker thread handing messages over
 a queue cost ~25 ms of CPU a 221 MB read: BENCHMARKS.md, fix 16).
 
@@ -109,44 +110,69 @@ class _Source:
         return out
 
 
-def _sources(entry: PoolEntry, sel: KVSelection, slots: torch.Tensor, segs: list[Segment]) -> list[_Source]:
-    """Each segment's bytes (the pool's lock is held by the caller): views of the pool's latent rows
-    where possible, else gathered into host memory; the indexer's keys and scales gathered into one
-    host block."""
-    pool = entry.pool
-    n = slots.numel()
-    lat = list(sel.latent_layers)
-    found = pool.latent_row_views(lat, slots, max(1, n // VIEW_MIN_RUN_ROWS)) if lat else []
-    if found is not None:
-        views = dict(zip(lat, found))
-    else:
-        lat_bytes = n * pool.row_bytes
-        flat = pool.host_block(lat_bytes * len(lat))
-        views = {x: [pool.get_kv_buffer_rows(x, slots, out=flat[i * lat_bytes:(i + 1) * lat_bytes]).view(torch.uint8).reshape(-1)]
-                 for i, x in enumerate(lat)}
-    index_layers = list(sel.index_layers)
-    index = dict(zip(index_layers, pool.get_index_k_scale_layers(index_layers, slots))) if index_layers else {}
-    out = []
-    for seg in segs:
-        if seg.component == LATENT:
-            out.append(_Source(views[seg.layer_id]))
-            continue
-        keys, scales = index[seg.layer_id]
-        t = keys if seg.component == "index_k" else scales
-        out.append(_Source([t.cpu().contiguous().view(torch.uint8).reshape(-1)]))
-    return out
+class _Sources:
+    """Each segment's bytes (the pool's lock is held while any is read from the pool).
+
+    The latent rows are found when the read starts: views of the pool's rows where possible (no
+    copy), else gathered into one host block. The indexer's keys and scales are gathered into one
+    host block when the read first reaches them (they follow every latent layer in the stream), so
+    the first message does not wait for that gather (~3 ms of a GLM-5.2 4,096-token read here:
+    BENCHMARKS.md, fix 22). Index a :class:`_Sources` with a segment's number for its :class:`_Source`.
+    """
+
+    def __init__(self, entry: PoolEntry, sel: KVSelection, slots: torch.Tensor, segs: list[Segment]) -> None:
+        self.entry, self.sel, self.slots = entry, sel, slots
+        self.segs = segs
+        pool = entry.pool
+        n = slots.numel()
+        lat = list(sel.latent_layers)
+        found = pool.latent_row_views(lat, slots, max(1, n // VIEW_MIN_RUN_ROWS)) if lat else []
+        if found is not None:
+            views = dict(zip(lat, found))
+        else:
+            lat_bytes = n * pool.row_bytes
+            flat = pool.host_block(lat_bytes * len(lat))
+            views = {x: [pool.get_kv_buffer_rows(x, slots, out=flat[i * lat_bytes:(i + 1) * lat_bytes]).view(torch.uint8).reshape(-1)]
+                     for i, x in enumerate(lat)}
+        self.items: list[_Source | None] = [_Source(views[seg.layer_id]) if seg.component == LATENT else None for seg in segs]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> _Source:
+        src = self.items[i]
+        if src is None:
+            self._gather_index()
+            src = self.items[i]
+            assert src is not None
+        return src
+
+    def _gather_index(self) -> None:
+        """Gather every selected live layer's keys and scales into one host block (the lock is held).
+
+        Raises:
+            MemoryError: no host memory for the block (the read ends with RESOURCE_EXHAUSTED).
+        """
+        layers = list(self.sel.index_layers)
+        index = dict(zip(layers, self.entry.pool.get_index_k_scale_layers(layers, self.slots)))
+        for i, seg in enumerate(self.segs):
+            if self.items[i] is None:
+                keys, scales = index[seg.layer_id]
+                t = keys if seg.component == "index_k" else scales
+                self.items[i] = _Source([t.cpu().contiguous().view(torch.uint8).reshape(-1)])
 
 
-def _copy_rest(entry: PoolEntry, sources: list[_Source], pieces: list[Piece], nxt: int) -> list[_Source]:
+def _copy_rest(entry: PoolEntry, sources: _Sources | list[_Source], pieces: list[Piece], nxt: int) -> list[_Source]:
     """``sources`` with every segment from the one piece ``nxt`` starts in onward copied into one host
     block (the lock is still held): the rest of the read no longer needs the pool."""
     if nxt >= len(pieces):
-        return sources
+        return [sources[i] for i in range(len(sources))]
     first = pieces[nxt].data[0][0]
-    total = sum(s.starts[-1] for s in sources[first:])
+    rest = [sources[i] for i in range(first, len(sources))]  # the indexer's, gathered now if not yet
+    total = sum(s.starts[-1] for s in rest)
     block = entry.pool.host_block(total)
-    out, pos = list(sources[:first]), 0
-    for src in sources[first:]:
+    out, pos = [sources[i] for i in range(first)], 0
+    for src in rest:
         size = src.starts[-1]
         dst = block[pos:pos + size]
         done = 0
@@ -173,10 +199,11 @@ class _Snapshot:
     """One read's pieces and where their bytes are: the pool (under its shared lock) or, once the rest
     was copied out, one host block. Shared by the sending thread and the hold watch (``mutex``)."""
 
-    def __init__(self, entry: PoolEntry, lock: ExitStack, sources: list[_Source], pieces: list[Piece],
+    def __init__(self, entry: PoolEntry, lock: ExitStack, sources: _Sources, pieces: list[Piece],
                  encode: Callable[[Piece, list[memoryview]], bytes], patience_s: float, max_hold_s: float) -> None:
         self.mutex = threading.RLock()  # re-entrant: a dropped read closed by the GC on the thread that holds it
-        self.entry, self.lock, self.sources, self.pieces, self.encode = entry, lock, sources, pieces, encode
+        self.sources: _Sources | list[_Source] = sources
+        self.entry, self.lock, self.pieces, self.encode = entry, lock, pieces, encode
         self.patience_s, self.max_hold_s = patience_s, max_hold_s
         self.since = time.monotonic()  # when the lock was taken
         self.holding = True
@@ -188,8 +215,9 @@ class _Snapshot:
         """Piece ``i``'s message (the sender, in order).
 
         Raises:
-            MemoryError: the copy-out (here or by the hold watch) could not get host memory; the
-                lock is released and the read ends (RESOURCE_EXHAUSTED at the client).
+            MemoryError: the indexer's gather, or the copy-out (here or by the hold watch), could
+                not get host memory; the lock is released and the read ends (RESOURCE_EXHAUSTED at
+                the client, after the messages already sent).
         """
         with self.mutex:
             if self.error is not None:
@@ -300,7 +328,7 @@ def read_kv_messages(registry: PoolRegistry, caller: Caller, sel: KVSelection, c
             raise InvalidArgument("a KV read needs at least one slot")
         segs = plan_segments(entry, sel, slots.numel())
         pieces = plan_pieces(segs, chunk, packed=packed)
-        snap = _Snapshot(entry, lock, _sources(entry, sel, slots, segs), pieces, encode, patience_s, max_hold_s)
+        snap = _Snapshot(entry, lock, _Sources(entry, sel, slots, segs), pieces, encode, patience_s, max_hold_s)
     except BaseException:
         lock.close()
         raise

@@ -95,9 +95,15 @@ def test_bad_input_fails_before_the_read_returns(d):
 
 def test_a_reader_that_stops_gives_the_lock_back_and_still_reads_the_snapshot(d):
     """The reader takes one message and pauses: a writer gets the exclusive lock (the rest was copied
-    out), changes every row, and the reader then reads on the bytes of before the write."""
+    out, the indexer's keys and scales gathered then: the read had not reached them), changes every
+    row, key and scale, and the reader then reads on the bytes of before the write."""
     pool(d, A)
     slots, _ = fill(d, A, "p", 256, seed=2)
+    with d.pools.locked(A, "p", exclusive=True) as e:  # keys and scales that are not zeros
+        g = torch.Generator().manual_seed(5)
+        for layer in e.pool.live_layers:
+            e.pool.set_index_k_scale_buffer(layer, slots, torch.randint(1, 256, (256, e.pool.index_head_dim), dtype=torch.uint8,
+                                                                        generator=g), torch.rand(256, generator=g) + 1)
     whole, _ = whole_and_segments(d, slots)
     read = kv_stream.read_kv_messages(d.pools, A, selection(slots), 4096, packed=True, encode=raw)
     it = iter(read)
@@ -108,6 +114,9 @@ def test_a_reader_that_stops_gives_the_lock_back_and_still_reads_the_snapshot(d)
         with d.pools.locked(A, "p", exclusive=True) as e:
             for layer in range(e.pool.layer_num):
                 e.pool.set_kv_buffer(layer, slots, torch.zeros(256, e.pool.row_bytes, dtype=torch.uint8))
+            for layer in e.pool.live_layers:
+                e.pool.set_index_k_scale_buffer(layer, slots, torch.zeros(256, e.pool.index_head_dim, dtype=torch.uint8),
+                                                torch.zeros(256, dtype=torch.float32))
             got.set()
 
     t = threading.Thread(target=writer)
@@ -115,6 +124,7 @@ def test_a_reader_that_stops_gives_the_lock_back_and_still_reads_the_snapshot(d)
     t.join(timeout=60)
     assert got.is_set()
     assert first + b"".join(split(m)[1] for m in it) == whole
+    assert kv_ops.read_kv(d.pools, A, selection(slots))[-1][1].tobytes() == bytes(256 * 4)  # the write did land
 
 
 def test_a_closed_reader_frees_the_lock_at_once(d):
@@ -200,6 +210,34 @@ def test_a_copy_out_without_memory_ends_the_read_and_frees_the_lock(d, monkeypat
     with pytest.raises(MemoryError, match="cannot allocate"):
         next(it)
     assert d.pools.get(A, "p").lock._readers == 0
+
+
+def test_the_indexer_gather_waits_for_the_stream_and_its_memory_error_ends_the_read(d, monkeypatch):
+    """The indexer's keys and scales are gathered when the stream reaches them, not before the first
+    message; when that gather cannot get host memory, the latent messages already sent stand, the
+    next message raises the MemoryError (RESOURCE_EXHAUSTED at a client) and the lock is released."""
+    pool(d, A)
+    slots, _ = fill(d, A, "p", 128, seed=2)
+    entry = d.pools.get(A, "p")
+    calls = []
+
+    def no_memory(*_args, **_kw):
+        calls.append(1)
+        raise MemoryError("cannot allocate the indexer's block")
+
+    monkeypatch.setattr(entry.pool, "get_index_k_scale_layers", no_memory)
+    latent_bytes = 4 * 128 * entry.pool.row_bytes
+    read = kv_stream.read_kv_messages(d.pools, A, selection(slots), 4096, packed=True, encode=raw,
+                                      patience_s=3600, max_hold_s=3600)
+    it = iter(read)
+    got = b""
+    while len(got) + 4096 <= latent_bytes:  # every message made of latent rows alone
+        got += split(next(it))[1]
+    assert not calls
+    with pytest.raises(MemoryError, match="indexer"):
+        next(it)
+    assert calls and entry.lock._readers == 0
+    assert got == b"".join(a.tobytes() for _, a in kv_ops.read_kv(d.pools, A, selection(slots, live=())))[:len(got)]
 
 
 def _pool_gone(ref, timeout_s: float = 10.0) -> bool:
