@@ -29,13 +29,13 @@ from kvtier.server.transfer.plan import TransferPlan
 
 FAIL_BATCH_ENV = "KVTIER_TRANSFER_FAIL_BATCH"
 
-#: A plan's ranges are handed to the engine in requests of at most this many bytes. The TCP
-#: transport runs a batch's requests on a few lanes a peer, in order, 64 KiB at a time; a GLM-5.2
-#: request's 99 ranges (78 of 2.7 MB, 21 of 0.5 MB) read at 0.70-0.87x of one contiguous read of the
-#: same bytes, the same ranges cut into even pieces of <= 1 MiB at 0.90-0.98x, of <= 512 KiB
-#: 0.90-0.95x, of <= 2 MiB 0.89x, of <= 256 KiB 0.87x (two processes on loopback, 12-16 rounds
-#: each; BENCHMARKS.md, fix 21).
-MAX_REQUEST_BYTES = 1 << 20
+#: A plan's ranges are handed to the engine in requests of at most this many bytes, cut evenly. A
+#: GLM-5.2 request's 99 ranges (78 of 2.7 MB, 21 of 0.5 MB) go whole; the cap only cuts the layer
+#: ranges of long requests (86 MB a layer at 128k tokens) so the TCP transport's lanes share them.
+#: In ``kvtier bench --case pd`` (two shared cores), PullKV of that request ran 0.83-1.22x one
+#: contiguous raw read (median 0.86x, 7 runs) in pieces of <= 1 MiB and 0.83-1.03x (median 0.92x,
+#: 10 runs) with 4 MiB, 16 MiB or no cut; 1.96-2.17 GB/s vs 1.99-2.33 (BENCHMARKS.md, fix 21).
+MAX_REQUEST_BYTES = 16 << 20
 
 #: The most requests one engine call carries (the engine fails above ~2,000 queued a peer).
 MAX_ENGINE_BATCH = 1024

@@ -140,7 +140,7 @@ def test_ranges_longer_than_the_request_size_are_cut_into_even_pieces():
     assert sum(lens[:3]) == lat and all(n <= 1 << 20 for n in lens)
     assert engine_requests(items, 0) == ([1_000_000, 9_000_000, 20_000_000], [50_000_000, 70_000_000, 90_000_000],
                                          [lat, idx, 1 << 20])
-    assert MAX_REQUEST_BYTES == 1 << 20 and TransferEngineConfig().max_request_bytes == MAX_REQUEST_BYTES
+    assert MAX_REQUEST_BYTES == 16 << 20 and TransferEngineConfig().max_request_bytes == MAX_REQUEST_BYTES
 
 
 def test_a_pull_cut_into_more_requests_than_one_engine_call_takes_is_byte_identical(model, engines, published):
