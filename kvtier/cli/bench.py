@@ -42,6 +42,10 @@ def bench(quick: bool, out: Path, as_json: bool, only: tuple[str, ...], sglang_p
     the Mooncake Store tier vs its store client, a replay of the Mooncake trace, and SGLang's HiCache
     storage through kvtier vs SGLang's file backend. Writes OUT/results.json and a plot per comparison.
     """
+    if sglang_python is not None and not (os.path.isfile(sglang_python) and os.access(sglang_python, os.X_OK)):
+        raise click.BadParameter(f"{sglang_python} is not an executable file; give an interpreter that imports "
+                                 "sglang==0.5.23 (scripts/build-sglang-env builds .venv-sglang/bin/python)",
+                                 param_hint="--sglang-python / KVTIER_SGLANG_PYTHON")
     os.environ.setdefault("GLOG_minloglevel", "2")  # the Mooncake engines' and store clients' INFO lines
     import torch
     from rich.console import Console

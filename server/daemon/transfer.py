@@ -159,6 +159,9 @@ class TransferState:
         if cfg.transfer_engine == "mooncake":
             self.engine = MooncakeTransferEngine(TransferEngineConfig(host=cfg.transfer_host, fail_batch=self.fail_batch))
             log.info("Mooncake Transfer Engine at %s", self.engine.endpoint)
+            log.warning("the Mooncake Transfer Engine's ports listen on every interface and serve reads and "
+                        "writes of this process's memory to whoever connects, without authentication: run it "
+                        "only where every host and local user that can reach them is trusted (README, Security)")
         self._registered: dict[tuple[str, str], tuple[PoolEntry, list[tuple[int, int]]]] = {}  # (tenant, pool id)
         self._lock = threading.Lock()
         # Layouts, so a pull does not build (here) or send (by the peer) a layout that has not changed:

@@ -110,7 +110,9 @@ class TransferEngineConfig:
     """Settings of the Mooncake Transfer Engine.
 
     Attributes:
-        host: address the engine binds and publishes (loopback by default).
+        host: address the engine publishes to peers (loopback by default). The engine's own
+            listeners (its P2P handshake port and the TCP transport's data port) bind every
+            interface whatever this says; Mooncake offers no setting for it.
         protocol: Mooncake transport; ``"tcp"`` works everywhere, ``"rdma"`` needs RDMA NICs.
         metadata: ``"P2PHANDSHAKE"`` (peers exchange segment metadata directly; no metadata server).
         fail_batch: fail the k-th (1-based) batch of every transfer on purpose (tests); None: never.

@@ -78,3 +78,24 @@ def plot_name_of(key: str) -> str:
     c = _C()
     c.key = key  # type: ignore[attr-defined]
     return plot_name(c)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("how", ["flag", "env"])
+def test_an_sglang_python_that_is_not_an_interpreter_is_a_usage_error_before_anything_runs(tmp_path, how):
+    """A given --sglang-python (or KVTIER_SGLANG_PYTHON) that does not exist or cannot run is exit 2 with
+    click's usage error naming it, and nothing is measured or written (it used to run and report the
+    SGLang rows as left out)."""
+    out, missing = tmp_path / "out", str(tmp_path / "no-such-python")
+    not_exec = tmp_path / "python"
+    not_exec.write_text("#!/bin/sh\n")
+    for bad in (missing, str(not_exec)):
+        env = {k: v for k, v in os.environ.items() if k != "KVTIER_SGLANG_PYTHON"}
+        args = [sys.executable, "-m", "kvtier.cli", "bench", "--case", "capacity", "--out", str(out)]
+        if how == "flag":
+            args += ["--sglang-python", bad]
+        else:
+            env["KVTIER_SGLANG_PYTHON"] = bad
+        r = subprocess.run(args, capture_output=True, text=True, timeout=120, env=env)
+        assert r.returncode == 2, (r.returncode, r.stderr)
+        assert "Traceback" not in r.stderr and f"{bad} is not an executable file" in r.stderr
+        assert not out.exists()
