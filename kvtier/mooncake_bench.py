@@ -213,7 +213,9 @@ def _borrow_all(tier: Any, keys: list[bytes]) -> None:
 
 class _Alternate:
     """A replay backend sending each request to the next of several backends in turn (the request's
-    first call, ``lookup``, picks the backend; its other calls go to the same one)."""
+    first call, ``load``, picks the backend; its other calls go to the same one). The driver asks no
+    lookup first: a backend picked on ``lookup`` was never picked, and every request went to the last
+    backend (the replay figures of rounds 4-8 are one daemon's)."""
 
     simulate = False
 
@@ -221,9 +223,9 @@ class _Alternate:
         self.backends = backends
         self.i = -1
 
-    def lookup(self, keys):  # noqa: ANN001 - ReplayBackend protocol
+    def load(self, keys):  # noqa: ANN001 - ReplayBackend protocol
         self.i = (self.i + 1) % len(self.backends)
-        return self.backends[self.i].lookup(keys)
+        return self.backends[self.i].load(keys)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.backends[self.i], name)
@@ -259,11 +261,15 @@ def _replay_pair(requests: list[Any], masters: list[MooncakeMaster], *, device_p
             clients.append(KVTierClient(d.address, timeout=120))
         backends = [ClientBackend(c, scale.model, scale.num_layers, scale.device_tokens) for c in clients]
         res = replay(requests, _Alternate(backends), scale)
+        loads = [int(b.client.tier_stats(b.pool_id).prefix_counters.get("loads", 0)) for b in backends]
         for b in backends:
             b.close()
+        share = [len(requests[i::len(backends)]) for i in range(len(backends))]
+        if loads != share:  # what the daemons counted: each took its turn
+            raise RuntimeError(f"the daemons served {loads} requests, not {share} in turn")
         return {"hit_rate": res.hit_rate, "hit_tokens": dict(res.hit_tokens), "tokens": res.tokens,
                 "verify_failures": res.verify_failures, "verified_pages": res.verified_pages, "seconds": res.seconds,
-                "moves": res.moves}
+                "moves": res.moves, "requests_per_daemon": loads}
     finally:
         for c in clients:
             c.close()
