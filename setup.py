@@ -1,16 +1,15 @@
 """kvtier's native parts (metadata lives in pyproject.toml): the disk tier's window read,
 ``kvtier.server.tiers._recordio`` (copy, header checks and xxh3_64 of a window of records in one call,
 one pass over each record), linked against the system's xxHash library (Debian: ``libxxhash-dev``);
-``kvtier.server.hostmem._copy`` (WriteKV's in-place write that keeps the rows it replaces); and
-``kvtier._streamcopy`` (the client's ReadKV receive: a copy with streaming stores)."""
+and
+``kvtier._streamcopy`` (copies with streaming stores: the client's ReadKV receive and WriteKV's
+in-place write that keeps the rows it replaces)."""
 
 from setuptools import Extension, setup
 
 setup(ext_modules=[
     Extension("kvtier.server.tiers._recordio", ["server/tiers/_recordio.c", "server/tiers/_copy_xxh3.c"],
               depends=["server/tiers/_copy_xxh3.h"], libraries=["xxhash"],
-              extra_compile_args=["-O3", "-std=c11", "-Wall"]),
-    Extension("kvtier.server.hostmem._copy", ["server/hostmem/_copy.c"],
               extra_compile_args=["-O3", "-std=c11", "-Wall"]),
     Extension("kvtier._streamcopy", ["kvtier/_streamcopy.c"],
               extra_compile_args=["-O3", "-std=c11", "-Wall"]),

@@ -1,16 +1,23 @@
-/* kvtier._streamcopy: a copy into a large buffer that is not read back soon, with streaming stores.
+/* kvtier._streamcopy: copies into large buffers that are not read back soon, with streaming stores.
+ *
+ * A plain copy (numpy's, or memcpy below glibc's non-temporal threshold) reads every destination line
+ * before writing it (the store's read for ownership) and leaves it in the cache, where the next bytes
+ * push it out again. Streaming (non-temporal) stores write whole 64-byte lines straight to memory.
+ * Both calls below check every buffer before anything is written, release the GIL for the copy and
+ * end with a store fence, so the bytes are complete and visible to every thread when they return.
+ * Where the CPU has no AVX2 they are plain memcpys. Shared by the client and the daemon.
  *
  * copy_into(dst, offset, src): the client's ReadKV receive puts each message's bytes at their place
- * in the one buffer the whole result lives in (client/pool.py). A plain copy (numpy's, memcpy below
- * glibc's non-temporal threshold) reads every destination line before writing it (the store's read
- * for ownership) and leaves it in the cache, where the next message's bytes push it out again: 17.8 ms
- * for 221 MB in 1 MiB pieces here. Streaming (non-temporal) stores write whole lines straight to
- * memory: 11.7 ms (BENCHMARKS.md, fix 22). The bytes are visible to every thread when the call returns
- * (a store fence). The GIL is released for the copy, so gRPC's threads receive the next message
- * meanwhile.
+ * in the one buffer the whole result lives in (client/pool.py): 17.8 ms for 221 MB in 1 MiB pieces
+ * with numpy's copy, 11.7 ms here (BENCHMARKS.md, fix 22). gRPC's threads receive the next message
+ * meanwhile. Copies under STREAM_MIN_BYTES are a plain memcpy.
  *
- * The offset and length are checked before anything is written; copies under STREAM_MIN_BYTES, and
- * every copy where the CPU has no AVX2, are a plain memcpy.
+ * replace(dst, undo, src): a WriteKV into named slots writes the new rows in place and keeps the rows
+ * it replaces in an undo buffer, so that a stream that breaks off can put them back (all or nothing;
+ * server/daemon/kv_write.py). As two copies (dst -> undo, then src -> dst) each row crosses the cache
+ * twice: 41.7 ms for 221 MB in 1 MiB pieces, against 24.3 ms for the write alone. Here one pass loads
+ * each 64-byte line of dst and of src, streams the old line to undo (read again only if the write
+ * aborts) and stores the new one to dst: 25.0 ms (BENCHMARKS.md, fix 20).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -79,16 +86,79 @@ static PyObject *copy_into(PyObject *self, PyObject *args) {
     return result;
 }
 
+static void replace_plain(unsigned char *dst, unsigned char *undo, const unsigned char *src, size_t n) {
+    memcpy(undo, dst, n);
+    memcpy(dst, src, n);
+}
+
+#if HAVE_X86
+__attribute__((target("avx2"))) static void replace_streaming(unsigned char *dst, unsigned char *undo,
+                                                             const unsigned char *src, size_t n) {
+    /* the head, until undo is 32-byte aligned (streaming stores need it) */
+    size_t head = (32 - ((uintptr_t)undo & 31)) & 31;
+    if (head > n) head = n;
+    replace_plain(dst, undo, src, head);
+    size_t i = head;
+    for (; i + 64 <= n; i += 64) {
+        __m256i o0 = _mm256_loadu_si256((const __m256i *)(dst + i)), o1 = _mm256_loadu_si256((const __m256i *)(dst + i + 32));
+        __m256i s0 = _mm256_loadu_si256((const __m256i *)(src + i)), s1 = _mm256_loadu_si256((const __m256i *)(src + i + 32));
+        _mm256_stream_si256((__m256i *)(undo + i), o0);
+        _mm256_stream_si256((__m256i *)(undo + i + 32), o1);
+        _mm256_storeu_si256((__m256i *)(dst + i), s0);
+        _mm256_storeu_si256((__m256i *)(dst + i + 32), s1);
+    }
+    replace_plain(dst + i, undo + i, src + i, n - i);
+    _mm_sfence(); /* the streamed undo lines are ordered before anything this thread does next */
+}
+#endif
+
+static PyObject *replace(PyObject *self, PyObject *args) {
+    Py_buffer d, u, s;
+    if (!PyArg_ParseTuple(args, "w*w*y*:replace", &d, &u, &s)) return NULL;
+    PyObject *result = NULL;
+    if (d.len != u.len || d.len != s.len) {
+        PyErr_Format(PyExc_ValueError, "replace needs buffers of one length, got dst %zd, undo %zd, src %zd bytes",
+                     d.len, u.len, s.len);
+    } else {
+        unsigned char *dst = d.buf, *undo = u.buf;
+        const unsigned char *src = s.buf;
+        size_t n = (size_t)d.len;
+        /* overlapping buffers would make the result depend on the order of the copies */
+        if ((dst < undo + n && undo < dst + n) || (dst < src + n && src < dst + n) || (undo < src + n && src < undo + n)) {
+            PyErr_SetString(PyExc_ValueError, "replace needs three buffers that do not overlap");
+        } else {
+            Py_BEGIN_ALLOW_THREADS
+#if HAVE_X86
+            if (use_streaming) replace_streaming(dst, undo, src, n);
+            else replace_plain(dst, undo, src, n);
+#else
+            replace_plain(dst, undo, src, n);
+#endif
+            Py_END_ALLOW_THREADS
+            result = Py_None;
+            Py_INCREF(result);
+        }
+    }
+    PyBuffer_Release(&d);
+    PyBuffer_Release(&u);
+    PyBuffer_Release(&s);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"copy_into", copy_into, METH_VARARGS,
      "copy_into(dst, offset, src) -> None: copy src's bytes to dst[offset:offset + len(src)] (streaming stores "
      "where STREAMING and at least STREAM_MIN_BYTES). dst a writable contiguous buffer, src a contiguous one not "
      "overlapping it; ValueError (nothing written) when it does not fit or overlaps."},
+    {"replace", replace, METH_VARARGS,
+     "replace(dst, undo, src) -> None: copy dst's bytes into undo and src's into dst, in one pass (undo with "
+     "streaming stores where STREAMING). Three contiguous buffers of one length, not overlapping; dst and undo "
+     "writable. ValueError (nothing written) otherwise."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_streamcopy", "A copy into a large buffer with streaming stores (the ReadKV receive).", -1,
+    PyModuleDef_HEAD_INIT, "_streamcopy", "Copies with streaming stores: the client's ReadKV receive and WriteKV's undo-keeping write.", -1,
     methods,
 };
 

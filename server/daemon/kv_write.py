@@ -24,12 +24,12 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from kvtier._streamcopy import replace
 from kvtier.server.daemon.config import MIN_CHUNK_BYTES
 from kvtier.server.daemon.errors import Cancelled, InvalidArgument, NotFound
 from kvtier.server.daemon.kv_ops import INDEX_K, INDEX_SCALE, LATENT, KVSelection, plan_segments
 from kvtier.server.daemon.pools import PoolEntry, PoolRegistry
 from kvtier.server.daemon.tenants import Caller
-from kvtier.server.hostmem._copy import replace
 
 MAX_CLAIM_RUNS = 16
 """A write into named slots is written in place only when its slots make at most this many runs of
@@ -136,7 +136,7 @@ class KVWriteBuffer:
                 while done < take:
                     at = seg_off + done - run_starts[r]
                     k = min(take - done, runs[r].size - at)
-                    if staged_at is not None:  # old rows to undo and new rows in, one pass (hostmem._copy)
+                    if staged_at is not None:  # old rows to undo and new rows in, one pass (kvtier._streamcopy)
                         u = staged_at + seg_off + done
                         replace(runs[r][at:at + k], self._buf[u:u + k], src[pos + done:pos + done + k])
                         self._undo_end[i] = seg_off + done + k  # restore() covers them (replace never stops half way)

@@ -1,6 +1,8 @@
-"""``kvtier._streamcopy.copy_into`` (kvtier/_streamcopy.c): the client's ReadKV receive copy with
-streaming stores. Checked against plain slicing at every alignment of both buffers and lengths around
-the 32-byte head, the 128-byte step of the loop and the streaming threshold; bad arguments write nothing."""
+"""``kvtier._streamcopy`` (kvtier/_streamcopy.c): ``copy_into``, the client's ReadKV receive copy with
+streaming stores, and ``replace``, WriteKV's in-place write of a run of rows that keeps the rows it
+replaces in one pass (streaming stores into the undo buffer). Both checked against plain slicing at
+every alignment of their buffers and lengths around the 32-byte head, the steps of their loops and
+(copy_into) the streaming threshold; bad arguments write nothing."""
 
 from __future__ import annotations
 
@@ -48,7 +50,7 @@ def test_bytes_and_memoryviews_are_sources():
     assert dst[3:10].tobytes() == src[:7]
 
 
-def test_bad_arguments_write_nothing():
+def test_copy_into_with_bad_arguments_writes_nothing():
     dst = np.arange(256, dtype=np.uint8)
     d0 = dst.copy()
     with pytest.raises(ValueError, match="do not fit"):
@@ -66,3 +68,33 @@ def test_bad_arguments_write_nothing():
     assert np.array_equal(dst, d0)
     _streamcopy.copy_into(dst, 256, b"")  # an empty copy at the end fits
     assert np.array_equal(dst, d0)
+
+
+@pytest.mark.parametrize("n", [0, 1, 31, 32, 33, 63, 64, 65, 95, 127, 128, 129, 4096 + 5, 656 * 64 + 1, 1 << 20])
+def test_undo_gets_the_old_bytes_and_dst_the_new_at_every_alignment(n):
+    rng = np.random.default_rng(n)
+    for d_off, u_off, s_off in ((0, 0, 0), (1, 7, 13), (31, 33, 2), (5, 32, 63), (64, 3, 0)):
+        dst_all = rng.integers(0, 256, size=n + 128, dtype=np.uint8)
+        undo_all = rng.integers(0, 256, size=n + 128, dtype=np.uint8)
+        src_all = rng.integers(0, 256, size=n + 128, dtype=np.uint8)
+        dst0, undo0 = dst_all.copy(), undo_all.copy()
+        _streamcopy.replace(dst_all[d_off:d_off + n], undo_all[u_off:u_off + n], src_all[s_off:s_off + n])
+        assert np.array_equal(undo_all[u_off:u_off + n], dst0[d_off:d_off + n]), (n, d_off, u_off)
+        assert np.array_equal(dst_all[d_off:d_off + n], src_all[s_off:s_off + n])
+        # nothing outside the three ranges changed
+        assert np.array_equal(dst_all[:d_off], dst0[:d_off]) and np.array_equal(dst_all[d_off + n:], dst0[d_off + n:])
+        assert np.array_equal(undo_all[:u_off], undo0[:u_off]) and np.array_equal(undo_all[u_off + n:], undo0[u_off + n:])
+
+
+def test_replace_with_bad_arguments_writes_nothing():
+    dst, undo, src = np.arange(256, dtype=np.uint8), np.zeros(256, np.uint8), np.full(256, 9, np.uint8)
+    d0 = dst.copy()
+    with pytest.raises(ValueError, match="one length"):
+        _streamcopy.replace(dst, undo[:255], src)
+    with pytest.raises(ValueError, match="overlap"):
+        _streamcopy.replace(dst[:128], dst[64:192], src[:128])
+    with pytest.raises(ValueError, match="overlap"):
+        _streamcopy.replace(dst[:128], undo[:128], dst[100:228])
+    with pytest.raises(TypeError):
+        _streamcopy.replace(bytes(256), undo, src)  # dst not writable
+    assert np.array_equal(dst, d0) and not undo.any()
