@@ -68,8 +68,9 @@ def check_injected_failure(fail_batch: int | None, batch: int, transport: str) -
 def engine_requests(items: Sequence[Any], max_bytes: int) -> tuple[list[int], list[int], list[int]]:
     """``(dst_addrs, src_addrs, lengths)`` of the engine requests that move ``items`` (objects with
     ``dst_addr``, ``src_addr``, ``nbytes``): each item whole when it holds at most ``max_bytes``,
-    else cut into ``ceil(nbytes / max_bytes)`` pieces of even size (multiples of 64 bytes, the
-    last one the rest), in order. ``max_bytes <= 0``: every item whole."""
+    else cut into at most ``ceil(nbytes / max_bytes)`` pieces of even size (rounded up to a multiple
+    of 64 bytes where that stays within ``max_bytes``; the last one the rest), in order, every piece
+    at most ``max_bytes``. ``max_bytes <= 0``: every item whole."""
     dsts: list[int] = []
     srcs: list[int] = []
     lens: list[int] = []
@@ -81,7 +82,9 @@ def engine_requests(items: Sequence[Any], max_bytes: int) -> tuple[list[int], li
             lens.append(n)
             continue
         k = -(-n // max_bytes)
-        piece = (-(-n // k) + 63) // 64 * 64
+        piece = -(-n // k)  # <= max_bytes
+        if (piece + 63) // 64 * 64 <= max_bytes:  # a cap that is no multiple of 64 may leave no room to round
+            piece = (piece + 63) // 64 * 64
         for off in range(0, n, piece):
             dsts.append(d + off)
             srcs.append(s + off)

@@ -9,6 +9,8 @@ import sys
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvtier.server.pool import create_pool
 from kvtier.server.transfer import (
@@ -141,6 +143,44 @@ def test_ranges_longer_than_the_request_size_are_cut_into_even_pieces():
     assert engine_requests(items, 0) == ([1_000_000, 9_000_000, 20_000_000], [50_000_000, 70_000_000, 90_000_000],
                                          [lat, idx, 1 << 20])
     assert MAX_REQUEST_BYTES == 16 << 20 and TransferEngineConfig().max_request_bytes == MAX_REQUEST_BYTES
+
+
+@st.composite
+def _ranges_and_cap(draw):
+    """A cap of 1 byte to 32 MiB and 1-8 ranges of 1 byte to 300 caps (at most 64 MiB)."""
+    cap = draw(st.integers(1, 1 << 25))
+    n = st.integers(1, min(300 * cap, 1 << 26))
+    return draw(st.lists(st.tuples(st.integers(0, 1 << 40), st.integers(0, 1 << 40), n), min_size=1, max_size=8)), cap
+
+
+@settings(max_examples=400, deadline=None)
+@given(_ranges_and_cap())
+def test_the_cut_covers_each_range_back_to_back_in_pieces_within_the_cap(case):
+    """Any ranges and any cap (not only multiples of 64): each range's pieces start where it starts
+    on both sides, follow each other without gap or overlap, end where it ends, are none empty and
+    none longer than the cap, and number at most ceil(nbytes / cap)."""
+    ranges, cap = case
+    dsts, srcs, lens = engine_requests([_Item(d, s, n) for d, s, n in ranges], cap)
+    i = 0
+    for d, s, n in ranges:
+        pos, count = 0, 0
+        while pos < n:
+            assert (dsts[i], srcs[i]) == (d + pos, s + pos)
+            assert 0 < lens[i] <= cap
+            pos += lens[i]
+            i += 1
+            count += 1
+        assert pos == n and count <= -(-n // cap)
+    assert i == len(lens) == len(dsts) == len(srcs)
+
+
+def test_a_cap_that_is_no_multiple_of_64_is_never_overshot():
+    """A 100-byte cap on 200 bytes: two pieces of 100 (rounding ceil(200 / 2) up to 64 would make
+    128, over the cap); an 11-byte range with a 10-byte cap: 6 and 5; with a 16 MiB + 1 cap, 32 MiB
+    + 2 bytes: two pieces of 16 MiB + 1."""
+    assert engine_requests([_Item(0, 1000, 200)], 100) == ([0, 100], [1000, 1100], [100, 100])
+    assert engine_requests([_Item(0, 0, 11)], 10)[2] == [6, 5]
+    assert engine_requests([_Item(0, 0, (32 << 20) + 2)], (16 << 20) + 1)[2] == [(16 << 20) + 1] * 2
 
 
 def test_a_pull_cut_into_more_requests_than_one_engine_call_takes_is_byte_identical(model, engines, published):
