@@ -59,6 +59,16 @@ from urllib.parse import urlsplit
 from kvtier.server.tiers.errors import TierError
 
 log = logging.getLogger(__name__)
+_warned = threading.Event()
+
+
+def _warn_open_ports_once() -> None:
+    """Say once a process that the store client's transfer engine is reachable by anyone (README, Security)."""
+    if not _warned.is_set():
+        _warned.set()
+        log.warning("the Mooncake Store client's transfer engine listens on every interface and serves the store's "
+                    "objects and this process's memory without authentication: run the store only where "
+                    "every host and local user that can reach it is trusted (README, Security)")
 
 OK = 0
 NO_AVAILABLE_HANDLE = -200
@@ -228,6 +238,7 @@ class StoreClient:
             self._store = store
             log.info("mooncake store client %s set up (master %s, metadata %s, %s, segment %d bytes)",
                      store.get_hostname(), s.master, s.metadata, s.protocol, s.global_segment_bytes)
+            _warn_open_ports_once()
 
     def _live(self) -> Any:
         store = self._store

@@ -33,7 +33,7 @@ FAIL_BATCH_ENV = "KVTIER_TRANSFER_FAIL_BATCH"
 #: GLM-5.2 request's 99 ranges (78 of 2.7 MB, 21 of 0.5 MB) go whole; the cap only cuts the layer
 #: ranges of long requests (86 MB a layer at 128k tokens) so the TCP transport's lanes share them.
 #: In ``kvtier bench --case pd`` (two shared cores), PullKV of that request ran 0.83-1.22x one
-#: contiguous raw read (median 0.86x, 7 runs) in pieces of <= 1 MiB and 0.83-1.03x (median 0.91x,
+#: contiguous raw read (median 0.86x, 7 runs) in pieces of <= 1 MiB and 0.82-1.03x (median 0.91x,
 #: 10 runs) with 4 MiB, 16 MiB or no cut; 1.96-2.17 GB/s vs 1.99-2.33 (BENCHMARKS.md, fix 21).
 MAX_REQUEST_BYTES = 16 << 20
 

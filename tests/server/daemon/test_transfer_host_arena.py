@@ -50,3 +50,15 @@ def test_memory_outside_the_registered_ranges_is_not_readable(pair):
     into = b.pools.host_arena.alloc_tensor(4096)
     with pytest.raises(TransferError):
         b.transfer.engine.read_raw(a.transfer.engine.endpoint, into.data_ptr(), private.data_ptr(), 4096)
+
+
+def test_starting_the_engine_warns_that_its_ports_are_open_to_all(caplog):
+    """The engine's ports listen on every interface without authentication (README, Security): the
+    daemon says so at WARNING when the engine starts, and not when it runs without one."""
+    with caplog.at_level("WARNING", logger="kvtier.transfer"):
+        Daemon(DaemonConfig(device="cpu", host_memory_bytes=32 << 20)).close()
+        assert not [r for r in caplog.records if "every interface" in r.getMessage()]
+        Daemon(DaemonConfig(device="cpu", host_memory_bytes=32 << 20, transfer_engine="mooncake",
+                            transfer_host="127.0.0.1")).close()
+    warned = [r for r in caplog.records if r.levelname == "WARNING" and "every interface" in r.getMessage()]
+    assert len(warned) == 1 and "without authentication" in warned[0].getMessage()
