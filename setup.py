@@ -1,8 +1,7 @@
 """kvtier's native parts (metadata lives in pyproject.toml): the disk tier's window read,
 ``kvtier.server.tiers._recordio`` (copy, header checks and xxh3_64 of a window of records in one call,
 one pass over each record), linked against the system's xxHash library (Debian: ``libxxhash-dev``);
-and
-``kvtier._streamcopy`` (copies with streaming stores: the client's ReadKV receive and WriteKV's
+and ``kvtier._streamcopy`` (copies with streaming stores: the client's ReadKV receive and WriteKV's
 in-place write that keeps the rows it replaces)."""
 
 from setuptools import Extension, setup

@@ -161,27 +161,25 @@ class _Sources:
                 t = keys if seg.component == "index_k" else scales
                 self.items[i] = _Source([t.cpu().contiguous().view(torch.uint8).reshape(-1)])
 
+    def copy_out(self, first: int) -> None:
+        """Copy segments ``first`` onward into one host block (the lock is still held; the indexer's
+        gathered now if the read has not reached it), so the rest of the read no longer needs the pool.
 
-def _copy_rest(entry: PoolEntry, sources: _Sources | list[_Source], pieces: list[Piece], nxt: int) -> list[_Source]:
-    """``sources`` with every segment from the one piece ``nxt`` starts in onward copied into one host
-    block (the lock is still held): the rest of the read no longer needs the pool."""
-    if nxt >= len(pieces):
-        return [sources[i] for i in range(len(sources))]
-    first = pieces[nxt].data[0][0]
-    rest = [sources[i] for i in range(first, len(sources))]  # the indexer's, gathered now if not yet
-    total = sum(s.starts[-1] for s in rest)
-    block = entry.pool.host_block(total)
-    out, pos = [sources[i] for i in range(first)], 0
-    for src in rest:
-        size = src.starts[-1]
-        dst = block[pos:pos + size]
-        done = 0
-        for v in src.views:
-            dst[done:done + len(v)].copy_(torch.frombuffer(v, dtype=torch.uint8) if len(v) else torch.empty(0, dtype=torch.uint8))
-            done += len(v)
-        out.append(_Source([dst]))
-        pos += size
-    return out
+        Raises:
+            MemoryError: no host memory for the block (or the gather); nothing is replaced.
+        """
+        rest = [self[i] for i in range(first, len(self.items))]
+        block = self.entry.pool.host_block(sum(src.starts[-1] for src in rest))
+        pos = 0
+        for i, src in enumerate(rest, start=first):
+            size = src.starts[-1]
+            dst = block[pos:pos + size]
+            done = 0
+            for v in src.views:
+                dst[done:done + len(v)].copy_(torch.frombuffer(v, dtype=torch.uint8) if len(v) else torch.empty(0, dtype=torch.uint8))
+                done += len(v)
+            self.items[i] = _Source([dst])
+            pos += size
 
 
 @dataclass
@@ -202,8 +200,7 @@ class _Snapshot:
     def __init__(self, entry: PoolEntry, lock: ExitStack, sources: _Sources, pieces: list[Piece],
                  encode: Callable[[Piece, list[memoryview]], bytes], patience_s: float, max_hold_s: float) -> None:
         self.mutex = threading.RLock()  # re-entrant: a dropped read closed by the GC on the thread that holds it
-        self.sources: _Sources | list[_Source] = sources
-        self.entry, self.lock, self.pieces, self.encode = entry, lock, pieces, encode
+        self.entry, self.lock, self.sources, self.pieces, self.encode = entry, lock, sources, pieces, encode
         self.patience_s, self.max_hold_s = patience_s, max_hold_s
         self.since = time.monotonic()  # when the lock was taken
         self.holding = True
@@ -245,7 +242,8 @@ class _Snapshot:
                     self.close()
 
     def _release_rest(self) -> None:  # mutex held
-        self.sources = _copy_rest(self.entry, self.sources, self.pieces, self.next)
+        if self.next < len(self.pieces):  # the segment the next piece starts in, onward
+            self.sources.copy_out(self.pieces[self.next].data[0][0])
         self.holding = False
         self.lock.close()
 

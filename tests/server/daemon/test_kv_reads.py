@@ -193,7 +193,7 @@ def test_a_copy_out_without_memory_ends_the_read_and_frees_the_lock(d, monkeypat
     def no_memory(*_args, **_kw):
         raise MemoryError("cannot allocate the copy")
 
-    monkeypatch.setattr(kv_stream, "_copy_rest", no_memory)
+    monkeypatch.setattr(kv_stream._Sources, "copy_out", no_memory)
     read = kv_stream.read_kv_messages(d.pools, A, selection(slots), 4096, packed=True, encode=raw, patience_s=0.02)
     it = iter(read)
     next(it)
