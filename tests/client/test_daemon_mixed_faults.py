@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -32,6 +31,7 @@ from pathlib import Path
 import torch
 from kv_helpers import LAYERS4, LIVE4, PAGE_SIZE, offload_page, put_prefix_pages, random_kv, verify_kv
 from small_fs import small_tmpfs, write_ballast
+from soak_faults import Faults
 
 from kvtier.client import KVTierClient
 from kvtier.client.errors import NotFoundError, UnavailableError
@@ -134,17 +134,8 @@ def killed_writer(c: KVTierClient, address: str) -> None:
     try:
         old = random_kv(2 * PAGE_SIZE, 99, layers=LAYERS4, live=LIVE4)
         c.write_kv(POOL, slots, latent=old[0], index=old[1])
-        proc = subprocess.Popen([sys.executable, str(STALLED_WRITER), address, POOL, json.dumps(slots.tolist()), "7"],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=Path(__file__).parent)
-        try:
-            line = proc.stdout.readline()
-            assert line.strip() == "sent", (line, proc.stderr.read()[-2000:])
-            proc.send_signal(signal.SIGKILL)
-            proc.wait(30)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        Faults._start_then_kill([sys.executable, str(STALLED_WRITER), address, POOL, json.dumps(slots.tolist()), "7"],
+                                lambda line: line.strip() == "sent")
 
         def holds_old() -> bool:
             try:
