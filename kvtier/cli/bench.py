@@ -46,6 +46,9 @@ def bench(quick: bool, out: Path, as_json: bool, only: tuple[str, ...], sglang_p
         raise click.BadParameter(f"{sglang_python} is not an executable file; give an interpreter that imports "
                                  "sglang==0.5.23 (scripts/build-sglang-env builds .venv-sglang/bin/python)",
                                  param_hint="--sglang-python / KVTIER_SGLANG_PYTHON")
+    early = [n for n in only if n not in _case_names()]  # before torch and the cases load
+    if early:
+        raise click.BadParameter(f"unknown case {early[0]!r}; cases: {', '.join(_case_names())}", param_hint="--case")
     os.environ.setdefault("GLOG_minloglevel", "2")  # the Mooncake engines' and store clients' INFO lines
     import torch
     from rich.console import Console
