@@ -87,7 +87,7 @@ def bench(quick: bool, out: Path, as_json: bool, only: tuple[str, ...], sglang_p
         print_table(results, console)
         m = doc["machine"]
         console.print(f"load average {m['load_average_before'][0]:.1f} before, {m['load_average'][0]:.1f} after: one run's "
-                      "ratios move with the machine's load; compare repeated runs (BENCHMARKS.md, 'Still unmet')")
+                      "ratios move with the machine's load; compare repeated runs (docs/benchmarks/fixes.md, 'Still unmet')")
         console.print(f"wrote {written[0]} and {len(written) - 1} plots")
     missed = [c.key for r in results for c in r.comparisons if c.meets_target is False]
     if check and missed:

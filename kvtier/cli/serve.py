@@ -75,7 +75,7 @@ def _layers(_ctx: click.Context, _param: click.Parameter, value: str | None) -> 
 @click.option("--transfer-engine", type=click.Choice(["mooncake", "none"]), default=None,
               help="PD transfer engine [none]. mooncake opens engine ports that listen on every interface and serve "
                    "reads and writes of this process's memory without authentication: trusted hosts and networks "
-                   "only (README, Security).")
+                   "only (docs/operations/security.md, PD peers).")
 @click.option("--transfer-host", default=None, metavar="HOST", help="Address the transfer engine publishes to peers [127.0.0.1] (its ports listen on every interface).")
 @click.option("--metrics-port", type=click.IntRange(0, 65535), default=None, metavar="PORT",
               help="Serve Prometheus metrics on http://HOST:PORT/metrics (0: a free port; kvtier status shows it).")
