@@ -73,9 +73,11 @@ def write_plot(cmp: Comparison, path: Path) -> None:
         ax.set_xticks(xs, [str(x) for x in xs], fontsize=8)
         ax.set_xlabel(f"interleaved round ({len(ratios)} after the warm-up)")
     else:
-        ax.bar([1], [cmp.ratio], color="#2f7ed8", width=0.6)
-        ax.set_xticks([1], ["computed"], fontsize=8)
-    ax.axhline(cmp.ratio, color="black", linewidth=1.2, label=f"ratio {cmp.ratio:.2f}x (median)")
+        ax.bar([1], [cmp.ratio], color="#2f7ed8", width=0.4)
+        ax.set_xticks([1], ["computed (no rounds)"], fontsize=8)
+        ax.set_xlim(0, 2)
+    ax.axhline(cmp.ratio, color="black", linewidth=1.2,
+               label=f"ratio {cmp.ratio:.2f}x" + (" (median of the rounds)" if ratios else ""))
     ax.axhline(1.0, color="#9aa5b1", linewidth=1, linestyle=":", label="parity 1x")
     if cmp.target is not None:
         ax.axhline(cmp.target, color="#d9534f", linewidth=1, linestyle="--", label=f"target {cmp.target:g}x")
@@ -83,7 +85,7 @@ def write_plot(cmp: Comparison, path: Path) -> None:
     ax.set_ylim(0, top * 1.2 if math.isfinite(top) else 1)
     ax.set_ylabel("kvtier / baseline (>1: kvtier better)", fontsize=8)
     ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
-    medians = f"medians: {_fmt(cmp.kvtier.value)} vs {_fmt(cmp.baseline.value)} {cmp.unit}"
+    medians = f"{'medians' if ratios else 'values'}: kvtier {_fmt(cmp.kvtier.value)} vs baseline {_fmt(cmp.baseline.value)} {cmp.unit}"
     ax.set_title(f"{_wrap(cmp.title, 90)}\n{medians}", fontsize=8)
     fig.tight_layout()
     fig.savefig(path)
