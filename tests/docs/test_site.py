@@ -45,9 +45,10 @@ def test_readme_puts_the_root_note_before_the_command_it_changes():
 
 
 def test_site_builds_strict(tmp_path):
+    # no -q: mkdocs --quiet hides warnings from --strict's count, so a broken link would pass
     import mkdocs  # noqa: F401  (a missing mkdocs is a failure, not a skip: it is in the dev extra)
 
-    r = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-f", str(ROOT / "mkdocs.yml"),
+    r = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(ROOT / "mkdocs.yml"),
                         "-d", str(tmp_path / "site")], cwd=ROOT, capture_output=True, text=True,
                        env={**__import__("os").environ, "NO_MKDOCS_2_WARNING": "1"})
     assert r.returncode == 0, r.stdout + r.stderr
