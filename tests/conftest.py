@@ -52,3 +52,52 @@ def pool(client: KVTierClient) -> Iterator[str]:
     client.create_pool("glm-5.2", num_layers=8, size_tokens=1024, pool_id=pool_id)
     yield pool_id
     client.delete_pool(pool_id, force=True)
+
+
+# ----- the summary line says what was left out, and why ------------------------------------------------
+# The default run deselects tests marked slow or cuda (pyproject's addopts: -m 'not slow and not cuda');
+# pytest would count them as "N deselected". The final line names them instead, e.g.
+# "1005 passed, 9 left out as slow (run: -m slow), 6 left out as cuda (need a GPU: -m cuda) in 480s".
+# Under pytest-xdist the workers collect and deselect; each sends its counts to the controller.
+LEFT_OUT_WHY = {"slow": "left out as slow (run: -m slow)", "cuda": "left out as cuda (need a GPU: -m cuda)"}
+_LEFT_OUT = pytest.StashKey[dict]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.stash[_LEFT_OUT] = {}
+
+
+def pytest_deselected(items: list[pytest.Item]) -> None:
+    if not items:
+        return
+    counts = items[0].config.stash[_LEFT_OUT]
+    for item in items:
+        mark = next((m for m in LEFT_OUT_WHY if item.get_closest_marker(m)), "other")
+        counts[mark] = counts.get(mark, 0) + 1
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if hasattr(session.config, "workeroutput"):  # an xdist worker: hand the counts to the controller
+        session.config.workeroutput["kvtier_left_out"] = dict(session.config.stash[_LEFT_OUT])
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:  # noqa: ANN001  (xdist's hook, on the controller)
+    counts = getattr(node, "workeroutput", {}).get("kvtier_left_out")
+    if counts:  # every worker collects and deselects the same tests: keep one worker's counts
+        node.config.stash[_LEFT_OUT] = counts
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:  # noqa: ANN001
+    counts = config.stash.get(_LEFT_OUT, {})
+    if not any(counts.get(m) for m in LEFT_OUT_WHY):
+        return
+    stats = terminalreporter.stats
+    deselected = stats.pop("deselected", [])
+    for mark, why in LEFT_OUT_WHY.items():
+        if counts.get(mark):
+            stats[why] = [None] * counts[mark]
+    other = counts.get("other", 0) or (len(deselected) - sum(counts.get(m, 0) for m in LEFT_OUT_WHY))
+    if other > 0:
+        stats["deselected"] = [None] * other

@@ -82,6 +82,23 @@ class Comparison:
         num, den = (k.value, b.value) if self.higher_is_better else (b.value, k.value)
         return num / den if den else math.inf
 
+    @property
+    def round_ratios(self) -> list[float]:
+        """The ratio of each interleaved round (>1: kvtier better), whose median is :attr:`ratio`; empty
+        when the figures are not paired round by round (computed figures, or sample counts that differ)."""
+        k, b = self.kvtier, self.baseline
+        if not (self.paired and k.samples and len(k.samples) == len(b.samples) and all(k.samples) and all(b.samples)):
+            return []
+        return [x / y if self.higher_is_better else y / x for x, y in zip(k.samples, b.samples)]
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Comparison:
+        """A comparison as :meth:`to_dict` wrote it into ``results.json``."""
+        fig = lambda f: Figure(f["label"], f["value"], list(f.get("samples") or []))  # noqa: E731
+        return cls(d["key"], d["title"], d["unit"], fig(d["kvtier"]), fig(d["baseline"]),
+                   higher_is_better=d.get("higher_is_better", True), target=d.get("target"),
+                   note=d.get("note", ""), paired=d.get("paired", True))
+
     def _ratio_of_medians(self) -> float:
         num, den = (self.kvtier.value, self.baseline.value) if self.higher_is_better else (self.baseline.value, self.kvtier.value)
         return num / den if den else math.inf

@@ -57,25 +57,36 @@ def plot_name(cmp: Comparison) -> str:
 
 
 def write_plot(cmp: Comparison, path: Path) -> None:
-    """A bar chart of the two medians, each repetition as a dot, the ratio (and target) in the title."""
+    """What the ratio is: kvtier / baseline of each interleaved round (a bar a round), the median of them
+    (the printed ratio) as a line, parity (1x) and the target where there is one. Computed comparisons
+    (no rounds) get one bar, their ratio. Both medians are in the title, the ratio is not theirs."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7.5, 3.2), dpi=100)
-    figs = [cmp.baseline, cmp.kvtier]
-    labels = [_wrap(f.label) for f in figs]
-    ax.barh([0, 1], [f.value for f in figs], color=["#9aa5b1", "#2f7ed8"], height=0.6)
-    for y, f in enumerate(figs):
-        if f.samples:
-            ax.plot(f.samples, [y] * len(f.samples), "o", color="black", markersize=3, alpha=0.6)
-        ax.text(f.value, y, f"  {_fmt(f.value)}", va="center", fontsize=9)
-    ax.set_yticks([0, 1], labels, fontsize=8)
-    ax.set_xlabel(cmp.unit)
-    ax.set_xlim(0, max(max([f.value] + f.samples) for f in figs) * 1.25 or 1)
-    target = f", target {cmp.target:g}x" if cmp.target is not None else ""
-    ax.set_title(f"{_wrap(cmp.title, 80)}\nratio {cmp.ratio:.2f}x{target}", fontsize=9)
+    ratios = cmp.round_ratios
+    fig, ax = plt.subplots(figsize=(9, 3.2), dpi=100)
+    if ratios:
+        xs = list(range(1, len(ratios) + 1))
+        ax.bar(xs, ratios, color="#2f7ed8", width=0.6, label="round ratio")
+        ax.set_xticks(xs, [str(x) for x in xs], fontsize=8)
+        ax.set_xlabel(f"interleaved round ({len(ratios)} after the warm-up)")
+    else:
+        ax.bar([1], [cmp.ratio], color="#2f7ed8", width=0.4)
+        ax.set_xticks([1], ["computed (no rounds)"], fontsize=8)
+        ax.set_xlim(0, 2)
+    ax.axhline(cmp.ratio, color="black", linewidth=1.2,
+               label=f"ratio {cmp.ratio:.2f}x" + (" (median of the rounds)" if ratios else ""))
+    ax.axhline(1.0, color="#9aa5b1", linewidth=1, linestyle=":", label="parity 1x")
+    if cmp.target is not None:
+        ax.axhline(cmp.target, color="#d9534f", linewidth=1, linestyle="--", label=f"target {cmp.target:g}x")
+    top = max(ratios + [cmp.ratio, 1.0, cmp.target or 0.0])
+    ax.set_ylim(0, top * 1.2 if math.isfinite(top) else 1)
+    ax.set_ylabel("kvtier / baseline (>1: kvtier better)", fontsize=8)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    medians = f"{'medians' if ratios else 'values'}: kvtier {_fmt(cmp.kvtier.value)} vs baseline {_fmt(cmp.baseline.value)} {cmp.unit}"
+    ax.set_title(f"{_wrap(cmp.title, 90)}\n{medians}", fontsize=8)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
-import click
+import time
 
-from kvtier import __version__
-from kvtier.cli.bench import bench
-from kvtier.cli.plan import plan
-from kvtier.cli.pools import pools
-from kvtier.cli.replay import replay
-from kvtier.cli.serve import serve
-from kvtier.cli.status import status
-from kvtier.cli.tier_options import add_tier_options
+STARTED = time.monotonic()  # kvtier replay's wall time where /proc cannot say when the process started
+
+import click  # noqa: E402
+
+from kvtier import __version__  # noqa: E402
+from kvtier.cli.bench import bench  # noqa: E402
+from kvtier.cli.plan import plan  # noqa: E402
+from kvtier.cli.pools import pools  # noqa: E402
+from kvtier.cli.replay import replay  # noqa: E402
+from kvtier.cli.serve import serve  # noqa: E402
+from kvtier.cli.status import status  # noqa: E402
+from kvtier.cli.tier_options import add_tier_options  # noqa: E402
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})

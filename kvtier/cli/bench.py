@@ -46,6 +46,9 @@ def bench(quick: bool, out: Path, as_json: bool, only: tuple[str, ...], sglang_p
         raise click.BadParameter(f"{sglang_python} is not an executable file; give an interpreter that imports "
                                  "sglang==0.5.23 (scripts/build-sglang-env builds .venv-sglang/bin/python)",
                                  param_hint="--sglang-python / KVTIER_SGLANG_PYTHON")
+    early = [n for n in only if n not in _case_names()]  # before torch and the cases load
+    if early:
+        raise click.BadParameter(f"unknown case {early[0]!r}; cases: {', '.join(_case_names())}", param_hint="--case")
     os.environ.setdefault("GLOG_minloglevel", "2")  # the Mooncake engines' and store clients' INFO lines
     import torch
     from rich.console import Console
@@ -84,7 +87,7 @@ def bench(quick: bool, out: Path, as_json: bool, only: tuple[str, ...], sglang_p
         print_table(results, console)
         m = doc["machine"]
         console.print(f"load average {m['load_average_before'][0]:.1f} before, {m['load_average'][0]:.1f} after: one run's "
-                      "ratios move with the machine's load; compare repeated runs (BENCHMARKS.md, 'Still unmet')")
+                      "ratios move with the machine's load; compare repeated runs (docs/benchmarks/fixes.md, 'Still unmet')")
         console.print(f"wrote {written[0]} and {len(written) - 1} plots")
     missed = [c.key for r in results for c in r.comparisons if c.meets_target is False]
     if check and missed:

@@ -8,9 +8,12 @@ from pathlib import Path
 import click
 
 from kvtier.server.model_config import DSAModelConfig
-from kvtier.server.pool.factory import POOL_ROLES
-from kvtier.server.pool_configurator import ACCOUNTINGS, plan_pool
 from kvtier.server.presets import preset_names
+
+# kvtier.server.pool.factory.POOL_ROLES and kvtier.server.pool_configurator.ACCOUNTINGS (tests check they
+# agree): the pool modules import torch, which `kvtier plan --help` and usage errors need not load.
+POOL_ROLES: tuple[str, ...] = ("target", "draft", "hisparse")
+ACCOUNTINGS: tuple[str, ...] = ("exact", "sglang")
 
 
 def load_model(model: str, kv_dtype: str, page_size: int = 64, *, start_layer: int = 0,
@@ -36,7 +39,7 @@ def _partition(_ctx: click.Context, _param: click.Parameter, value: str | None) 
 
 
 def _bytes(_ctx: click.Context, _param: click.Parameter, value: str) -> int:
-    from kvtier.server.daemon.config import parse_bytes
+    from kvtier.sizes import parse_bytes
 
     try:
         return parse_bytes(value, "--available-bytes")
@@ -73,6 +76,8 @@ def plan(model: str, available_bytes: int, kv_dtype: str, accounting: str, role:
     if pp_size > 1 or pp_partition:
         _plan_stages(model, available_bytes, kv_dtype, accounting, role, page_size, pp_size, pp_partition, as_json)
         return
+    from kvtier.server.pool_configurator import plan_pool
+
     cfg = load_model(model, kv_dtype, page_size)
     p = plan_pool(cfg, available_bytes, accounting=accounting, role=role)
     if p.naive_tokens == 0 or p.skip_aware_tokens == 0:
@@ -119,6 +124,7 @@ def _plan_stages(model: str, available_bytes: int, kv_dtype: str, accounting: st
                  pp_size: int, partition: tuple[int, ...] | None, as_json: bool) -> None:
     """``--pp-size``: each stage's layers, live indexer layers and capacity; the smallest bounds the deployment."""
     from kvtier.server.model_config import pp_layer_range
+    from kvtier.server.pool_configurator import plan_pool
 
     whole = load_model(model, kv_dtype, page_size)
     try:

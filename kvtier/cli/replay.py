@@ -10,17 +10,20 @@ and verified in its memory; otherwise KV travels over gRPC (``--transport`` forc
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
-from kvtier.server.replay.driver import TIERS, InProcessBackend, ReplayResult, belady_bound, replay as run_replay
-from kvtier.server.replay.scale import ReplayScale
-from kvtier.server.replay.trace import read_trace
-from kvtier.server.daemon.config import parse_bytes
+from kvtier.sizes import parse_bytes
+
+if TYPE_CHECKING:  # the replay's modules (and torch) load when a replay runs, not for --help or a usage error
+    from kvtier.server.replay.driver import ReplayResult
+    from kvtier.server.replay.scale import ReplayScale
 
 DEFAULT_TRACE = "../shared/data/conversation_trace.jsonl"
 
@@ -77,6 +80,7 @@ def replay_through_daemon(requests: list[Any], scale: ReplayScale, *, server: st
     """Replay ``requests`` through ``server`` (or an embedded daemon with ``scale``'s budgets), attached
     to the replay pool when the daemon is local (``transport="auto"``) or as ``transport`` says."""
     from kvtier.cli.replay_backend import AttachedBackend, ClientBackend
+    from kvtier.server.replay.driver import replay as run_replay
     from kvtier.client import KVTierClient
     from kvtier.client.spawn import DaemonProcess
 
@@ -111,6 +115,8 @@ def replay_through_daemon(requests: list[Any], scale: ReplayScale, *, server: st
 
 def simulate(requests: list[Any], scale: ReplayScale, *, on_request: Any = None) -> ReplayResult:
     """The same policy as a pure cache simulation (size-only tiers, no bytes, no daemon)."""
+    from kvtier.server.replay.driver import InProcessBackend, replay as run_replay
+
     backend = InProcessBackend(scale, "-", simulate=True)
     return run_replay(requests, backend, scale, on_request=on_request)
 
@@ -123,9 +129,27 @@ def _fmt_bytes(n: float) -> str:
     return str(n)
 
 
-def _print_report(res: ReplayResult, belady: int | None) -> None:
+def process_wall_seconds() -> float:
+    """Seconds since this process started (the interpreter's start-up and imports included): the
+    kernel's uptime less the process's start time (``/proc``); without ``/proc``, since kvtier.cli was
+    imported."""
+    try:
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+        return max(uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK"), 0.0)  # field 22: starttime, in ticks
+    except (OSError, ValueError, IndexError):
+        from kvtier.cli import STARTED
+
+        return time.monotonic() - STARTED
+
+
+def _print_report(res: ReplayResult, belady: int | None, wall_seconds: float | None = None) -> None:
     from rich.console import Console
     from rich.table import Table
+
+    from kvtier.server.replay.driver import TIERS
 
     c = Console()
     s = res.scale
@@ -152,6 +176,8 @@ def _print_report(res: ReplayResult, belady: int | None) -> None:
     for move, m in sorted(res.moves.items()):
         t.add_row(f"moved {move}", f"{m['count']:,} records, {_fmt_bytes(m['bytes'])}")
     t.add_row("seconds", f"{res.seconds:.1f}")
+    if wall_seconds is not None:
+        t.add_row("wall seconds (with start-up)", f"{wall_seconds:.1f}")
     t.add_row("throughput", f"{res.requests / res.seconds:,.1f} requests/s, {res.tokens / res.seconds:,.0f} tokens/s"
               if res.seconds else "-")
     c.print(t)
@@ -186,7 +212,13 @@ def replay(trace_path: str, model: str, n_requests: int | None, server: str | No
     """Replay the Mooncake trace: prefix lookups, loads from every tier, verified bytes, hit rates.
 
     Example: kvtier replay --trace ../shared/data/conversation_trace.jsonl --requests 2000
+
+    "seconds" times the replay itself; "wall seconds" the whole command, from the interpreter's start
+    (imports and the embedded daemon's start and stop included).
     """
+    from kvtier.server.replay.scale import ReplayScale
+    from kvtier.server.replay.trace import read_trace
+
     scale = ReplayScale(model=model, num_layers=num_layers, tokens_per_block=tokens_per_block,
                         device_tokens=device_tokens, host_bytes=host_bytes, disk_bytes=disk_bytes,
                         write_back=not write_through)
@@ -214,12 +246,16 @@ def replay(trace_path: str, model: str, n_requests: int | None, server: str | No
             if type(e).__module__.startswith(("kvtier.client", "kvtier.server.tiers")) or isinstance(e, RuntimeError):
                 raise click.ClickException(f"{type(e).__name__}: {e}") from None
             raise
+    from kvtier.server.replay.driver import belady_bound
+
     bound = belady_bound(requests, scale) if belady else None
     res.belady_hit_tokens = bound
+    wall = process_wall_seconds()
     click.echo(f"trace: {Path(trace_path).resolve()} ({len(requests):,} requests)")
-    _print_report(res, bound)
+    _print_report(res, bound, wall)
     if json_path:
-        Path(json_path).write_text(json.dumps({**res.to_dict(), "trace": str(Path(trace_path).resolve())}, indent=1) + "\n")
+        Path(json_path).write_text(json.dumps({**res.to_dict(), "wall_seconds": wall, "trace": str(Path(trace_path).resolve())},
+                                              indent=1) + "\n")
     if res.verify_failures:
         raise SystemExit(1)
 

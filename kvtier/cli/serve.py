@@ -6,7 +6,11 @@ import sys
 
 import click
 
-from kvtier.server.daemon.config import LOG_LEVELS, DaemonConfig, PoolSpec, parse_bytes
+from kvtier.sizes import parse_bytes
+
+# kvtier.server.daemon.config.LOG_LEVELS (a test checks they agree): the daemon's modules are imported
+# only when it starts, so `kvtier serve --help` and usage errors load neither them nor torch.
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
 def _bytes(_ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
@@ -71,7 +75,7 @@ def _layers(_ctx: click.Context, _param: click.Parameter, value: str | None) -> 
 @click.option("--transfer-engine", type=click.Choice(["mooncake", "none"]), default=None,
               help="PD transfer engine [none]. mooncake opens engine ports that listen on every interface and serve "
                    "reads and writes of this process's memory without authentication: trusted hosts and networks "
-                   "only (README, Security).")
+                   "only (docs/operations/security.md, PD peers).")
 @click.option("--transfer-host", default=None, metavar="HOST", help="Address the transfer engine publishes to peers [127.0.0.1] (its ports listen on every interface).")
 @click.option("--metrics-port", type=click.IntRange(0, 65535), default=None, metavar="PORT",
               help="Serve Prometheus metrics on http://HOST:PORT/metrics (0: a free port; kvtier status shows it).")
@@ -89,6 +93,10 @@ def serve(config_file: str | None, pools: tuple[str, ...], pool_layers: dict[str
 
     Example: kvtier serve --pool glm-5.2:65536 --host-memory 8GiB
     """
+    if pool_layers and not pools:
+        raise click.UsageError("--pool-layers sets the layers of --pool pools: give --pool too (e.g. --pool glm-5.2:4096 "
+                               "--pool-layers 20:40)")
+    from kvtier.server.daemon.config import DaemonConfig, PoolSpec
     from kvtier.server.daemon.errors import KVTierError
     from kvtier.server.service.server import AddressError, serve as run
     from kvtier.server.transfer.errors import TransferEngineUnavailable
@@ -98,9 +106,6 @@ def serve(config_file: str | None, pools: tuple[str, ...], pool_layers: dict[str
         if flags.get("log_level"):
             flags["log_level"] = str(flags["log_level"]).upper()
         specs = None
-        if pool_layers and not pools:
-            raise ValueError("--pool-layers sets the layers of --pool pools: give --pool too (e.g. --pool glm-5.2:4096 "
-                             "--pool-layers 20:40)")
         if pools:
             specs = tuple(PoolSpec.parse(p) for p in pools)
             if pool_layers:

@@ -10,12 +10,14 @@ They are added to the ``serve`` command by :func:`add_tier_options` (one line in
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
-from kvtier.server.daemon.config import parse_bytes
-from kvtier.server.daemon.tier_settings import TierSettings, mooncake_config, parse_stack
+from kvtier.sizes import parse_bytes
+
+if TYPE_CHECKING:
+    from kvtier.server.daemon.tier_settings import TierSettings
 
 _META = "kvtier.tier_flags"
 
@@ -31,8 +33,18 @@ def _remember(name: str, convert: Any = None) -> Any:
     return callback
 
 
+def _parse_stack(value: Any) -> tuple[str, ...]:
+    from kvtier.server.daemon.tier_settings import parse_stack
+
+    return parse_stack(value)
+
+
 def _settings(ctx: click.Context, _param: click.Parameter, _value: Any) -> TierSettings | None:
     flags = ctx.meta.get(_META, {})
+    if not flags and not ctx.params.get("config_file"):
+        return None  # the daemon's defaults (and nothing imported before the command runs)
+    from kvtier.server.daemon.tier_settings import TierSettings, mooncake_config
+
     try:
         base = TierSettings()
         config_file = ctx.params.get("config_file")
@@ -69,7 +81,7 @@ def add_tier_options(command: click.Command) -> click.Command:
                      callback=_remember("write_through"),
                      help="Host tier writes records to disk on entry (write-through) or on eviction [write-back]."),
         click.Option(["--tiers", "tier_stack"], default=None, metavar="NAMES", expose_value=False,
-                     callback=_remember("stack", parse_stack),
+                     callback=_remember("stack", _parse_stack),
                      help="Tiers below the device, fastest first, from host, disk, mooncake "
                           "[host, and disk with --disk-path]. E.g. host,disk,mooncake."),
         click.Option(["--mooncake-master"], default=None, metavar="HOST:PORT", expose_value=False,

@@ -20,7 +20,6 @@ Example ``kvtier.toml``::
 from __future__ import annotations
 
 import dataclasses
-import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,9 +30,8 @@ from kvtier.server.daemon.quotas import Quotas
 from kvtier.server.daemon.tenants import DEFAULT_TENANT, TenantSettings, check_tenant_name
 from kvtier.server.daemon.tier_settings import TierSettings
 from kvtier.server.daemon.unit_settings import UnitSettings
+from kvtier.sizes import GiB, MiB, parse_bytes  # noqa: F401  (re-exported: parse_bytes lives where the CLI imports it torch-free)
 
-MiB = 1 << 20
-GiB = 1 << 30
 DEFAULT_MAX_MESSAGE_BYTES = 4 * MiB
 CHUNK_OVERHEAD_BYTES = 1024  # room a KV chunk message needs beside its data (field tags, lengths)
 MIN_CHUNK_BYTES = 4096  # smallest data piece of a KV stream (but the last piece of a segment)
@@ -42,24 +40,6 @@ LOG_FORMATS = ("text", "json")
 DEVICES = ("auto", "cpu", "cuda")
 TRANSFER_ENGINES = ("none", "mooncake")
 MAX_ATTACH_SESSIONS = 1024  # live attach and storage sessions of the whole daemon
-
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 10**6, "mb": 10**6, "mib": MiB,
-          "g": 10**9, "gb": 10**9, "gib": GiB, "t": 10**12, "tb": 10**12, "tib": 1 << 40}
-
-
-def parse_bytes(value: Any, what: str = "size") -> int:
-    """``4194304``, ``"4MiB"``, ``"1.5GB"`` -> bytes (int). Raises ValueError naming ``what``."""
-    if isinstance(value, bool):
-        raise ValueError(f"{what} must be a byte count, got {value!r}")
-    if isinstance(value, int):
-        if value < 0:
-            raise ValueError(f"{what} must be >= 0, got {value}")
-        return value
-    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", str(value))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"{what} must be a byte count like 4194304, '512MiB' or '8GiB', got {value!r}")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-
 
 @dataclass(frozen=True)
 class PoolSpec:

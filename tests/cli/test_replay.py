@@ -114,3 +114,19 @@ def test_a_request_larger_than_the_pool_is_a_clean_error():
                                   "--device-tokens", str(16 * 64), "--no-belady"])
     # request 6 has 46 blocks; its first (hash id 0) is already on the device: 45 fresh pages > 16
     assert r.exit_code == 1 and "needs 45 free pages" in r.output and "Traceback" not in r.output
+
+
+def test_cli_reports_the_wall_time_with_start_up_beside_its_own_timer(tmp_path):
+    """The command's wall time counts from the interpreter's start, so it holds the replay's own
+    seconds and the start-up before them (a fresh process: its imports are part of it)."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "r.json"
+    r = subprocess.run([sys.executable, "-m", "kvtier.cli", "replay", "--trace", str(TRACE), "--requests", "10",
+                        "--simulate", "--no-belady", "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    d = json.loads(out.read_text())
+    assert d["wall_seconds"] > d["seconds"] > 0
+    assert "wall seconds (with start-up)" in r.stdout
+

@@ -80,3 +80,26 @@ def test_check_exits_1_naming_the_comparisons_that_missed_their_targets(tmp_path
     assert CliRunner().invoke(main, ["bench", "--out", str(tmp_path / "p")]).exit_code == 0
     monkeypatch.setattr(bench, "all_cases", lambda: [case_with(0.95)])
     assert CliRunner().invoke(main, ["bench", "--check", "--out", str(tmp_path / "q")]).exit_code == 0
+
+
+def test_round_ratios_are_what_the_ratio_is_the_median_of():
+    """The plots draw these: kvtier / baseline of each round (inverted when lower is better); none for
+    computed figures or rounds that do not pair up."""
+    c = Comparison("x.y", "t", "GB/s", Figure.from_samples("k", [2.0, 4.0, 9.0]), Figure.from_samples("b", [1.0, 4.0, 3.0]))
+    assert c.round_ratios == [2.0, 1.0, 3.0]
+    s = Comparison("x.y", "t", "s", Figure.from_samples("k", [1.0, 2.0]), Figure.from_samples("b", [3.0, 3.0]),
+                   higher_is_better=False)
+    assert s.round_ratios == [3.0, 1.5]
+    assert Comparison("x.y", "t", "%", Figure("k", 5.0), Figure("b", 4.0)).round_ratios == []
+    assert Comparison("x.y", "t", "GB/s", Figure.from_samples("k", [1.0, 2.0]), Figure.from_samples("b", [1.0])).round_ratios == []
+
+
+def test_a_comparison_read_back_from_results_json_is_the_same(tmp_path):
+    from kvtier.bench.report import write_plot
+
+    c = Comparison("x.y", "t", "GB/s", Figure.from_samples("k", [2.0, 4.0, 9.0]), Figure.from_samples("b", [1.0, 4.0, 3.0]),
+                   target=0.9, note="n", higher_is_better=False)
+    back = Comparison.from_dict(c.to_dict())
+    assert back == c and back.ratio == c.ratio
+    write_plot(back, tmp_path / "p.png")
+    assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
