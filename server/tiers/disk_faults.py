@@ -20,6 +20,7 @@ from pathlib import Path
 
 import lmdb
 
+from kvtier.server.tiers.disk_private import check_private, private_dir
 from kvtier.server.tiers.errors import DiskPathError
 
 FAULT_FILE_ENV = "KVTIER_DISK_FAULT_FILE"
@@ -67,8 +68,12 @@ def check_disk_path(path: str | Path) -> Path:
     Returns:
         The directory as an absolute :class:`~pathlib.Path`.
 
+    The directory (and any parent it creates) is made mode 0700; an existing one, or an LMDB file in
+    it, that another user could read is refused (:mod:`~kvtier.server.tiers.disk_private`).
+
     Raises:
-        DiskPathError: ``path`` is a file, cannot be created, lies on a pseudo filesystem (no storage,
+        DiskPathError: ``path`` is a file, cannot be created, has a group/other mode bit or another
+            owner (or its LMDB files do), lies on a pseudo filesystem (no storage,
             e.g. ``/proc``) or a read-only one, or this user cannot write it. The message names the
             path and what to do.
     """
@@ -76,7 +81,7 @@ def check_disk_path(path: str | Path) -> Path:
     if p.exists() and not p.is_dir():
         raise DiskPathError(f"--disk-path {p} is not a directory; {_WHAT_TO_DO}")
     try:
-        p.mkdir(parents=True, exist_ok=True)
+        private_dir(p)  # missing directories are made 0700 (the daemon's alone)
     except OSError as e:
         raise DiskPathError(f"--disk-path {p} cannot be created ({e.strerror or e}); {_WHAT_TO_DO}") from None
     st = os.statvfs(p)
@@ -87,6 +92,7 @@ def check_disk_path(path: str | Path) -> Path:
                             f"{_WHAT_TO_DO}")
     if not os.access(p, os.W_OK | os.X_OK):
         raise DiskPathError(f"--disk-path {p} is not writable by this user; {_WHAT_TO_DO}")
+    check_private(p)  # after the filesystem checks: /proc is "pseudo", not "mode 0555"
     return p
 
 
