@@ -41,6 +41,7 @@ from kvtier.server.daemon.config import DaemonConfig
 from kvtier.server.daemon.core import Daemon
 from kvtier.server.observe.logs import configure_logging
 from kvtier.server.hostmem.malloc import keep_freed_memory
+from kvtier.server.tiers.disk_faults import fault_hooks_in_env
 from kvtier.attach_wire import attach_socket_path
 from kvtier.server.service.attach_channel import AttachChannel
 from kvtier.server.service.auth import AuthInterceptor
@@ -304,6 +305,8 @@ def serve(config: DaemonConfig) -> int:
     after all that, it logs it and exits at once (0 if the shutdown hooks finished, else 1).
     """
     configure_logging(config.log_level, config.log_format)
+    for name in fault_hooks_in_env():  # tests only: never on by accident without a line saying so
+        log.warning("%s is set: a test-only fault hook of the disk tier is on; unset it outside tests", name)
     check_listen_address(config)  # before any pool or tier is allocated: a bad address is one line
     if config.transfer_engine == "mooncake":
         check_engine_available()  # likewise a missing library

@@ -96,6 +96,9 @@ class DiskTierConfig(TierConfig):
         probe_backoff_max_s: the longest wait between probes (the wait doubles from the initial one).
         fault_file: tests only: while this file exists every write transaction fails as on a full disk
             (``KVTIER_DISK_FAULT_FILE``, see :mod:`~kvtier.server.tiers.disk_faults`).
+        slow_file: tests only: while this file exists every put transaction waits before it commits
+            (``KVTIER_TEST_DISK_SLOW_FILE``: a slow disk, see
+            :func:`~kvtier.server.tiers.disk_faults.hold_before_commit`).
         write_behind: apply each write's LMDB transactions on a writer thread
             (:mod:`~kvtier.server.tiers.disk_writer`): the write returns once its decisions are made;
             records wait in memory (and are read from there) until their transaction commits. A
@@ -120,6 +123,7 @@ class DiskTierConfig(TierConfig):
     probe_backoff_initial_s: float = 1.0
     probe_backoff_max_s: float = 30.0
     fault_file: str = ""
+    slow_file: str = ""
     read_buffer_bytes: int = 64 << 20
     write_behind: bool = False
     write_behind_bytes: int = 64 << 20
