@@ -61,11 +61,12 @@ def check_private(directory: str | Path) -> None:
     """Refuse a disk directory (or an LMDB file in it) that another user could read or swap.
 
     Raises:
-        DiskPathError: ``directory`` or its ``data.mdb``/``lock.mdb`` has a group or other mode bit, is
-            owned by another uid, or is not a plain directory/file (a symlink); the message names the
-            path, its mode and the ``chmod`` to run.
+        DiskPathError: ``directory`` (the one a symlink names) or its ``data.mdb``/``lock.mdb`` has a
+            group or other mode bit, is owned by another uid, or is not a plain directory/file (an
+            LMDB file that is a symlink: its bytes could live anywhere); the message names the path,
+            its mode and the ``chmod`` to run.
     """
-    d = Path(directory)
+    d = Path(os.path.realpath(directory))  # a symlinked --disk-path is judged by the directory it names
     _check(d, "directory", DIR_MODE)
     for name in LMDB_FILES:
         f = d / name

@@ -152,3 +152,24 @@ def test_a_shared_directory_is_refused_and_left_as_it_was(open_parent):
     with pytest.raises(DiskPathError, match=f"directory {shared} is mode 1777: other users could read"):
         check_disk_path(shared)
     assert stat.S_IMODE(os.stat(shared).st_mode) == 0o1777
+
+
+def test_a_symlinked_disk_path_is_judged_by_its_directory_and_a_symlinked_lmdb_file_is_refused(open_parent):
+    """``--disk-path`` may be a symlink (``/data -> /mnt/nvme/kvtier``): the directory it names is
+    checked. An LMDB file that is a symlink is refused: the bytes would live wherever it points."""
+    real = open_parent / "real"
+    real.mkdir(mode=0o700)
+    os.chmod(real, 0o700)
+    link = open_parent / "link"
+    link.symlink_to(real)
+    assert check_disk_path(link) == link
+    os.chmod(real, 0o750)
+    with pytest.raises(DiskPathError, match=f"directory {real} is mode 0750"):
+        check_disk_path(link)
+    os.chmod(real, 0o700)
+    elsewhere = open_parent / "data.mdb"
+    elsewhere.write_bytes(b"")
+    os.chmod(elsewhere, 0o600)
+    (real / "data.mdb").symlink_to(elsewhere)
+    with pytest.raises(DiskPathError, match=f"file {real / 'data.mdb'} is not a plain file"):
+        check_disk_path(link)
