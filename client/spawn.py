@@ -26,6 +26,13 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 
+def _private(path: str, flags: int) -> int:
+    """``open``'s opener for a file of this user alone: created 0600, an existing one made 0600."""
+    fd = os.open(path, flags, 0o600)
+    os.fchmod(fd, 0o600)
+    return fd
+
+
 class DaemonProcess:
     """A daemon subprocess: started by :meth:`start` (or ``with``), stopped by :meth:`stop`.
 
@@ -74,7 +81,7 @@ class DaemonProcess:
         """
         ready = self._dir / "ready"
         cmd = [sys.executable, "-m", "kvtier.cli", "serve", "--listen", self.listen, "--ready-file", str(ready), *self.extra_args]
-        with open(self.log_path, "wb") as log:
+        with open(self.log_path, "wb", opener=_private) as log:  # the daemon's log is its user's alone (0600)
             self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.env})
         deadline = time.monotonic() + self.startup_timeout
         while not ready.exists():

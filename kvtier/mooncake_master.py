@@ -57,6 +57,13 @@ def _answers(port: int) -> bool:
         return False
 
 
+def _private(path: str, flags: int) -> int:
+    """``open``'s opener for a log of this user alone: created 0600, an existing one made 0600."""
+    fd = os.open(path, flags, 0o600)
+    os.fchmod(fd, 0o600)
+    return fd
+
+
 class MooncakeMaster:
     """A ``mooncake_master`` subprocess with ``--enable_http_metadata_server`` on 127.0.0.1.
 
@@ -109,7 +116,7 @@ class MooncakeMaster:
             return self
         deadline = time.monotonic() + timeout_s
         while True:
-            with open(self.log_path, "ab") as log:
+            with open(self.log_path, "ab", opener=_private) as log:  # 0600: its user's alone
                 self.process = subprocess.Popen(self.args(), stdout=log, stderr=subprocess.STDOUT,
                                                 stdin=subprocess.DEVNULL, start_new_session=True)
             while time.monotonic() < deadline and self.process.poll() is None:

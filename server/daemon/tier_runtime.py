@@ -41,7 +41,7 @@ from kvtier.server.tiers import (
     DiskTierConfig, HostTier, HostTierConfig, LeaseError, PrefixCache, PrefixLoad, PrefixLookup, RecordCodec,
     TierFullError, TierStack, TierUnavailableError,
 )
-from kvtier.server.tiers.disk_faults import fault_file_from_env
+from kvtier.server.tiers.disk_faults import fault_file_from_env, slow_file_from_env
 from kvtier.server.tiers.monitor import TierMonitor
 
 if TYPE_CHECKING:
@@ -126,7 +126,7 @@ def build_stack(host_bytes: int, settings: TierSettings, device: str = "cpu") ->
                                        reserve_fraction=settings.disk_reserve_fraction,
                                        probe_backoff_max_s=settings.disk_probe_backoff_max_seconds,
                                        probe_backoff_initial_s=min(1.0, settings.disk_probe_backoff_max_seconds),
-                                       fault_file=fault_file_from_env()),
+                                       fault_file=fault_file_from_env(), slow_file=slow_file_from_env()),
         "mooncake": lambda: settings.mooncake,
     }
     return TierStack.from_configs([configs[name]() for name in settings.tier_names])

@@ -41,6 +41,7 @@ from kvtier.server.daemon.config import DaemonConfig
 from kvtier.server.daemon.core import Daemon
 from kvtier.server.observe.logs import configure_logging
 from kvtier.server.hostmem.malloc import keep_freed_memory
+from kvtier.server.tiers.disk_faults import fault_hooks_in_env
 from kvtier.attach_wire import attach_socket_path
 from kvtier.server.service.attach_channel import AttachChannel
 from kvtier.server.service.auth import AuthInterceptor
@@ -275,6 +276,25 @@ def _exit_now(code: int) -> None:
     os._exit(code)
 
 
+def write_private_file(path: str | Path, text: str) -> None:
+    """Write ``text`` to ``path`` atomically (a ``.tmp`` beside it, then a rename), mode 0600 whatever the
+    umask: every file the daemon creates is its user's alone (README, Security).
+
+    Raises:
+        OSError: the file cannot be written.
+    """
+    tmp = Path(str(path) + ".tmp")
+    with contextlib.suppress(FileNotFoundError):
+        tmp.unlink()  # a stale one (another mode, another owner) is replaced, never written through
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
+    tmp.replace(path)
+
+
 def serve(config: DaemonConfig) -> int:
     """Run the daemon until SIGTERM/SIGINT; returns the exit code (0 after a clean stop).
 
@@ -285,6 +305,8 @@ def serve(config: DaemonConfig) -> int:
     after all that, it logs it and exits at once (0 if the shutdown hooks finished, else 1).
     """
     configure_logging(config.log_level, config.log_format)
+    for name in fault_hooks_in_env():  # tests only: never on by accident without a line saying so
+        log.warning("%s is set: a test-only fault hook of the disk tier is on; unset it outside tests", name)
     check_listen_address(config)  # before any pool or tier is allocated: a bad address is one line
     if config.transfer_engine == "mooncake":
         check_engine_available()  # likewise a missing library
@@ -328,9 +350,7 @@ def serve(config: DaemonConfig) -> int:
         if not is_loopback(f"{config.metrics_host}:0"):
             log.warning("metrics are served beyond loopback (%s): they name pools and tiers", state.metrics_address)
     if config.ready_file:
-        tmp = Path(config.ready_file + ".tmp")
-        tmp.write_text(address)
-        tmp.replace(config.ready_file)
+        write_private_file(config.ready_file, address)
     mode = f"{len(state.tokens.tenants)} tenants" if state.tokens else "one tenant"
     log.info("kvtier %s serving on %s (device %s, %d pools, %s)", state.version, address, state.device,
              len(state.pools.list()), mode)

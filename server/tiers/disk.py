@@ -59,7 +59,7 @@ from kvtier.server.hostmem import HostArena
 from kvtier.server.hostmem.malloc import keep_freed_memory
 from kvtier.server.tiers.base import EvictHook, RecordLike, Tier
 from kvtier.server.tiers.disk_faults import (
-    check_disk_path, check_injected_fault, describe_fault, free_bytes, is_io_fault, open_failure,
+    check_disk_path, check_injected_fault, describe_fault, free_bytes, hold_before_commit, is_io_fault, open_failure,
 )
 from kvtier.server.tiers.disk_env import (  # noqa: F401 - DiskTierConfig, disk_charge, open_environment: re-exported
     LMDB_PAGE_BYTES, MAX_KEY_BYTES, DiskTierConfig, close_environment, disk_charge, open_environment,
@@ -368,6 +368,7 @@ class DiskTier(Tier):
         transaction is visible."""
         env = self._env_obj
         records, seqdb, orderdb = self._dbs
+        slow_file = self.config.slow_file
         if job.deletes:
             with self._write_txn(env) as txn:
                 delete = txn.delete
@@ -389,6 +390,8 @@ class DiskTier(Tier):
                             txn.delete(_SEQ.pack(old), db=orderdb)
                         put(_SEQ.pack(s), key, db=orderdb)
                         put(key, _SEQ.pack(s), db=seqdb)
+                    if slow_file:
+                        hold_before_commit(slow_file)  # tests only: a slow disk (a long write-behind queue)
                 return
             except lmdb.MapFullError:
                 # Pages freed by the eviction commit above are reusable only once every read

@@ -19,6 +19,7 @@ from typing import ClassVar
 import lmdb
 
 from kvtier.server.tiers.base import TierConfig
+from kvtier.server.tiers.disk_private import LMDB_FILE_MODE, check_private, private_dir
 from kvtier.server.tiers.errors import EnvironmentInUseError
 
 LMDB_PAGE_BYTES = resource.getpagesize()
@@ -32,9 +33,12 @@ _envs_lock = threading.Lock()
 
 
 def open_environment(path: str | Path, **kwargs: object) -> lmdb.Environment:
-    """Open the process's only LMDB environment for ``path`` (a directory, created if missing).
+    """Open the process's only LMDB environment for ``path`` (a directory, created 0700 if missing; its
+    files are created 0600; one another user could read is refused: :mod:`~kvtier.server.tiers.disk_private`).
 
     Raises:
+        DiskPathError: ``path`` or an LMDB file in it has a group/other mode bit or another owner, or
+            is not a plain directory/file.
         EnvironmentInUseError: this process already has an environment open for ``path``.
     """
     real = os.path.realpath(path)
@@ -45,8 +49,9 @@ def open_environment(path: str | Path, **kwargs: object) -> lmdb.Environment:
         if held is not None:
             raise EnvironmentInUseError(f"the LMDB environment for {real} was opened by process {held[0]} before "
                                         f"fork(); environments must not cross fork(): open tiers after forking")
-        os.makedirs(real, exist_ok=True)
-        env = lmdb.open(real, **kwargs)
+        private_dir(real)
+        check_private(real)
+        env = lmdb.open(real, mode=LMDB_FILE_MODE, **kwargs)  # 0600 minus the umask, never looser
         _envs[real] = (os.getpid(), env)
         return env
 
@@ -91,6 +96,9 @@ class DiskTierConfig(TierConfig):
         probe_backoff_max_s: the longest wait between probes (the wait doubles from the initial one).
         fault_file: tests only: while this file exists every write transaction fails as on a full disk
             (``KVTIER_DISK_FAULT_FILE``, see :mod:`~kvtier.server.tiers.disk_faults`).
+        slow_file: tests only: while this file exists every put transaction waits before it commits
+            (``KVTIER_TEST_DISK_SLOW_FILE``: a slow disk, see
+            :func:`~kvtier.server.tiers.disk_faults.hold_before_commit`).
         write_behind: apply each write's LMDB transactions on a writer thread
             (:mod:`~kvtier.server.tiers.disk_writer`): the write returns once its decisions are made;
             records wait in memory (and are read from there) until their transaction commits. A
@@ -115,6 +123,7 @@ class DiskTierConfig(TierConfig):
     probe_backoff_initial_s: float = 1.0
     probe_backoff_max_s: float = 30.0
     fault_file: str = ""
+    slow_file: str = ""
     read_buffer_bytes: int = 64 << 20
     write_behind: bool = False
     write_behind_bytes: int = 64 << 20

@@ -10,19 +10,30 @@
 * Tests inject an I/O fault where no small filesystem can be mounted: while the file named by
   ``KVTIER_DISK_FAULT_FILE`` exists, every write transaction of the disk tier fails as LMDB fails on
   a full disk (:func:`check_injected_fault`); removing the file is "space came back".
+* Tests make the disk slow to hold a long write-behind queue (a kill -9 then finds many records
+  queued): while the file named by ``KVTIER_TEST_DISK_SLOW_FILE`` exists, every put transaction of
+  the disk tier waits before it commits (:func:`hold_before_commit`): the seconds the file holds, or,
+  if it holds no positive number, until the file is removed or holds one.
+
+Both variables are for tests only: nothing in kvtier sets them, ``kvtier serve`` logs a WARNING at
+start when either is set, and with neither set the data path pays one empty-string test.
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import time
 from pathlib import Path
 
 import lmdb
 
+from kvtier.server.tiers.disk_private import check_private, private_dir
 from kvtier.server.tiers.errors import DiskPathError
 
 FAULT_FILE_ENV = "KVTIER_DISK_FAULT_FILE"
+SLOW_FILE_ENV = "KVTIER_TEST_DISK_SLOW_FILE"
+_HOLD_POLL_S = 0.01
 _WHAT_TO_DO = "pass --disk-path DIR on a local, writable filesystem (or leave it out for a host tier only)"
 
 
@@ -39,6 +50,41 @@ def check_injected_fault(fault_file: str) -> None:
     """Raise :class:`InjectedDiskFault` while ``fault_file`` (non-empty) exists."""
     if fault_file and os.path.exists(fault_file):
         raise InjectedDiskFault(f"mdb_txn_commit: Input/output error (injected: {fault_file} exists)")
+
+
+def slow_file_from_env() -> str:
+    """The path in ``KVTIER_TEST_DISK_SLOW_FILE`` ("" when unset)."""
+    return os.environ.get(SLOW_FILE_ENV, "").strip()
+
+
+def fault_hooks_in_env() -> list[str]:
+    """The test-only fault variables set in this process's environment (the daemon warns of each)."""
+    return [name for name in (FAULT_FILE_ENV, SLOW_FILE_ENV) if os.environ.get(name, "").strip()]
+
+
+def hold_before_commit(slow_file: str) -> float:
+    """Tests only: while ``slow_file`` (non-empty) exists, wait before a put transaction commits -- for
+    the seconds it holds (a float), or, when it holds none, until it is removed or holds one.
+
+    Returns:
+        Seconds waited (0.0 when the file is absent or ``slow_file`` is empty).
+    """
+    if not slow_file:
+        return 0.0
+    began = time.monotonic()
+    while True:
+        try:
+            text = Path(slow_file).read_text().strip()
+        except OSError:  # absent (removed): commit now
+            return time.monotonic() - began
+        try:
+            delay = float(text)
+        except ValueError:
+            delay = 0.0
+        if delay > 0:
+            time.sleep(delay)
+            return time.monotonic() - began
+        time.sleep(_HOLD_POLL_S)
 
 
 def is_io_fault(exc: BaseException) -> bool:
@@ -67,8 +113,12 @@ def check_disk_path(path: str | Path) -> Path:
     Returns:
         The directory as an absolute :class:`~pathlib.Path`.
 
+    The directory (and any parent it creates) is made mode 0700; an existing one, or an LMDB file in
+    it, that another user could read is refused (:mod:`~kvtier.server.tiers.disk_private`).
+
     Raises:
-        DiskPathError: ``path`` is a file, cannot be created, lies on a pseudo filesystem (no storage,
+        DiskPathError: ``path`` is a file, cannot be created, has a group/other mode bit or another
+            owner (or its LMDB files do), lies on a pseudo filesystem (no storage,
             e.g. ``/proc``) or a read-only one, or this user cannot write it. The message names the
             path and what to do.
     """
@@ -76,7 +126,7 @@ def check_disk_path(path: str | Path) -> Path:
     if p.exists() and not p.is_dir():
         raise DiskPathError(f"--disk-path {p} is not a directory; {_WHAT_TO_DO}")
     try:
-        p.mkdir(parents=True, exist_ok=True)
+        private_dir(p)  # missing directories are made 0700 (the daemon's alone)
     except OSError as e:
         raise DiskPathError(f"--disk-path {p} cannot be created ({e.strerror or e}); {_WHAT_TO_DO}") from None
     st = os.statvfs(p)
@@ -87,6 +137,7 @@ def check_disk_path(path: str | Path) -> Path:
                             f"{_WHAT_TO_DO}")
     if not os.access(p, os.W_OK | os.X_OK):
         raise DiskPathError(f"--disk-path {p} is not writable by this user; {_WHAT_TO_DO}")
+    check_private(p)  # after the filesystem checks: /proc is "pseudo", not "mode 0555"
     return p
 
 

@@ -217,3 +217,24 @@ def test_unusable_disk_paths_are_refused_with_what_to_do(tmp_path):
     assert check_disk_path(tmp_path / "new" / "dir") == tmp_path / "new" / "dir"
     with pytest.raises(DiskPathError, match="not a directory"):
         DiskTier(DiskTierConfig(path=str(tmp_path / "afile"), capacity_bytes=16 * MiB)).open()
+
+
+def test_the_slow_disk_hook_waits_only_while_its_file_exists(tmp_path):
+    """KVTIER_TEST_DISK_SLOW_FILE's hook: unset or absent, no wait; a number, that many seconds; empty,
+    until the file holds a number or is gone (written from another thread here)."""
+    import threading
+
+    from kvtier.server.tiers.disk_faults import hold_before_commit
+
+    slow = tmp_path / "slow"
+    assert hold_before_commit("") == 0.0
+    hold_before_commit(str(slow))  # absent: returns (at once; no timing asserted)
+    slow.write_text("0.02")
+    assert hold_before_commit(str(slow)) >= 0.02
+    slow.write_text("")
+    for release in (lambda: slow.write_text("0.001"), slow.unlink):
+        t = threading.Thread(target=release)
+        t.start()
+        assert hold_before_commit(str(slow)) >= 0.0  # returned: released by the other thread
+        t.join()
+        slow.write_text("")
