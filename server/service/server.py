@@ -265,6 +265,7 @@ def create_server(
     except BaseException:
         streams.close()
         raise
+    state.transfer.own_addresses.add(address)  # a PullKV naming this address copies in process
     return DaemonServer(server, address, state, calls, streams)
 
 

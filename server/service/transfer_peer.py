@@ -143,7 +143,8 @@ class GrpcPeerLink:
         self.address = address
         self.metadata = tuple(metadata)
 
-    def layout(self, pool_id: str, check_pages: list[int], spec: PullSpec, known_digest: str = "") -> tuple[str, PoolLayout | None]:
+    def layout(self, pool_id: str, check_pages: list[int], spec: PullSpec,
+               known_digest: str = "") -> tuple[str, PoolLayout | None, str]:
         request = transfer_pb2.TransferLayoutRequest(pool_id=pool_id, check_pages=check_pages, known_digest=known_digest)
         try:
             msg = self.stub.GetTransferLayout(request, timeout=spec.remaining(PEER_LAYOUT_TIMEOUT_S), metadata=self.metadata)
@@ -156,7 +157,7 @@ class GrpcPeerLink:
             if code == grpc.StatusCode.UNAVAILABLE and _changed_nothing(e):
                 raise Busy(f"peer {self.address}: {details}") from None  # e.g. source pages a write is landing on
             raise TransferError(f"peer {self.address} GetTransferLayout failed: {code.name}: {details}") from None
-        return msg.layout_digest, (None if msg.unchanged else peer_layout(msg))
+        return msg.layout_digest, (None if msg.unchanged else peer_layout(msg)), msg.daemon_id
 
     def page_transport(self, entry: PoolEntry, chunk_bytes: int, fail_batch: int | None, spec: PullSpec) -> PageTransport:
         return GrpcPageTransport(self.stub, self.address, entry, chunk_bytes, fail_batch, spec, self.metadata)
