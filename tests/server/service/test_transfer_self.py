@@ -103,3 +103,43 @@ def test_a_same_daemon_pull_onto_the_source_pool_is_refused_before_anything_move
         with pytest.raises(InvalidArgumentError, match="would pull from itself"):
             c.pull_kv("default", d.address, "default", src_slots=src, dst_slots=dst, transport="grpc")
         assert c.free_slots("default", torch.cat([src, dst])) == 2
+
+
+def test_crossed_same_daemon_pulls_both_land(d):
+    """Pool A's pages into B and B's into A at once, on one daemon: each used to hold its destination
+    exclusive while waiting for a ReadPages of the other's source, until both deadlines (README,
+    "Concurrency"). Copied in process, neither holds two pool locks: both land byte for byte."""
+    import threading
+
+    with KVTierClient(d.address, timeout=60) as c:
+        c.create_pool("glm-5.2", num_layers=8, size_tokens=1024, pool_id="a")
+        c.create_pool("glm-5.2", num_layers=8, size_tokens=1024, pool_id="b")
+        src = {p: c.allocate_slots(p, 2 * PS) for p in ("a", "b")}
+        dst = {p: c.allocate_slots(p, 2 * PS) for p in ("a", "b")}
+        rows = {}
+        for i, p in enumerate(("a", "b")):
+            g = torch.Generator().manual_seed(40 + i)
+            rows[p] = {x: torch.randint(0, 256, (2 * PS, 656), dtype=torch.uint8, generator=g) for x in range(8)}
+            c.write_kv(p, src[p], latent=rows[p])
+    errors: list[BaseException] = []
+
+    def pull(into: str, source: str) -> None:
+        try:
+            with KVTierClient(d.address, timeout=30) as cc:
+                for _ in range(10):
+                    cc.pull_kv(into, d.address, source, src_slots=src[source], dst_slots=dst[into], transport="grpc")
+        except BaseException as e:  # noqa: BLE001 - the test reports it
+            errors.append(e)
+
+    threads = [threading.Thread(target=pull, args=("a", "b")), threading.Thread(target=pull, args=("b", "a"))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    with KVTierClient(d.address, timeout=60) as c:
+        for into, source in (("a", "b"), ("b", "a")):
+            kv = c.read_kv(into, dst[into], index_layers=[])
+            assert all(torch.equal(kv.latent[x], rows[source][x]) for x in range(8)), f"{source} into {into}"
+        for p in ("a", "b"):
+            c.delete_pool(p, force=True)
