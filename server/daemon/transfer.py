@@ -336,6 +336,7 @@ class TransferState:
                 elif spec.transport == "mooncake" and self.engine:
                     transport = MooncakeTransport(self.engine)
                 else:
+                    assert peer is not None  # not this daemon: a link to the peer is open
                     transport = peer.page_transport(entry, self.chunk_bytes, self.fail_batch, spec)
                 start = time.perf_counter()
                 try:
