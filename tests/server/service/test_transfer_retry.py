@@ -77,3 +77,111 @@ def test_a_pull_refused_for_a_full_stream_limit_retries_and_lands(pair):
             assert torch.equal(kv.latent[x], latent[x]), f"latent layer {x}"
         d.free_slots("default", dst)
         p.free_slots("default", torch.cat([blocker_slots, src]))
+
+
+class _ClaimingProxy:
+    """A PD peer in front of a real daemon (a gRPC proxy): its layout answer leaves out the daemon
+    id (so a pull from the daemon through it streams), and its first ReadPages waits for ``go``
+    before it forwards; a refusal is passed on with its trailing metadata, and sets ``refused``."""
+
+    SERVICE = "kvtier.v1.TransferService"
+
+    def __init__(self, target: str) -> None:
+        from concurrent import futures
+
+        self.channel = grpc.insecure_channel(target)
+        self.laid_out, self.go, self.refused = threading.Event(), threading.Event(), threading.Event()
+        layout = self.channel.unary_unary(f"/{self.SERVICE}/GetTransferLayout")
+        pages = self.channel.unary_stream(f"/{self.SERVICE}/ReadPages")
+
+        def get_layout(request, context):
+            msg = transfer_pb2.TransferLayout.FromString(layout(request, timeout=30))
+            msg.daemon_id = ""
+            self.laid_out.set()
+            return msg.SerializeToString()
+
+        def read_pages(request, context):
+            self.go.wait(60)
+            try:
+                yield from pages(request, timeout=30)
+            except grpc.RpcError as e:
+                self.refused.set()
+                context.set_trailing_metadata(e.trailing_metadata() or ())
+                context.abort(e.code(), e.details())
+
+        handlers = {"GetTransferLayout": grpc.unary_unary_rpc_method_handler(get_layout),
+                    "ReadPages": grpc.unary_stream_rpc_method_handler(read_pages)}
+        self.server = grpc.server(futures.ThreadPoolExecutor(4))
+        self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(self.SERVICE, handlers),))
+        self.address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
+        self.server.start()
+
+    def close(self) -> None:
+        self.go.set()
+        self.server.stop(0)
+        self.channel.close()
+
+
+def test_a_pull_whose_source_pages_a_write_claims_mid_pull_retries_and_lands(pair):
+    """The sibling refusal: a WriteKV into the source slots claims them after the pull's layout check
+    and before its ReadPages, which is refused UNAVAILABLE "changed nothing". The pull sends it
+    again; once the write is cancelled (its claim ends, the old rows stay), it lands the old rows.
+    Before: ABORTED with the destination pages freed."""
+    from kvtier.client import UnavailableError
+    from kvtier.v1 import pool_pb2, pool_pb2_grpc
+
+    _, dec = pair  # the decode daemon is its own peer here, through the proxy
+    proxy = _ClaimingProxy(dec.address)
+    with KVTierClient(dec.address, timeout=60) as d:
+        d.create_pool("glm-5.2", num_layers=8, size_tokens=1024, pool_id="claimed-src")
+        src = d.allocate_slots("claimed-src", PS)
+        g = torch.Generator().manual_seed(9)
+        latent = {x: torch.randint(0, 256, (PS, 656), dtype=torch.uint8, generator=g) for x in range(8)}
+        d.write_kv("claimed-src", src, latent=latent)
+        dst = d.allocate_slots("default", PS)
+        outcome: dict[str, object] = {}
+
+        def pull() -> None:
+            try:
+                outcome["result"] = d.pull_kv("default", proxy.address, "claimed-src", src_slots=src, dst_slots=dst,
+                                              transport="grpc", timeout=120)
+            except Exception as e:  # noqa: BLE001 - the test reports it
+                outcome["error"] = e
+
+        stop_write = threading.Event()
+
+        def messages():
+            yield pool_pb2.WriteKVRequest(header=pool_pb2.KVHeader(pool_id="claimed-src", slots=src.tolist(),
+                                                                   latent_layers=[0]))
+            stop_write.wait(120)  # a writer that stalls after its header: its claim holds the pages
+
+        t = threading.Thread(target=pull, daemon=True)
+        ch = grpc.insecure_channel(dec.address)
+        write = None
+        try:
+            t.start()
+            assert proxy.laid_out.wait(60)  # the pull checked the source pages and holds its destination
+            write = pool_pb2_grpc.PoolServiceStub(ch).WriteKV.future(messages(), timeout=120)
+            with KVTierClient(dec.address, timeout=30, retries=0) as quick:
+                while True:  # until the claim is in place
+                    try:
+                        quick.read_kv("claimed-src", src[:1], index_layers=[])
+                    except UnavailableError as e:
+                        assert "being written by a WriteKV" in str(e)
+                        break
+                    time.sleep(0.02)
+            proxy.go.set()
+            assert proxy.refused.wait(60)
+        finally:
+            if write is not None:
+                write.cancel()
+            stop_write.set()
+            t.join(120)
+            ch.close()
+            proxy.close()
+        assert "error" not in outcome, f"the pull failed: {outcome.get('error')}"
+        kv = d.read_kv("default", dst, index_layers=[])
+        for x in range(8):
+            assert torch.equal(kv.latent[x], latent[x]), f"latent layer {x}"
+        d.free_slots("default", dst)
+        d.delete_pool("claimed-src", force=True)
