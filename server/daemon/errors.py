@@ -10,7 +10,13 @@ from __future__ import annotations
 
 
 class KVTierError(Exception):
-    """Base of every domain error; the message says what was wrong (it reaches the client)."""
+    """Base of every domain error; the message says what was wrong (it reaches the client).
+
+    ``unchanged``: True on the errors raised before the call changed anything and only because of
+    a passing state (:class:`Busy`, :class:`StreamsFull`); their answer carries
+    :data:`RETRY_UNCHANGED`, so a caller may send even a write again."""
+
+    unchanged: bool = False
 
 
 class InvalidArgument(KVTierError):
@@ -29,6 +35,14 @@ class ResourceExhausted(KVTierError):
     """Not enough free pages, tier room, memory, quota or stream slots for the request (RESOURCE_EXHAUSTED)."""
 
 
+class StreamsFull(ResourceExhausted):
+    """Every KV stream slot (``--max-streams``) is taken: refused before anything of the call ran; a
+    slot comes back when a stream ends (RESOURCE_EXHAUSTED, with :data:`RETRY_UNCHANGED` in the
+    trailing metadata). A PullKV whose peer answers this to a ReadPages retries it within its deadline."""
+
+    unchanged = True
+
+
 class Unavailable(KVTierError):
     """A tier the request needs is unhealthy (its storage failed: ENOSPC, EIO); retry once its health
     service (``kvtier.tier.<name>``) is SERVING again (UNAVAILABLE)."""
@@ -39,9 +53,11 @@ class Busy(Unavailable):
     while (pages a WriteKV still arriving is writing in place); retrying is safe for any call, write
     or not (UNAVAILABLE, with :data:`RETRY_UNCHANGED` in the trailing metadata)."""
 
+    unchanged = True
+
 
 RETRY_UNCHANGED = ("kvtier-retry", "unchanged")
-"""Trailing metadata of a :class:`Busy` answer: the daemon changed nothing, so a client may retry
+"""Trailing metadata of an answer whose error is ``unchanged`` (:class:`Busy`, :class:`StreamsFull`): the daemon changed nothing, so a client may retry
 even a call that is not idempotent."""
 
 

@@ -17,6 +17,12 @@ the destination checks until the bytes have moved (or the pages were freed after
 nothing else reads or writes that pool meanwhile. The engine's one-sided reads of a source pool
 take no lock there: the caller must keep the source pages allocated and unchanged until PullKV returns.
 
+A pull whose peer is this daemon (its bound address, :attr:`TransferState.own_addresses`, or any
+address whose layout answer carries this daemon's :attr:`TransferState.daemon_id`) copies in process
+(``server/transfer/local.py``): the source pages are copied out under the source pool's shared lock
+alone, then written under the destination pool's exclusive lock alone, so it never waits for a
+ReadPages thread of its own and never holds two pool locks; its result's transport is ``local``.
+
 Failure contract of PullKV: validation (mapping, destination pages allocated, layouts) happens
 before any byte moves and leaves everything as it was. A failure while moving bytes frees the
 destination pages -- they are never presented as valid -- and raises :class:`TransferError`.
@@ -25,12 +31,13 @@ destination pages -- they are never presented as valid -- and raises :class:`Tra
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
@@ -47,6 +54,7 @@ from kvtier.server.transfer import (
     TransferEngineConfig, TransferError, TransferStats, check_page_mapping, fail_batch_from_env,
     pages_from_slots, plan_pull, pool_layout, pull_pages, registration_ranges,
 )
+from kvtier.server.transfer.local import LocalTransport, PageSnapshot
 from kvtier.server.transfer.pages import page_run
 
 if TYPE_CHECKING:
@@ -117,11 +125,12 @@ def _check_allocated(entry: PoolEntry, pages: np.ndarray, what: str) -> None:
 class PeerLink(Protocol):
     """One open connection to a peer daemon (a PullKV's source)."""
 
-    def layout(self, pool_id: str, check_pages: list[int], spec: PullSpec, known_digest: str = "") -> tuple[str, PoolLayout | None]:
-        """The peer pool's layout digest and layout; ``check_pages`` must be allocated there. Bounded
-        by ``spec.remaining``. When ``known_digest`` (the digest of a layout the caller holds) still
-        holds, the layout is None (the peer did not send it again). The digest is ``""`` from a peer
-        that predates digests.
+    def layout(self, pool_id: str, check_pages: list[int], spec: PullSpec,
+               known_digest: str = "") -> tuple[str, PoolLayout | None, str]:
+        """The peer pool's layout digest, layout and the peer daemon's id; ``check_pages`` must be
+        allocated there. Bounded by ``spec.remaining``. When ``known_digest`` (the digest of a layout
+        the caller holds) still holds, the layout is None (the peer did not send it again). The digest
+        and the daemon id are ``""`` from a peer that predates them.
 
         Raises:
             NotFound / InvalidArgument: the peer's answer (unknown pool, unallocated pages).
@@ -162,6 +171,14 @@ class TransferState:
             log.warning("the Mooncake Transfer Engine's ports listen on every interface and serve reads and "
                         "writes of this process's memory to whoever connects, without authentication: run it "
                         "only where every host and local user that can reach them is trusted (README, Security)")
+        self.daemon_id = secrets.token_hex(16)
+        """This daemon process's id, sent with every layout: a pull that meets it copies in process."""
+        self.own_addresses: set[str] = set()
+        """The addresses this daemon is bound to (``create_server`` adds them), which no other process
+        can hold while it lives: a pull naming one makes no gRPC call at all. Other spellings of this
+        daemon (another host name, a symlink to its socket) are recognised by :attr:`daemon_id` in the
+        layout answer, on every pull (never remembered: what an address reaches can change). Plain
+        set operations (atomic), nothing held around them."""
         self._registered: dict[tuple[str, str], tuple[PoolEntry, list[tuple[int, int]]]] = {}  # (tenant, pool id)
         self._lock = threading.Lock()
         # Layouts, so a pull does not build (here) or send (by the peer) a layout that has not changed:
@@ -235,12 +252,18 @@ class TransferState:
             layout, digest = self._layout_of(entry)
             return entry, (None if known_digest and known_digest == digest else layout), digest
 
-    def _peer_layout(self, peer: PeerLink, address: str, caller: Caller, spec: PullSpec, src: np.ndarray) -> PoolLayout:
-        """The peer pool's layout for a pull: the one held from an earlier pull when the peer's digest
-        says it still holds (the peer checks ``src`` and the caller's token either way)."""
+    def _peer_layout(self, peer: PeerLink, address: str, caller: Caller, spec: PullSpec,
+                     src: np.ndarray) -> tuple[PoolLayout, str]:
+        """The peer pool's layout for a pull, and the peer daemon's id: the layout held from an
+        earlier pull when the peer's digest says it still holds (the peer checks ``src`` and the
+        caller's token either way)."""
         key = (address, caller.tenant, spec.peer_pool_id)
         known = self._peer_layouts.get(key)
-        digest, remote = peer.layout(spec.peer_pool_id, src.tolist(), spec, known[0] if known else "")
+        digest, remote, peer_id = peer.layout(spec.peer_pool_id, src.tolist(), spec, known[0] if known else "")
+        return self._remember(key, address, digest, remote, known), peer_id
+
+    def _remember(self, key: tuple[str, str, str], address: str, digest: str, remote: PoolLayout | None,
+                  known: tuple[str, PoolLayout] | None) -> PoolLayout:
         if remote is None:
             if known is None or digest != known[0]:
                 raise TransferError(f"peer {address} answered 'unchanged' for a layout this daemon does not hold")
@@ -284,9 +307,18 @@ class TransferState:
             address = resolve_address(spec.peer_address)
         except ValueError as e:
             raise InvalidArgument(f"peer_address: {e}") from None
-        with peers.connect(address, caller) as peer:
-            remote = self._peer_layout(peer, address, caller, spec, src)
-            if spec.transport == "mooncake" and not remote.endpoint:
+        from_self = address in self.own_addresses
+        with nullcontext(None) if from_self else peers.connect(address, caller) as peer:
+            snapshot: PageSnapshot | None = None
+            if not from_self:
+                remote, peer_id = self._peer_layout(peer, address, caller, spec, src)
+                from_self = bool(peer_id) and peer_id == self.daemon_id
+            if from_self:  # the peer is this daemon: copy in process, never wait for a thread of its own
+                if spec.peer_pool_id == spec.pool_id:  # the same tenant's pool of the same id: the same pool
+                    raise InvalidArgument(f"pool {spec.pool_id!r} would pull from itself; use MoveKV to copy pages "
+                                          f"within a pool")
+                remote, snapshot = self._snapshot(caller, spec.peer_pool_id, src)
+            elif spec.transport == "mooncake" and not remote.endpoint:
                 raise FailedPrecondition(f"peer {address} runs without a transfer engine; use transport 'grpc'")
             with self.pools.locked(caller, spec.pool_id, exclusive=True) as entry:
                 _check_allocated(entry, dst, "destination pages")
@@ -298,8 +330,14 @@ class TransferState:
                 if local.latent[0] == remote.latent[0]:
                     raise InvalidArgument(f"pool {spec.pool_id!r} would pull from itself; use MoveKV to copy pages within a pool")
                 plan = plan_pull(local, remote, src, dst, max_batch_items=batch_items)
-                transport = (MooncakeTransport(self.engine) if spec.transport == "mooncake" and self.engine
-                             else peer.page_transport(entry, self.chunk_bytes, self.fail_batch, spec))
+                transport: PageTransport
+                if snapshot is not None:
+                    transport = LocalTransport(entry.pool, snapshot)
+                elif spec.transport == "mooncake" and self.engine:
+                    transport = MooncakeTransport(self.engine)
+                else:
+                    assert peer is not None  # not this daemon: a link to the peer is open
+                    transport = peer.page_transport(entry, self.chunk_bytes, self.fail_batch, spec)
                 start = time.perf_counter()
                 try:
                     stats = pull_pages(transport, remote, plan)
@@ -311,7 +349,21 @@ class TransferState:
                 seconds = time.perf_counter() - start
         self.counters.add(caller, "pulls")
         self.counters.add(caller, "pull_bytes", stats.total_bytes)
-        return PullResult(stats, spec.transport, seconds)
+        return PullResult(stats, transport.name, seconds)
+
+    def _snapshot(self, caller: Caller, pool_id: str, src: np.ndarray) -> tuple[PoolLayout, PageSnapshot]:
+        """The layout of ``caller``'s pool ``pool_id`` here and a copy of its pages ``src``, taken
+        under its shared lock alone (the source side of a pull from this daemon; the checks are a
+        layout fetch's: pages allocated, none being written).
+
+        Raises:
+            NotFound: no such pool. InvalidArgument: a page not allocated or out of range.
+            Busy: a WriteKV is landing on a page (nothing moved; retry).
+            MemoryError: no memory for the copy.
+        """
+        with self.pools.locked(caller, pool_id, exclusive=False) as entry:
+            _check_allocated(entry, src, "source pages")
+            return self.layout(entry), PageSnapshot.take(entry.pool, src)
 
     # ----- page streams (source side of the gRPC fallback) --------------------------------------
     def read_pages(self, caller: Caller, pool_id: str, runs: Sequence[tuple[int, str, int, int]],

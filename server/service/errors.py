@@ -129,7 +129,7 @@ def _abort(context: grpc.ServicerContext, exc: BaseException, method: str) -> No
         log.log(logging.DEBUG if isinstance(exc, Busy) else logging.INFO, "%s -> %s: %s", method, code.name,
                 short_message(str(exc)))
         message = str(exc)
-    if isinstance(exc, Busy):  # nothing changed: the client may retry even a write
+    if isinstance(exc, KVTierError) and exc.unchanged:  # nothing changed: the client may retry even a write
         context.set_trailing_metadata((RETRY_UNCHANGED,))
     context.abort(code, short_message(message))
 

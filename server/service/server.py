@@ -10,6 +10,11 @@ Where it listens: without ``auth_tokens`` (one tenant) only on a unix socket or 
 TLS or not; with tokens, any host, but only with TLS (a bearer token never crosses a network in the
 clear). ``tls_client_ca`` makes TLS mutual (clients must present a certificate that CA signed).
 
+Calls run on ``config.workers`` threads (``kvtier-rpc``), except the monitoring calls (health
+check, ListPools, GetStats, GetTierStats, GetUnitStats), which run on threads of their own
+(``kvtier-monitor``, :mod:`~kvtier.server.service.monitoring`) so a data path holding every worker
+cannot stop them.
+
 Besides the daemon's services it serves one health service per tier (``kvtier.tier.<name>``, kept in
 step by the tier monitor thread, which :func:`serve` starts once serving) and, with
 ``metrics_port``, Prometheus metrics and the RPC latency histogram (``observability``).
@@ -47,6 +52,7 @@ from kvtier.server.service.attach_channel import AttachChannel
 from kvtier.server.service.auth import AuthInterceptor
 from kvtier.server.service.errors import DomainErrorInterceptor
 from kvtier.server.service.interceptors import CallTracker
+from kvtier.server.service.monitoring import MonitoringDispatch
 from kvtier.server.service.observability import build_metrics
 from kvtier.server.service.registry import SERVICES, ServiceEntry
 from kvtier.server.service.streams import StreamGuard
@@ -231,7 +237,11 @@ def create_server(
     rpc_timer = state.metrics.interceptor if state.metrics else None
     # the RPC timer sits inside auth, so it sees the authenticated caller's tenant; auth times its own
     # refusals through it (UNAUTHENTICATED, no tenant)
-    interceptors = [calls, AuthInterceptor(state.tokens, timer=rpc_timer, sessions=state.sessions),
+    # outermost: monitoring calls (health check, stats, pool list) run on threads the data path never
+    # takes (monitoring.py); every other call on the --workers threads
+    monitoring = MonitoringDispatch()
+    state.add_shutdown_hook(monitoring.close)
+    interceptors = [monitoring, calls, AuthInterceptor(state.tokens, timer=rpc_timer, sessions=state.sessions),
                     *([rpc_timer] if rpc_timer else []),
                     DomainErrorInterceptor()]
     server = grpc.server(
@@ -256,6 +266,7 @@ def create_server(
     except BaseException:
         streams.close()
         raise
+    state.transfer.own_addresses.add(address)  # a PullKV naming this address copies in process
     return DaemonServer(server, address, state, calls, streams)
 
 

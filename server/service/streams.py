@@ -6,8 +6,9 @@ thread until the client's deadline -- forever without one -- and 16 of them stop
 call. :class:`StreamGuard` keeps threads for control calls:
 
 * at most ``max_streams`` streams (WriteKV, ReadKV, ReadPages) run at once (default: half the
-  workers); one more is refused at once with RESOURCE_EXHAUSTED naming the limit, so streams never
-  hold more than that many threads;
+  workers); one more is refused at once with RESOURCE_EXHAUSTED naming the limit (marked "changed
+  nothing": :class:`~kvtier.server.daemon.errors.StreamsFull`), so streams never hold more than that
+  many threads;
 * a stream that moves no message for ``stream_idle_seconds`` is cancelled (the public
   ``RpcContext.cancel``): the blocked receive or send ends, the thread and the slot come back. Its
   client sees CANCELLED; a WriteKV cancelled this way has written nothing.
@@ -27,7 +28,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from kvtier.server.daemon.errors import ResourceExhausted
+from kvtier.server.daemon.errors import StreamsFull
 
 log = logging.getLogger("kvtier.service")
 
@@ -74,7 +75,8 @@ class StreamGuard:
         """Hold a stream slot for the ``with`` block; yields ``touch()``, to call whenever a message moved.
 
         Raises:
-            ResourceExhausted: every slot is taken (nothing of the call ran).
+            StreamsFull: every slot is taken (nothing of the call ran; RESOURCE_EXHAUSTED marked
+                "changed nothing", so a caller may retry).
         """
         with self._lock:
             full = len(self._streams) >= self.max_streams
@@ -85,7 +87,7 @@ class StreamGuard:
                 entry = _Stream(method, context, self._clock())
                 self._streams[sid] = entry
         if full:
-            raise ResourceExhausted(f"{self.max_streams} KV streams are in flight, the daemon's limit (--max-streams); "
+            raise StreamsFull(f"{self.max_streams} KV streams are in flight, the daemon's limit (--max-streams); "
                                     f"retry when one has finished")
 
         def touch() -> None:

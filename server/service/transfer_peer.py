@@ -17,9 +17,11 @@ unix-socket peer (else FAILED_PRECONDITION: a bearer token never crosses a netwo
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -36,6 +38,12 @@ from kvtier.server.transfer import PageTransport, PoolLayout, TransferError, Tra
 from kvtier.server.transfer.engine import check_injected_failure
 from kvtier.server.transfer.pages import page_run
 from kvtier.v1 import transfer_pb2, transfer_pb2_grpc
+
+
+PEER_RETRY_S = 30.0
+"""Without a deadline, how long a pull keeps sending again a ReadPages its peer refused as "changed nothing"."""
+PEER_RETRY_FIRST_PAUSE_S = 0.05
+PEER_RETRY_MAX_PAUSE_S = 0.5
 
 
 def _write_bytes(dst: torch.Tensor, data: bytes) -> None:
@@ -60,28 +68,71 @@ class GrpcPageTransport:
         self.metadata = tuple(metadata)
 
     def pull(self, remote: PoolLayout, plan: TransferPlan) -> None:
+        """Stream every batch of ``plan`` into the destination pool. A ReadPages the peer refused
+        with "changed nothing" (``kvtier-retry: unchanged``: every stream slot taken, source pages a
+        write is landing on) is sent again -- the whole batch, whose pages are overwritten --
+        pausing 0.05 s then doubling to at most :data:`PEER_RETRY_MAX_PAUSE_S`, until the pull's
+        deadline (without one, for at most :data:`PEER_RETRY_S` after the first refusal).
+
+        Raises:
+            TransferError: a batch failed (any other error, a refusal past the retry bound, a short or
+                out-of-order stream); the destination pages hold undefined bytes.
+        """
         for b, batch in enumerate(plan.batches):
             check_injected_failure(self.fail_batch, b, "grpc")
-            targets = [page_run(self.entry.pool, it.component, it.layer_id, it.dst_page, it.num_pages) for it in batch]
-            got = [0] * len(batch)
-            request = transfer_pb2.ReadPagesRequest(pool_id=self.peer_pool_id, chunk_bytes=self.chunk_bytes, runs=[
-                transfer_pb2.PageRun(layer_id=it.layer_id, component=COMPONENT_TO_PROTO[it.component],
-                                     first_page=it.src_page, num_pages=it.num_pages) for it in batch])
-            try:
-                for msg in self.stub.ReadPages(request, timeout=self.spec.remaining(PEER_STREAM_TIMEOUT_S),
-                                               metadata=self.metadata):
-                    r, n = msg.run, len(msg.data)
-                    if r >= len(batch) or msg.offset != got[r] or got[r] + n > batch[r].nbytes:
-                        raise TransferError(f"grpc: ReadPages from {self.peer} sent an out-of-order chunk (run {r}, offset {msg.offset})", batch=b)
-                    _write_bytes(targets[r][got[r]:got[r] + n], msg.data)
-                    got[r] += n
-            except grpc.RpcError as e:
-                raise TransferError(f"grpc: ReadPages from {self.peer} failed in batch {b + 1} of {len(plan.batches)}: "
-                                    f"{e.code().name}: {e.details()}", batch=b) from None
+            refused_since: float | None = None
+            pause = PEER_RETRY_FIRST_PAUSE_S
+            while True:
+                try:
+                    got = self._stream_batch(b, batch)
+                    break
+                except grpc.RpcError as e:
+                    retry = _changed_nothing(e)
+                    now = time.monotonic()
+                    refused_since = now if refused_since is None else refused_since
+                    if retry and now - refused_since < PEER_RETRY_S:
+                        try:
+                            left = self.spec.remaining(PEER_RETRY_S)  # the deadline's time left; 0 once cancelled
+                        except TransferError:
+                            left = 0.0
+                        if left > pause:
+                            time.sleep(pause)
+                            pause = min(pause * 2, PEER_RETRY_MAX_PAUSE_S)
+                            continue
+                    raise TransferError(f"grpc: ReadPages from {self.peer} failed in batch {b + 1} of {len(plan.batches)}: "
+                                        f"{e.code().name}: {e.details()}"
+                                        + (" (refused as 'retry' until the pull's deadline)" if retry else ""), batch=b) from None
             short = [i for i, it in enumerate(batch) if got[i] != it.nbytes]
             if short:
                 raise TransferError(f"grpc: ReadPages from {self.peer} ended early in batch {b + 1} "
                                     f"({got[short[0]]} of {batch[short[0]].nbytes} bytes of a run)", batch=b)
+
+    def _stream_batch(self, b: int, batch: Sequence[Any]) -> list[int]:
+        """One ReadPages stream of ``batch`` written into its destination pages; the bytes got per run.
+
+        Raises:
+            grpc.RpcError: the peer's answer. TransferError: an out-of-order chunk, or the deadline passed.
+        """
+        targets = [page_run(self.entry.pool, it.component, it.layer_id, it.dst_page, it.num_pages) for it in batch]
+        got = [0] * len(batch)
+        request = transfer_pb2.ReadPagesRequest(pool_id=self.peer_pool_id, chunk_bytes=self.chunk_bytes, runs=[
+            transfer_pb2.PageRun(layer_id=it.layer_id, component=COMPONENT_TO_PROTO[it.component],
+                                 first_page=it.src_page, num_pages=it.num_pages) for it in batch])
+        for msg in self.stub.ReadPages(request, timeout=self.spec.remaining(PEER_STREAM_TIMEOUT_S), metadata=self.metadata):
+            r, n = msg.run, len(msg.data)
+            if r >= len(batch) or msg.offset != got[r] or got[r] + n > batch[r].nbytes:
+                raise TransferError(f"grpc: ReadPages from {self.peer} sent an out-of-order chunk (run {r}, offset {msg.offset})", batch=b)
+            _write_bytes(targets[r][got[r]:got[r] + n], msg.data)
+            got[r] += n
+        return got
+
+
+def _changed_nothing(e: grpc.RpcError) -> bool:
+    """The peer marked its refusal "changed nothing" (:data:`RETRY_UNCHANGED` in the trailing metadata)."""
+    try:
+        return RETRY_UNCHANGED in tuple(tuple(kv) for kv in (e.trailing_metadata() or ()))
+    except Exception:  # noqa: BLE001 - an error raised without a call (no metadata to read)
+        return False
 
 
 class GrpcPeerLink:
@@ -92,7 +143,8 @@ class GrpcPeerLink:
         self.address = address
         self.metadata = tuple(metadata)
 
-    def layout(self, pool_id: str, check_pages: list[int], spec: PullSpec, known_digest: str = "") -> tuple[str, PoolLayout | None]:
+    def layout(self, pool_id: str, check_pages: list[int], spec: PullSpec,
+               known_digest: str = "") -> tuple[str, PoolLayout | None, str]:
         request = transfer_pb2.TransferLayoutRequest(pool_id=pool_id, check_pages=check_pages, known_digest=known_digest)
         try:
             msg = self.stub.GetTransferLayout(request, timeout=spec.remaining(PEER_LAYOUT_TIMEOUT_S), metadata=self.metadata)
@@ -102,10 +154,10 @@ class GrpcPeerLink:
                 raise NotFound(f"peer {self.address}: {details}") from None
             if code == grpc.StatusCode.INVALID_ARGUMENT:
                 raise InvalidArgument(f"peer {self.address}: {details}") from None
-            if code == grpc.StatusCode.UNAVAILABLE and RETRY_UNCHANGED in tuple(tuple(kv) for kv in (e.trailing_metadata() or ())):
+            if code == grpc.StatusCode.UNAVAILABLE and _changed_nothing(e):
                 raise Busy(f"peer {self.address}: {details}") from None  # e.g. source pages a write is landing on
             raise TransferError(f"peer {self.address} GetTransferLayout failed: {code.name}: {details}") from None
-        return msg.layout_digest, (None if msg.unchanged else peer_layout(msg))
+        return msg.layout_digest, (None if msg.unchanged else peer_layout(msg)), msg.daemon_id
 
     def page_transport(self, entry: PoolEntry, chunk_bytes: int, fail_batch: int | None, spec: PullSpec) -> PageTransport:
         return GrpcPageTransport(self.stub, self.address, entry, chunk_bytes, fail_batch, spec, self.metadata)

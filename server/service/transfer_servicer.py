@@ -36,9 +36,10 @@ class TransferServicer(transfer_pb2_grpc.TransferServiceServicer):
         entry, layout, digest = self.transfer.transfer_layout(caller_of(context), request.pool_id, list(request.check_pages),
                                                               request.known_digest)
         if layout is None:  # the caller holds it already
-            return transfer_pb2.TransferLayout(layout_digest=digest, unchanged=True)
+            return transfer_pb2.TransferLayout(layout_digest=digest, unchanged=True, daemon_id=self.transfer.daemon_id)
         msg = transfer_layout(entry, layout)
         msg.layout_digest = digest
+        msg.daemon_id = self.transfer.daemon_id  # a puller that meets its own id copies in process
         return msg
 
     def PullKV(self, request: transfer_pb2.PullKVRequest, context: grpc.ServicerContext) -> transfer_pb2.PullKVResponse:

@@ -151,34 +151,62 @@ def test_peers_that_never_read_their_replies_are_dropped_and_stall_nothing(daemo
         assert c.stats().attach_sessions == 0
 
 
-def _crossed_pulls(address: str, pages_x: list[int], pages_y: list[int], deadline: float) -> list[threading.Thread]:
-    """Two PullKV over gRPC in opposite directions (X into Y and Y into X) on one daemon: each holds
-    its destination pool exclusive while waiting for the other's source (README "Concurrency"), until
-    ``deadline`` seconds. Returns the threads once both are stuck."""
-    def pull(dst: str, src: str, src_pages: list[int], dst_pages: list[int]) -> None:
-        try:
-            with KVTierClient(address, timeout=deadline) as cc:
-                cc.pull_kv(dst, address, src, src_pages=src_pages, dst_pages=dst_pages, transport="grpc")
-        except Exception:  # noqa: BLE001 - they end by their deadline (ABORTED or DEADLINE_EXCEEDED)
-            pass
+class _StalledPeer:
+    """A pull into pool ``dst`` of the daemon at ``address`` from a fake peer whose ReadPages stalls:
+    the peer's layout is the daemon's own pool ``src`` (its daemon id left out, so the pull does not
+    take it for its own daemon and copy in process), and its ReadPages waits until :meth:`close`.
+    The pull holds ``dst`` exclusive from its checks until its deadline (README "Concurrency").
+    :attr:`pulls` holds its thread once the pull is inside ReadPages."""
 
-    for _ in range(20):
-        threads = [threading.Thread(target=pull, args=("Y", "X", pages_x[:8], pages_y[8:])),
-                   threading.Thread(target=pull, args=("X", "Y", pages_y[:8], pages_x[8:]))]
-        for t in threads:
-            t.start()
-        time.sleep(1.0)
-        if all(t.is_alive() for t in threads):
-            return threads
-        for t in threads:
-            t.join()
-    raise AssertionError("the crossed pulls never met")
+    def __init__(self, address: str, dst: str, src: str, src_pages: list[int], dst_pages: list[int],
+                 deadline: float) -> None:
+        from concurrent import futures
+
+        import grpc
+
+        from kvtier.v1 import transfer_pb2_grpc
+
+        real = transfer_pb2_grpc.TransferServiceStub(grpc.insecure_channel(address))
+        self.release, reading = threading.Event(), threading.Event()
+        release = self.release
+
+        class Peer(transfer_pb2_grpc.TransferServiceServicer):
+            def GetTransferLayout(self, request, context):
+                msg = real.GetTransferLayout(request, timeout=30)
+                msg.daemon_id = ""
+                return msg
+
+            def ReadPages(self, request, context):
+                reading.set()
+                release.wait(120)
+                return iter(())
+
+        self.server = grpc.server(futures.ThreadPoolExecutor(4))
+        transfer_pb2_grpc.add_TransferServiceServicer_to_server(Peer(), self.server)
+        port = self.server.add_insecure_port("127.0.0.1:0")
+        self.server.start()
+
+        def pull() -> None:
+            try:
+                with KVTierClient(address, timeout=deadline) as cc:
+                    cc.pull_kv(dst, f"127.0.0.1:{port}", src, src_pages=src_pages, dst_pages=dst_pages, transport="grpc")
+            except Exception:  # noqa: BLE001 - it ends by its deadline (ABORTED or DEADLINE_EXCEEDED)
+                pass
+
+        self.pulls = [threading.Thread(target=pull, daemon=True)]
+        self.pulls[0].start()
+        assert reading.wait(60), "the pull never reached the peer's ReadPages"
+
+    def close(self) -> None:
+        self.release.set()
+        self.server.stop(0)
 
 
 def test_a_pool_held_busy_delays_neither_other_pools_session_ends_nor_attaches(daemon):
-    """Scenario (issue: adversarial test 10): pool X is held exclusive by two crossed PullKV (they wait
-    on each other until their 15 s deadline, which outlasts the checks below: at most ~11 s on a loaded
-    machine) and 4 attaches to X are sent. Before the fix each of
+    """Scenario (issue: adversarial test 10): pool X is held exclusive by a PullKV from a peer that
+    stalls in ReadPages (until the pull's 15 s deadline, which outlasts the checks below: at most ~11 s
+    on a loaded machine; two crossed pulls on one daemon did this before they copied in process) and
+    4 attaches to X are sent. Before the fix each of
     them held one of the channel's 4 workers on X's lock, so a SIGKILLed worker of pool C got its
     slots back only when the pulls ended, and every attach waited. Now an attach of a busy pool is
     answered UNAVAILABLE (retryable, naming the pool) after a short bounded wait, C's session ends
@@ -191,7 +219,8 @@ def test_a_pool_held_busy_delays_neither_other_pools_session_ends_nor_attaches(d
         free = c.describe_pool("C").free_pages
         worker = start_worker(daemon.address, "C", 512)
         try:
-            pulls = _crossed_pulls(daemon.address, pages["X"], pages["Y"], deadline=15.0)
+            peer = _StalledPeer(daemon.address, "X", "Y", pages["Y"][:8], pages["X"][8:], deadline=15.0)
+            pulls = peer.pulls
             busy: list[BaseException] = []
 
             def attach_x() -> None:
@@ -210,7 +239,7 @@ def test_a_pool_held_busy_delays_neither_other_pools_session_ends_nor_attaches(d
                 assert ap.allocate_slots(PAGE).numel() == PAGE
             for t in attaches:
                 t.join(30)
-            assert pulls[0].is_alive() or pulls[1].is_alive(), "the pulls ended early: X was not busy throughout"
+            assert pulls[0].is_alive(), "the pull ended early: X was not busy throughout"
             assert len(busy) == 4 and all(isinstance(e, UnavailableError) for e in busy), busy
             assert all("pool 'X' is busy" in str(e) and "retry" in str(e) for e in busy), busy
         finally:
@@ -218,6 +247,7 @@ def test_a_pool_held_busy_delays_neither_other_pools_session_ends_nor_attaches(d
             worker.wait()
         for t in pulls:
             t.join(60)
+        peer.close()
         with c.attach("X", timeout=10) as ax:  # free again: it attaches
             assert ax.pool_id == "X"
     assert "Bad file descriptor" not in daemon.log_tail(2000)

@@ -19,7 +19,7 @@ from kv_helpers import NUM_LAYERS, PAGE_SIZE, random_kv, verify_kv
 
 from kvtier.client import DaemonProcess, FailedPreconditionError, InvalidArgumentError, KVTierClient, NotFoundError, ResourceExhaustedError
 from kvtier.client.wire import encode_write_chunk
-from kvtier.v1 import pool_pb2
+from kvtier.v1 import pool_pb2, transfer_pb2
 
 
 def slots_of(pages: list[int], n: int) -> list[int]:
@@ -170,7 +170,9 @@ def test_a_pool_deleted_under_a_stream_ends_it_not_found(daemon, client, pool):
 class StalledPeer:
     """A PD peer in front of a real daemon: a gRPC proxy whose ReadPages waits for ``release`` before it
     forwards. A PullKV from it holds its destination pool's exclusive lock (the pull runs under it) for
-    as long as the test wants, so a WriteKV commit on that pool waits for the lock meanwhile."""
+    as long as the test wants, so a WriteKV commit on that pool waits for the lock meanwhile. The
+    layout it forwards leaves out the daemon's id: a pull that met its own id would copy in process
+    and never reach this ReadPages."""
 
     SERVICE = "kvtier.v1.TransferService"
 
@@ -185,7 +187,12 @@ class StalledPeer:
             self.release.wait(60)
             yield from pages(request, timeout=30)
 
-        handlers = {"GetTransferLayout": grpc.unary_unary_rpc_method_handler(lambda r, c: layout(r, timeout=30)),
+        def get_layout(request, context):
+            msg = transfer_pb2.TransferLayout.FromString(layout(request, timeout=30))
+            msg.daemon_id = ""
+            return msg.SerializeToString()
+
+        handlers = {"GetTransferLayout": grpc.unary_unary_rpc_method_handler(get_layout),
                     "ReadPages": grpc.unary_stream_rpc_method_handler(read_pages)}
         self.server = grpc.server(futures.ThreadPoolExecutor(4))
         self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(self.SERVICE, handlers),))

@@ -143,6 +143,7 @@ class TransferLayout(_message.Message):
     REGISTERED_FIELD_NUMBER: _builtins.int
     LAYOUT_DIGEST_FIELD_NUMBER: _builtins.int
     UNCHANGED_FIELD_NUMBER: _builtins.int
+    DAEMON_ID_FIELD_NUMBER: _builtins.int
     engine_endpoint: _builtins.str
     """"host:port" of the Mooncake Transfer Engine; "" without one"""
     layout_digest: _builtins.str
@@ -151,6 +152,8 @@ class TransferLayout(_message.Message):
     """digests, equal layouts; "" from a daemon that predates it (never cached)
     the request's known_digest still holds: fields 1-5 are left out
     """
+    daemon_id: _builtins.str
+    """a random id of the answering daemon process, set even when unchanged (two"""
     @_builtins.property
     def layout(self) -> _pool_pb2.PoolLayout:
         """fingerprint, page size, row bytes, skip mask"""
@@ -173,10 +176,11 @@ class TransferLayout(_message.Message):
         registered: _abc.Iterable[Global___RegisteredRange] | None = ...,
         layout_digest: _builtins.str = ...,
         unchanged: _builtins.bool = ...,
+        daemon_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["layout", b"layout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_endpoint", b"engine_endpoint", "index", b"index", "latent", b"latent", "layout", b"layout", "layout_digest", b"layout_digest", "registered", b"registered", "unchanged", b"unchanged"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["daemon_id", b"daemon_id", "engine_endpoint", b"engine_endpoint", "index", b"index", "latent", b"latent", "layout", b"layout", "layout_digest", b"layout_digest", "registered", b"registered", "unchanged", b"unchanged"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
