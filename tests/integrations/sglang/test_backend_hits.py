@@ -1,0 +1,180 @@
+"""A get the backend calls a hit carries the bytes that were set (issue 23, defects 1 and 6).
+
+Each test forces one interleaving that used to hand SGLang wrong bytes as hits, then compares the
+host pages with the bytes set (snapshots of the source pages, taken before anything was read):
+
+* a thread with no staging buffer reads over gRPC while another thread ends and gives its buffer
+  back (the injected hook: the gRPC read's wrapper ends that thread before returning);
+* a read while the daemon is down, the daemon restarted on the same socket and disk, a read;
+* a v1 read refused (float host indices) followed by the v2 indexer read of the same pages.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+
+import torch
+from hosts import HostPools, indexer, load, make_backend, page_keys, store
+from sglang.srt.mem_cache.hicache_storage import PoolName
+
+from kvtier.client import KVTierError
+from kvtier.client.spawn import DaemonProcess
+
+
+def same_pages(pools: HostPools, idx: torch.Tensor, want) -> list[bool]:
+    """Per page at ``idx``: its KV and indexer bytes equal ``want`` (a :meth:`HostPools.snapshot`)."""
+    return [bool(torch.equal(g[0], w[0]) and torch.equal(g[1], w[1])) for g, w in zip(pools.snapshot(idx), want)]
+
+
+def wait_reachable(b, keys) -> None:
+    """Until the backend's gRPC channel reaches the restarted daemon, asked past the transport (so
+    the backend itself learns nothing of the restart: its next read meets it as SGLang's would)."""
+    for _ in range(600):
+        try:
+            assert b.transport.client.exist_units(b._stage(), [k.encode() for k in keys]) == len(keys)
+            return
+        except KVTierError:
+            threading.Event().wait(0.1)
+    raise AssertionError("the backend's gRPC channel never reached the restarted daemon")
+
+
+def test_a_grpc_read_copies_its_own_bytes_while_another_thread_gives_back_its_staging_buffer(tmp_path):
+    """Regression (issue 23, defect 1a): the session's 4 staging buffers are lent (this thread and 3
+    readers that wait); a 5th thread reads 8 stored pages, over gRPC. Injected hook: when its gRPC
+    read returns, one waiting reader ends and its buffer goes back to the free list. The backend used
+    to ask for a staging buffer a second time, got the freed one and copied the other reader's page
+    out of it: 8 x True, pages wrong. Now the read copies from the buffer it filled."""
+    d = DaemonProcess(f"unix://{tmp_path}/k.sock", extra_args=["--device", "cpu", "--host-memory", "64MiB"])
+    d.start()
+    try:
+        pools = HostPools()
+        b = make_backend(pools, {"address": d.address, "timeout_s": 30})
+        keys, src = page_keys(8, salt=71), pools.alloc(8)
+        pools.fill(src, seed=71)
+        want = pools.snapshot(src)
+        store(b, keys, src)                       # this thread now holds staging buffer 1 of 4
+        other_key, other_src = page_keys(1, salt=72), pools.alloc(1)
+        pools.fill(other_src, seed=72)
+        store(b, other_key, other_src)
+        go_home = [threading.Event() for _ in range(3)]
+        lent = [threading.Event() for _ in range(3)]
+        errors: list[BaseException] = []
+
+        def reader(n: int) -> None:               # holds a buffer (with other_key's page in it) until told
+            try:
+                dst = pools.alloc(1)
+                assert load(b, other_key, dst) == ([True], [True])
+                lent[n].set()
+                go_home[n].wait(120)
+            except BaseException as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+                lent[n].set()
+
+        readers = [threading.Thread(target=reader, args=(n,)) for n in range(3)]
+        for th in readers:
+            th.start()
+        assert all(e.wait(120) for e in lent) and errors == []
+        shm = b.transport
+        assert shm.name == "shm" and shm._lent == shm._max_buffers == 4   # every buffer is lent
+
+        grpc_get = shm.grpc.get
+
+        def get_then_free_a_buffer(*args, **kwargs):   # the hook: a reader ends as this read returns
+            out = grpc_get(*args, **kwargs)
+            if go_home[0].is_set():
+                return out
+            go_home[0].set()
+            readers[0].join(120)
+            for _ in range(1000):                  # the ended thread's buffer goes back to the free list
+                gc.collect()
+                if shm._free:
+                    break
+                threading.Event().wait(0.01)
+            assert shm._free, "the ended reader's staging buffer was never given back"
+            return out
+
+        shm.grpc.get = get_then_free_a_buffer
+        dst = pools.alloc(8)
+        pools.zero(dst)
+        got: list = []
+        t = threading.Thread(target=lambda: got.append(load(b, keys, dst)))
+        t.start()
+        t.join(120)
+        shm.grpc.get = grpc_get
+        for e in go_home:
+            e.set()
+        for th in readers:
+            th.join(120)
+        assert errors == [] and got == [([True] * 8, [True] * 8)]
+        assert same_pages(pools, dst, want) == [True] * 8
+    finally:
+        d.stop()
+        d.cleanup()
+
+
+def test_after_a_read_while_the_daemon_was_down_and_a_restart_hits_carry_the_stored_bytes(tmp_path, monkeypatch):
+    """Regression (issue 23, defect 1b): a read while the daemon is down (the storage-session
+    handshake fails), the daemon restarted on the same socket and disk, a read of 4 stored pages: it
+    went over gRPC (no session yet), the gRPC call reaching the daemon let a session open, and the
+    backend copied out of that new session's empty buffer: 4 x True, all zeros (the v2 read after it:
+    True too). ``REOPEN_AFTER_S`` is made an hour so the interleaving does not depend on how long
+    the restart takes."""
+    from kvtier.integrations.sglang import transport as transport_module
+
+    monkeypatch.setattr(transport_module, "REOPEN_AFTER_S", 3600.0)
+    d = DaemonProcess(f"unix://{tmp_path}/k.sock", extra_args=[
+        "--device", "cpu", "--host-memory", "16MiB", "--disk-path", str(tmp_path / "disk"), "--disk-size", "64MiB"])
+    d.start()
+    try:
+        pools = HostPools()
+        b = make_backend(pools, {"address": d.address, "timeout_s": 10})
+        keys, src = page_keys(4, salt=81), pools.alloc(4)
+        pools.fill(src, seed=81)
+        want = pools.snapshot(src)
+        store(b, keys, src)
+        d.stop()                                  # graceful: the disk tier keeps the units
+        dst = pools.alloc(4)
+        assert load(b, keys, dst) == ([False] * 4, [False] * 4)   # down: misses
+        d.start()
+        wait_reachable(b, keys)
+        pools.zero(dst)
+        got = load(b, keys, dst)
+        assert got == ([True] * 4, [True] * 4) and same_pages(pools, dst, want) == [True] * 4
+        pools.zero(dst)                           # and again, now through the new session's buffer
+        assert load(b, keys, dst) == ([True] * 4, [True] * 4) and same_pages(pools, dst, want) == [True] * 4
+    finally:
+        d.stop()
+        d.cleanup()
+
+
+def test_a_refused_v1_read_leaves_nothing_for_the_v2_read_after_it(tmp_path):
+    """Regression (issue 23, defect 6): a v1 read of pages P (it delivers their indexer rows too and
+    remembers it), then a v1 read refused for float host indices, then the v2 indexer read of P:
+    it answered True from the first read's memo and moved no byte, though the host pages had been
+    zeroed since. Now a v1 read clears the memo when it starts, so the v2 read reads from the
+    daemon; and a memo answers one v2 read only."""
+    d = DaemonProcess(f"unix://{tmp_path}/k.sock", extra_args=["--device", "cpu", "--host-memory", "16MiB"])
+    d.start()
+    try:
+        pools = HostPools()
+        b = make_backend(pools, {"address": d.address, "timeout_s": 30})
+        keys, src = page_keys(3, salt=91), pools.alloc(3)
+        pools.fill(src, seed=91)
+        want = pools.snapshot(src)
+        store(b, keys, src)
+        dst = pools.alloc(3)
+        assert b.batch_get_v1(keys, dst) == [True] * 3
+        pools.zero(dst)
+        assert b.batch_get_v1(keys, dst.to(torch.float32)) == [False] * 3      # refused: float indices
+        assert b.batch_get_v2(indexer(keys, dst))[PoolName.INDEXER] == [True] * 3
+        got = [bool(torch.equal(g[1], w[1])) for g, w in zip(pools.snapshot(dst), want)]
+        assert got == [True] * 3                  # the indexer rows really came (from the daemon)
+        # a memo answers one v2 read: the second reads again (the rows were zeroed in between)
+        assert load(b, keys, dst) == ([True] * 3, [True] * 3)
+        pools.zero(dst)
+        assert b.batch_get_v2(indexer(keys, dst))[PoolName.INDEXER] == [True] * 3
+        assert [bool(torch.equal(g[1], w[1])) for g, w in zip(pools.snapshot(dst), want)] == [True] * 3
+    finally:
+        d.stop()
+        d.cleanup()
