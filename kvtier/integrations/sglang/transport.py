@@ -39,7 +39,9 @@ from typing import Any, Protocol
 import torch
 
 from kvtier.addresses import is_unix, resolve_address
-from kvtier.client import FailedPreconditionError, KVTierClient, KVTierError, NotFoundError, UnavailableError
+from kvtier.client import (
+    CancelledError, DeadlineExceededError, FailedPreconditionError, KVTierClient, KVTierError, NotFoundError, UnavailableError,
+)
 from kvtier.client.staging import StagingBuffer, StagingSession
 from kvtier.client.storage import UnitSpaceSpec
 from kvtier.integrations.sglang.settings import BackendSettings
@@ -48,6 +50,8 @@ log = logging.getLogger("kvtier.sglang")
 MAX_BUFFERS = 4          # staging buffers a backend holds at most (one per thread that moves pages)
 REOPEN_AFTER_S = 5.0     # after a failed storage-session handshake, the next try waits this long
 PAGE = 4096
+# call failures after which the daemon may still be working on the call's staging buffer
+UNANSWERED = (DeadlineExceededError, CancelledError, UnavailableError, NotFoundError)
 
 
 class UnitTransport(Protocol):
@@ -293,13 +297,16 @@ class ShmTransport:
         return self.grpc.staging(nbytes)
 
     def _call(self, held: _Held, fn: Any) -> Any:
-        """``fn(session client, buffer index)`` on ``held``'s buffer. A call that ends without its
-        reply may leave the daemon still copying into the buffer: its session is abandoned then, so
-        the buffer is never read or lent again."""
+        """``fn(session client, buffer index)`` on ``held``'s buffer. A call that ends without the
+        daemon's answer (deadline, cancel, a broken connection, anything not a status the daemon
+        sent) may leave the daemon still copying into the buffer (a get) or out of it (a put): its
+        session is abandoned then, so the buffer is never read, refilled or lent again. A status the
+        daemon sent (a refusal) means its handler is done with the buffer: the session is kept."""
         try:
             return fn(held.session.client, held.buffer.index)
-        except BaseException:
-            self._drop_session(held.session)
+        except BaseException as e:
+            if not isinstance(e, KVTierError) or isinstance(e, UNANSWERED):
+                self._drop_session(held.session)
             raise
 
     def _staged(self, held: _Held, fn: Any, carry: int = 0) -> tuple[Any, _Held]:

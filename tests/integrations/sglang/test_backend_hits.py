@@ -178,3 +178,99 @@ def test_a_refused_v1_read_leaves_nothing_for_the_v2_read_after_it(tmp_path):
     finally:
         d.stop()
         d.cleanup()
+
+
+def test_a_staged_call_without_its_answer_abandons_its_buffer(tmp_path):
+    """A staged read that ends without the daemon's answer (here: DEADLINE_EXCEEDED, injected) may
+    leave the daemon still copying into the thread's staging buffer. Injected hook: the session's
+    ``get_units_staged`` raises DEADLINE_EXCEEDED once, and on every later call in that session the
+    late copy lands (0xAB over the buffer) after the daemon's answer and before the backend copies
+    out. The backend used to reuse the buffer: the next read's hits carried 0xAB. Now a call
+    without its answer abandons the session: the next read uses a fresh session and buffer."""
+    from kvtier.client import DeadlineExceededError
+
+    d = DaemonProcess(f"unix://{tmp_path}/k.sock", extra_args=["--device", "cpu", "--host-memory", "16MiB"])
+    d.start()
+    try:
+        pools = HostPools()
+        b = make_backend(pools, {"address": d.address, "timeout_s": 30})
+        keys, src = page_keys(3, salt=95), pools.alloc(3)
+        pools.fill(src, seed=95)
+        want = pools.snapshot(src)
+        store(b, keys, src)                        # this thread holds a staging buffer of session S
+        held = b.transport._local.held
+        client, buf = held.session.client, held.buffer
+        real = client.get_units_staged
+        calls = []
+
+        def late_copy(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 1:
+                raise DeadlineExceededError("injected: the deadline passed before the daemon answered")
+            found = real(*args, **kwargs)
+            buf.tensor.fill_(0xAB)                 # the first call's copy, landing late
+            return found
+
+        client.get_units_staged = late_copy
+        dst = pools.alloc(3)
+        assert b.batch_get_v1(keys, dst) == [False] * 3          # the deadline: a miss
+        pools.zero(dst)
+        assert load(b, keys, dst) == ([True] * 3, [True] * 3)
+        assert same_pages(pools, dst, want) == [True] * 3
+        assert b.transport._local.held.session is not held.session   # S was abandoned
+    finally:
+        d.stop()
+        d.cleanup()
+
+
+def test_a_staged_store_without_its_answer_never_has_its_buffer_refilled(tmp_path):
+    """The same for a store: a staged put that ends without the daemon's answer may leave the daemon
+    still reading the buffer. Injected hook: the session's ``put_units_staged`` raises
+    DEADLINE_EXCEEDED once (units A's indexer parts), and the daemon's late read of that call
+    happens at the session's next put, after the backend refilled the buffer with units B's parts.
+    The backend used to refill the same buffer: unit A got B's indexer rows and a read of A hit with
+    them. Now the session is abandoned: a read of A hits only with A's own bytes (here it misses:
+    its indexer part never arrived)."""
+    from kvtier.client import DeadlineExceededError
+
+    d = DaemonProcess(f"unix://{tmp_path}/k.sock", extra_args=["--device", "cpu", "--host-memory", "16MiB"])
+    d.start()
+    try:
+        pools = HostPools()
+        b = make_backend(pools, {"address": d.address, "timeout_s": 30})
+        first, first_src = page_keys(1, salt=97), pools.alloc(1)
+        pools.fill(first_src, seed=97)
+        store(b, first, first_src)                 # this thread holds a staging buffer of session S
+        held = b.transport._local.held
+        client = held.session.client
+        real = client.put_units_staged
+        late: list = []
+
+        def late_read(*args, **kwargs):
+            if not late:
+                late.append((args, kwargs))
+                raise DeadlineExceededError("injected: the deadline passed before the daemon answered")
+            if late[0] is not None:
+                a, k = late[0]
+                late[0] = None
+                real(*a, **k)                      # the first call's read of the buffer, landing late
+            return real(*args, **kwargs)
+
+        client.put_units_staged = late_read
+        keys_a, src_a = page_keys(2, salt=98), pools.alloc(2)
+        keys_b, src_b = page_keys(2, salt=99), pools.alloc(2)
+        pools.fill(src_a, seed=98)
+        pools.fill(src_b, seed=99)
+        want_a = pools.snapshot(src_a)
+        assert b.batch_set_v2(indexer(keys_a, src_a))[PoolName.INDEXER] == [False, False]   # the deadline
+        store(b, keys_b, src_b)
+        b.batch_set_v1(keys_a, src_a)
+        dst = pools.alloc(2)
+        pools.zero(dst)
+        kv, ix = load(b, keys_a, dst)
+        right = same_pages(pools, dst, want_a)
+        assert all(r for r, k, i in zip(right, kv, ix) if k or i), f"hits {kv}, {ix} with bytes right: {right}"
+        assert (kv, ix) == ([False] * 2, [False] * 2)   # A's indexer parts never arrived: not whole units
+    finally:
+        d.stop()
+        d.cleanup()
