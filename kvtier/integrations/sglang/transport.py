@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import deque
 import time
 import weakref
 from dataclasses import dataclass
@@ -201,6 +202,7 @@ class ShmTransport:
         self._session: StagingSession | None = None
         self._generation = 0
         self._free: list[StagingBuffer] = []
+        self._returned: deque[tuple[StagingBuffer, int]] = deque()   # (buffer, generation) of ended threads
         self._lent = 0
         self._max_buffers = MAX_BUFFERS
         self._buffer_bytes = settings.staging_bytes
@@ -236,7 +238,17 @@ class ShmTransport:
         return s
 
     def _give_back(self, buffer: StagingBuffer, generation: int) -> None:
-        with self._lock:
+        """A lent buffer's holder died (its thread ended). Takes no lock: the finalizer runs wherever
+        the holder dies -- inside the garbage collector, possibly in a thread holding ``_lock`` --
+        so the buffer waits in ``_returned`` (a deque: append and popleft are atomic) until the
+        next lending under ``_lock`` (:meth:`_reclaim`)."""
+        self._returned.append((buffer, generation))
+
+    def _reclaim(self) -> None:
+        """Move the buffers of ended threads to the free list (caller holds ``_lock``); those of a
+        session since replaced are dropped (never lent again)."""
+        while self._returned:
+            buffer, generation = self._returned.popleft()
             if generation == self._generation:
                 self._free.append(buffer)
                 self._lent -= 1
@@ -249,6 +261,7 @@ class ShmTransport:
         with self._lock:
             session = self._open()
             gen = self._generation
+            self._reclaim()
             if self._free:
                 buf: StagingBuffer | None = self._free.pop()
             elif self._lent < self._max_buffers:
@@ -371,11 +384,13 @@ class ShmTransport:
         return self.grpc.stats()
 
     def close(self) -> None:
+        """End the storage session and the gRPC channel. The mappings are not revoked (a revoked
+        mapping reads zeros): a read another thread is still copying out of keeps its bytes."""
         with self._lock:
             session, self._session, self._free = self._session, None, []
             self._generation += 1
         if session is not None:
-            session.close()
+            session.close(revoke=False)
         self.grpc.close()
 
 

@@ -86,12 +86,12 @@ def test_a_grpc_read_copies_its_own_bytes_while_another_thread_gives_back_its_st
                 return out
             go_home[0].set()
             readers[0].join(120)
-            for _ in range(1000):                  # the ended thread's buffer goes back to the free list
+            for _ in range(1000):                  # the ended thread's buffer is given back
                 gc.collect()
-                if shm._free:
+                if shm._free or getattr(shm, "_returned", None):
                     break
                 threading.Event().wait(0.01)
-            assert shm._free, "the ended reader's staging buffer was never given back"
+            assert shm._free or shm._returned, "the ended reader's staging buffer was never given back"
             return out
 
         shm.grpc.get = get_then_free_a_buffer
@@ -271,6 +271,55 @@ def test_a_staged_store_without_its_answer_never_has_its_buffer_refilled(tmp_pat
         right = same_pages(pools, dst, want_a)
         assert all(r for r, k, i in zip(right, kv, ix) if k or i), f"hits {kv}, {ix} with bytes right: {right}"
         assert (kv, ix) == ([False] * 2, [False] * 2)   # A's indexer parts never arrived: not whole units
+    finally:
+        d.stop()
+        d.cleanup()
+
+
+def test_a_buffer_given_back_by_the_garbage_collector_inside_the_transport_lock_does_not_deadlock(tmp_path):
+    """A lent buffer goes back when its thread's holder dies, by a finalizer that runs wherever the
+    holder dies: inside the garbage collector, possibly in a thread that holds the transport's lock
+    (a holder kept alive by an exception's traceback cycle). The finalizer took that lock (not
+    reentrant): the thread blocked on itself and every later call of the backend with it (a 32-thread
+    run of the stress test hung so). Here the give-back runs under the lock, as the collector would
+    run it; it must return, and the buffer must be lent again afterwards."""
+    d = DaemonProcess(f"unix://{tmp_path}/k.sock", extra_args=["--device", "cpu", "--host-memory", "16MiB"])
+    d.start()
+    try:
+        pools = HostPools()
+        b = make_backend(pools, {"address": d.address, "timeout_s": 30})
+        keys, src = page_keys(2, salt=93), pools.alloc(2)
+        pools.fill(src, seed=93)
+        want = pools.snapshot(src)
+        shm = b.transport
+        holders: list = []
+
+        def lend() -> None:
+            store(b, keys, src)
+            holders.append(shm._local.held)
+
+        t = threading.Thread(target=lend)
+        t.start()
+        t.join(60)
+        held = holders.pop()
+        done = threading.Event()
+
+        def give_back_under_the_lock() -> None:
+            with shm._lock:
+                shm._give_back(held.buffer, held.generation)
+            done.set()
+
+        g = threading.Thread(target=give_back_under_the_lock, daemon=True)
+        g.start()
+        g.join(60)
+        assert done.is_set(), "giving a buffer back under the transport's lock deadlocked"
+        dst = pools.alloc(2)
+        got: list = []
+        r = threading.Thread(target=lambda: got.append((load(b, keys, dst), shm._local.held.buffer.index)))
+        r.start()
+        r.join(60)
+        assert got == [(([True] * 2, [True] * 2), held.buffer.index)]   # the given-back buffer, lent again
+        assert same_pages(pools, dst, want) == [True] * 2
     finally:
         d.stop()
         d.cleanup()
