@@ -2,6 +2,7 @@
 
 The environment is built by ``scripts/build-sglang-env`` (``.ci/run`` does it); ``KVTIER_SGLANG_PYTHON``
 points at another interpreter. Missing is a failure, not a skip: SGLang support is part of kvtier.
+Tests marked ``slow`` there are left out, as in the default suite (run them with ``-m slow``).
 """
 
 from __future__ import annotations
@@ -18,5 +19,5 @@ def test_sglang_integration_suite_passes_in_its_environment():
     assert python.exists(), (f"{python} is missing: build the SGLang test environment with scripts/build-sglang-env "
                              f"(or set KVTIER_SGLANG_PYTHON)")
     r = subprocess.run([str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
-                        "tests/integrations/sglang"], cwd=ROOT, capture_output=True, text=True, timeout=1200)
+                        "-m", "not slow", "tests/integrations/sglang"], cwd=ROOT, capture_output=True, text=True, timeout=1200)
     assert r.returncode == 0, f"SGLang integration tests failed (rc {r.returncode}):\n{r.stdout[-6000:]}\n{r.stderr[-3000:]}"

@@ -227,9 +227,9 @@ class KVTierStorage(HiCacheStorage):
         sel = [i for i, k in enumerate(good) if k is not None]
         for batch in self._batches(len(sel), pool.part_nbytes):
             idx = [sel[j] for j in batch]
-            buf = self.transport.staging(len(idx) * pool.part_nbytes)
-            pool.gather([pages[i] for i in idx], buf)
-            ok = self.transport.put(space, [good[i] for i in idx], part)  # type: ignore[misc]
+            stage = self.transport.staging(len(idx) * pool.part_nbytes)
+            pool.gather([pages[i] for i in idx], stage.tensor)
+            ok = self.transport.put(space, [good[i] for i in idx], part, stage)  # type: ignore[misc]
             for i, a in zip(idx, ok):
                 out[i] = bool(a)
             moved += len(idx) * pool.part_nbytes
@@ -265,7 +265,16 @@ class KVTierStorage(HiCacheStorage):
 
     # ----- reads ----------------------------------------------------------------------------------
     def _get(self, keys: Sequence[Any], host_indices: torch.Tensor, part: str) -> list[bool]:
-        """``part``: ``kv`` (with the indexer rows too where the space has them: one record) or ``index``."""
+        """``part``: ``kv`` (with the indexer rows too where the space has them: one record) or ``index``.
+
+        The memo of indexer rows a v1 read delivered (``self._local.delivered``) is cleared when a v1
+        read starts and when an indexer read uses it: a refused or failed v1 call leaves nothing for
+        the v2 call after it to answer from, and a memo answers one v2 call only."""
+        if part == "kv":
+            self._local.delivered = {}
+            memo: dict[bytes, int] = {}
+        else:
+            memo, self._local.delivered = getattr(self._local, "delivered", {}), {}
         space = self._stage()
         try:
             kv_pages = self._kv.pages(host_indices, len(keys)) if part == "kv" else None  # type: ignore[union-attr]
@@ -282,7 +291,6 @@ class KVTierStorage(HiCacheStorage):
         delivered: dict[bytes, int] = {}
         t0, moved = time.perf_counter(), 0
         if part == "index":
-            memo: dict[bytes, int] = getattr(self._local, "delivered", {})
             firsts = host_indices.reshape(len(keys), -1)[:, 0].tolist() if len(keys) else []
             for i, k in enumerate(good):
                 if k is not None and memo.get(k) == firsts[i]:
@@ -293,8 +301,8 @@ class KVTierStorage(HiCacheStorage):
             firsts = host_indices.reshape(len(keys), -1)[:, 0].tolist() if len(keys) else []
         for batch in self._batches(len(sel), n_wire):
             idx = [sel[j] for j in batch]
-            found = self.transport.get(space, [good[i] for i in idx], wire)  # type: ignore[misc]
-            rows = self.transport.staging(len(idx) * n_wire)[:len(idx) * n_wire].view(len(idx), n_wire)
+            found, data = self.transport.get(space, [good[i] for i in idx], wire)  # type: ignore[misc]
+            rows = data.view(len(idx), n_wire)   # the very bytes this read filled
             hit = [j for j, f in enumerate(found) if f]
             if part == "kv":
                 self._kv.scatter(rows[:, :space.kv_nbytes], [kv_pages[i] for i in idx], hit)  # type: ignore[union-attr,index]
@@ -338,8 +346,8 @@ class KVTierStorage(HiCacheStorage):
         out: list[torch.Tensor | None] = [None] * len(keys)
         for batch in self._batches(len(sel), space.kv_nbytes):
             idx = [sel[j] for j in batch]
-            found = self.transport.get(space, [good[i] for i in idx], "kv")  # type: ignore[misc]
-            rows = self.transport.staging(len(idx) * space.kv_nbytes)[:len(idx) * space.kv_nbytes].view(len(idx), -1)
+            found, data = self.transport.get(space, [good[i] for i in idx], "kv")  # type: ignore[misc]
+            rows = data.view(len(idx), space.kv_nbytes)   # the very bytes this read filled
             hit = [j for j, f in enumerate(found) if f]
             self._kv.scatter(rows, [pages[i] for i in idx], hit)  # type: ignore[union-attr,misc]
             for j in hit:
@@ -356,8 +364,9 @@ class KVTierStorage(HiCacheStorage):
         ok = True
         for batch in self._batches(len(keys), space.kv_nbytes):
             idx = list(batch)
-            self._kv.gather([pages[i] for i in idx], self.transport.staging(len(idx) * space.kv_nbytes))  # type: ignore[union-attr,misc]
-            ok &= all(self.transport.put(space, [good[i] for i in idx], "kv"))  # type: ignore[misc]
+            stage = self.transport.staging(len(idx) * space.kv_nbytes)
+            self._kv.gather([pages[i] for i in idx], stage.tensor)  # type: ignore[union-attr,misc]
+            ok &= all(self.transport.put(space, [good[i] for i in idx], "kv", stage))  # type: ignore[misc]
         return ok
 
     def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> torch.Tensor | None:

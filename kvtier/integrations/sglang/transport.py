@@ -1,8 +1,10 @@
 """How unit bytes travel between the backend and its daemon: one small interface, two movers.
 
 The backend decides *what* moves (which keys, which part, which host pages) and gathers or scatters
-the pages' bytes through a per-thread staging buffer; a :class:`UnitTransport` moves the staging
-buffer's bytes to or from the daemon:
+the pages' bytes through a staging buffer; a :class:`UnitTransport` moves that buffer's bytes to or
+from the daemon. A call's buffer is named, never looked up twice: a put is handed the :class:`Staged`
+bytes the backend filled, and a get returns the very bytes its read filled, so a page reaches the
+engine only from the buffer the daemon wrote it into (whichever buffer, session or mover that was):
 
 * :class:`GrpcTransport`: the parts travel as gRPC streams (``StorageService.PutUnits`` /
   ``GetUnits``), chunked under the message limit: any daemon, local or remote.
@@ -16,12 +18,20 @@ buffer's bytes to or from the daemon:
 cannot use shared memory fails: False, a miss and a log line); ``auto`` (the default: shm on a unix
 socket, gRPC on TCP; a call that cannot get a staging buffer -- no session yet, more threads than
 buffers, a unit larger than a buffer -- goes over gRPC).
+
+Whole pages only, by construction: a gRPC get counts each unit's bytes as they arrive, in order, and
+finds a unit only when all of them came in that attempt; a staged get's reply comes after the
+daemon's copies into the region are done; and a staged call that ends without its reply (deadline,
+cancel, broken connection, refusal) abandons its session, so a buffer the daemon may still be
+writing into is never read or lent again. A reply with another number of found flags than keys
+is an error (no hits).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections import deque
 import time
 import weakref
 from dataclasses import dataclass
@@ -30,7 +40,9 @@ from typing import Any, Protocol
 import torch
 
 from kvtier.addresses import is_unix, resolve_address
-from kvtier.client import FailedPreconditionError, KVTierClient, KVTierError, NotFoundError, UnavailableError
+from kvtier.client import (
+    CancelledError, DeadlineExceededError, FailedPreconditionError, KVTierClient, KVTierError, NotFoundError, UnavailableError,
+)
 from kvtier.client.staging import StagingBuffer, StagingSession
 from kvtier.client.storage import UnitSpaceSpec
 from kvtier.integrations.sglang.settings import BackendSettings
@@ -39,27 +51,33 @@ log = logging.getLogger("kvtier.sglang")
 MAX_BUFFERS = 4          # staging buffers a backend holds at most (one per thread that moves pages)
 REOPEN_AFTER_S = 5.0     # after a failed storage-session handshake, the next try waits this long
 PAGE = 4096
+# call failures after which the daemon may still be working on the call's staging buffer
+UNANSWERED = (DeadlineExceededError, CancelledError, UnavailableError, NotFoundError)
 
 
 class UnitTransport(Protocol):
-    """Moves units' parts between this process's staging buffer and the daemon."""
+    """Moves units' parts between this process and the daemon."""
 
     name: str
 
     def call_bytes(self) -> int:
         """The most bytes one put or get should move (the backend splits bigger batches)."""
 
-    def staging(self, nbytes: int) -> torch.Tensor:
-        """This thread's staging buffer, at least ``nbytes`` uint8 (reused between calls)."""
+    def staging(self, nbytes: int) -> Staged:
+        """Staging bytes for one put, ``nbytes`` uint8 (this thread's buffer, reused between calls)."""
 
     def exists(self, space: UnitSpaceSpec, keys: list[bytes]) -> int:
         """Longest prefix of ``keys`` whose units are whole and present."""
 
-    def put(self, space: UnitSpaceSpec, keys: list[bytes], part: str) -> list[bool]:
-        """Store ``part`` of each key's unit from the staging buffer (unit ``i`` at ``i * part bytes``)."""
+    def put(self, space: UnitSpaceSpec, keys: list[bytes], part: str, data: Staged) -> list[bool]:
+        """Store ``part`` of each key's unit from ``data`` (what :meth:`staging` gave, filled: unit
+        ``i`` at byte ``i * part bytes``); per key whether the daemon accepted it."""
 
-    def get(self, space: UnitSpaceSpec, keys: list[bytes], part: str) -> list[bool]:
-        """Read ``part`` of each key's unit into the staging buffer; per key whether it was there."""
+    def get(self, space: UnitSpaceSpec, keys: list[bytes], part: str) -> tuple[list[bool], torch.Tensor]:
+        """Read ``part`` of each key's unit. Returns ``(found, data)``: per key whether its unit came
+        whole, and ``data``, the ``(len(keys) * part bytes,)`` uint8 buffer this read filled (unit
+        ``i`` at byte ``i * part bytes``; a key not found: anything), valid until this thread's next
+        call. Raises KVTierError, RuntimeError (a reply that does not fit the request)."""
 
     def clear(self, space: UnitSpaceSpec) -> int:
         """Remove the space's units; returns how many."""
@@ -69,6 +87,28 @@ class UnitTransport(Protocol):
 
     def close(self) -> None:
         """Release the connection."""
+
+
+@dataclass
+class Staged:
+    """The staging bytes of one put: the backend fills ``tensor``, then hands this object to ``put``.
+
+    Attributes:
+        tensor: ``(nbytes,)`` uint8, contiguous host memory: a view of a shared-memory staging
+            buffer, or of this thread's private gRPC buffer.
+        held: the shared-memory buffer ``tensor`` lies in (lent to this thread); None: gRPC.
+    """
+
+    tensor: torch.Tensor
+    held: _Held | None = None
+
+
+def _found(found: Any, keys: list[bytes]) -> list[bool]:
+    """The daemon's per-key answer, checked to be one flag a key (else RuntimeError: no hits)."""
+    flags = [bool(f) for f in found]
+    if len(flags) != len(keys):
+        raise RuntimeError(f"the daemon answered {len(flags)} found flags for {len(keys)} keys")
+    return flags
 
 
 class GrpcTransport:
@@ -88,21 +128,25 @@ class GrpcTransport:
     def call_bytes(self) -> int:
         return self._call_bytes
 
-    def staging(self, nbytes: int) -> torch.Tensor:
+    def _buffer(self, nbytes: int) -> torch.Tensor:
+        """This thread's private buffer, its first ``nbytes`` (grown when too small, else reused)."""
         buf = getattr(self._local, "buf", None)
         if buf is None or buf.numel() < nbytes:
             buf = self._local.buf = torch.empty(nbytes, dtype=torch.uint8)
-        return buf
+        return buf[:nbytes]
+
+    def staging(self, nbytes: int) -> Staged:
+        return Staged(self._buffer(nbytes))
 
     def exists(self, space: UnitSpaceSpec, keys: list[bytes]) -> int:
         return self.client.exist_units(space, keys)
 
-    def put(self, space: UnitSpaceSpec, keys: list[bytes], part: str) -> list[bool]:
-        data = self.staging(len(keys) * space.part_nbytes(part))
-        return self.client.put_units(space, keys, part, data).accepted
+    def put(self, space: UnitSpaceSpec, keys: list[bytes], part: str, data: Staged) -> list[bool]:
+        return self.client.put_units(space, keys, part, data.tensor[:len(keys) * space.part_nbytes(part)]).accepted
 
-    def get(self, space: UnitSpaceSpec, keys: list[bytes], part: str) -> list[bool]:
-        return self.client.get_units(space, keys, part, self.staging(len(keys) * space.part_nbytes(part)))
+    def get(self, space: UnitSpaceSpec, keys: list[bytes], part: str) -> tuple[list[bool], torch.Tensor]:
+        out = self._buffer(len(keys) * space.part_nbytes(part))
+        return _found(self.client.get_units(space, keys, part, out), keys), out
 
     def clear(self, space: UnitSpaceSpec) -> int:
         return self.client.clear_units(space)
@@ -158,6 +202,7 @@ class ShmTransport:
         self._session: StagingSession | None = None
         self._generation = 0
         self._free: list[StagingBuffer] = []
+        self._returned: deque[tuple[StagingBuffer, int]] = deque()   # (buffer, generation) of ended threads
         self._lent = 0
         self._max_buffers = MAX_BUFFERS
         self._buffer_bytes = settings.staging_bytes
@@ -193,7 +238,17 @@ class ShmTransport:
         return s
 
     def _give_back(self, buffer: StagingBuffer, generation: int) -> None:
-        with self._lock:
+        """A lent buffer's holder died (its thread ended). Takes no lock: the finalizer runs wherever
+        the holder dies -- inside the garbage collector, possibly in a thread holding ``_lock`` --
+        so the buffer waits in ``_returned`` (a deque: append and popleft are atomic) until the
+        next lending under ``_lock`` (:meth:`_reclaim`)."""
+        self._returned.append((buffer, generation))
+
+    def _reclaim(self) -> None:
+        """Move the buffers of ended threads to the free list (caller holds ``_lock``); those of a
+        session since replaced are dropped (never lent again)."""
+        while self._returned:
+            buffer, generation = self._returned.popleft()
             if generation == self._generation:
                 self._free.append(buffer)
                 self._lent -= 1
@@ -206,6 +261,7 @@ class ShmTransport:
         with self._lock:
             session = self._open()
             gen = self._generation
+            self._reclaim()
             if self._free:
                 buf: StagingBuffer | None = self._free.pop()
             elif self._lent < self._max_buffers:
@@ -238,7 +294,7 @@ class ShmTransport:
                 pass  # the call will go over gRPC (auto) or fail (shm); the size does not matter then
         return self._buffer_bytes
 
-    def staging(self, nbytes: int) -> torch.Tensor:
+    def staging(self, nbytes: int) -> Staged:
         """This thread's staging buffer (shared memory) or, where none can be had and ``fallback``
         allows, its gRPC buffer. Raises FailedPreconditionError (strict ``shm`` without a buffer)."""
         try:
@@ -248,30 +304,40 @@ class ShmTransport:
         except (KVTierError, OSError, ValueError) as e:
             held, why = None, f"no storage session ({type(e).__name__}: {e})"
         if not why:
-            self._local.via = held
-            return held.buffer.tensor[:nbytes]
+            return Staged(held.buffer.tensor[:nbytes], held)  # type: ignore[union-attr]
         if not self.fallback:
             raise FailedPreconditionError(f"transport 'shm': {why}")
-        self._local.via = None
         return self.grpc.staging(nbytes)
 
-    def _staged(self, held: _Held, fn: Any, carry: int = 0) -> Any:
-        """``fn(session client, buffer index)`` in the session that owns the thread's buffer. If that
-        session has ended (the daemon restarted), once more in a new session, the first ``carry``
-        bytes of the old buffer (a put's parts) copied into the new one first."""
+    def _call(self, held: _Held, fn: Any) -> Any:
+        """``fn(session client, buffer index)`` on ``held``'s buffer. A call that ends without the
+        daemon's answer (deadline, cancel, a broken connection, anything not a status the daemon
+        sent) may leave the daemon still copying into the buffer (a get) or out of it (a put): its
+        session is abandoned then, so the buffer is never read, refilled or lent again. A status the
+        daemon sent (a refusal) means its handler is done with the buffer: the session is kept."""
         try:
-            out = fn(held.session.client, held.buffer.index)
+            return fn(held.session.client, held.buffer.index)
+        except BaseException as e:
+            if not isinstance(e, KVTierError) or isinstance(e, UNANSWERED):
+                self._drop_session(held.session)
+            raise
+
+    def _staged(self, held: _Held, fn: Any, carry: int = 0) -> tuple[Any, _Held]:
+        """``fn(session client, buffer index)`` in the session that owns ``held``'s buffer. If that
+        session has ended (the daemon restarted), once more in a new session, the first ``carry``
+        bytes of the old buffer (a put's parts) copied into the new one first. Returns ``fn``'s
+        answer and the buffer it used (a get's bytes are there)."""
+        try:
+            out = self._call(held, fn)
         except (NotFoundError, UnavailableError):   # the session ended (daemon restarted or gone)
-            self._drop_session(held.session)
             fresh = self._thread_buffer()          # a new session (raises KVTierError if there is none)
             if fresh is None or fresh.buffer.nbytes < carry:
                 raise
             if carry:
                 fresh.buffer.tensor[:carry].copy_(held.buffer.tensor[:carry])  # the old mapping is still ours
-            self._local.via = fresh
-            out = fn(fresh.session.client, fresh.buffer.index)
+            held, out = fresh, self._call(fresh, fn)
         self._counted("staged_calls")
-        return out
+        return out, held
 
     def _reached(self) -> None:
         """A gRPC call just reached the daemon: if the last handshake failed only because it was
@@ -290,25 +356,26 @@ class ShmTransport:
         self._reached()
         return n
 
-    def put(self, space: UnitSpaceSpec, keys: list[bytes], part: str) -> list[bool]:
-        held = getattr(self._local, "via", None)   # the buffer the last staging() gave this thread
-        if held is None:
+    def put(self, space: UnitSpaceSpec, keys: list[bytes], part: str, data: Staged) -> list[bool]:
+        nbytes = len(keys) * space.part_nbytes(part)
+        if data.held is None:
             self._counted("grpc_calls")
-            ok = self.grpc.put(space, keys, part)
+            ok = self.grpc.put(space, keys, part, data)
             self._reached()
             return ok
-        return self._staged(held, lambda c, i: c.put_units_staged(space, keys, part, i).accepted,
-                            carry=len(keys) * space.part_nbytes(part))
+        ok, _ = self._staged(data.held, lambda c, i: c.put_units_staged(space, keys, part, i).accepted, carry=nbytes)
+        return ok
 
-    def get(self, space: UnitSpaceSpec, keys: list[bytes], part: str) -> list[bool]:
-        self.staging(len(keys) * space.part_nbytes(part))
-        held = self._local.via
+    def get(self, space: UnitSpaceSpec, keys: list[bytes], part: str) -> tuple[list[bool], torch.Tensor]:
+        nbytes = len(keys) * space.part_nbytes(part)
+        held = self.staging(nbytes).held
         if held is None:
             self._counted("grpc_calls")
-            found = self.grpc.get(space, keys, part)
+            out = self.grpc.get(space, keys, part)
             self._reached()
-            return found
-        return self._staged(held, lambda c, i: c.get_units_staged(space, keys, part, i))
+            return out
+        found, used = self._staged(held, lambda c, i: c.get_units_staged(space, keys, part, i))
+        return _found(found, keys), used.buffer.tensor[:nbytes]
 
     def clear(self, space: UnitSpaceSpec) -> int:
         return self.grpc.clear(space)
@@ -317,11 +384,13 @@ class ShmTransport:
         return self.grpc.stats()
 
     def close(self) -> None:
+        """End the storage session and the gRPC channel. The mappings are not revoked (a revoked
+        mapping reads zeros): a read another thread is still copying out of keeps its bytes."""
         with self._lock:
             session, self._session, self._free = self._session, None, []
             self._generation += 1
         if session is not None:
-            session.close()
+            session.close(revoke=False)
         self.grpc.close()
 
 
