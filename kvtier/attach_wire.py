@@ -41,6 +41,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import re
 import socket
 import struct
 from collections.abc import Sequence
@@ -106,16 +107,40 @@ def recv_message(sock: socket.socket, *, accept_fds: bool = False) -> tuple[dict
             raise WireError(f"message longer than {MAX_MESSAGE_BYTES} bytes or with more than {MAX_FDS} descriptors")
         if not data and not fds:
             return None  # orderly close
-        try:
-            obj = json.loads(data)
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-            raise WireError(f"a message must be one JSON object: {e}") from None
+        obj = decode_json(data)
         if not isinstance(obj, dict):
             raise WireError("a message must be one JSON object")
         return obj, list(fds)
     except WireError:
         _close_all(fds)
         raise
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def decode_json(data: bytes) -> Any:
+    """``data`` (UTF-8 JSON text) as a Python value, held to strict JSON: no ``NaN``/``Infinity``,
+    no lone UTF-16 surrogate (``\\ud800``: no Unicode text), and within Python's own limits
+    (integers of at most ``sys.get_int_max_str_digits()`` digits, nesting within the recursion limit).
+
+    Raises:
+        WireError: any of those, or text that is not UTF-8 or not JSON; one line naming the cause.
+    """
+    try:
+        obj = json.loads(data, parse_constant=_no_constant)
+        if _SURROGATE_ESCAPE.search(data):  # only then: a lone surrogate cannot be encoded again
+            json.dumps(obj, ensure_ascii=False).encode()
+    except RecursionError:
+        raise WireError("a message must be one JSON object: it nests too deeply") from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError/EncodeError, int digit limit, _no_constant
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise WireError(f"a message must be one JSON object: {first}") from None
+    return obj
 
 
 def _close_all(fds: list[int]) -> None:

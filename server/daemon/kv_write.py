@@ -246,7 +246,7 @@ def begin_write(registry: PoolRegistry, caller: Caller, sel: KVSelection) -> KVW
     """
     with registry.locked(caller, sel.pool_id, exclusive=True) as entry:
         buf = KVWriteBuffer(entry, sel, claim=True)
-        entry.check_owner(buf.pages, entry.owner_of(caller))
+        entry.check_writable(buf.pages, entry.owner_of(caller))
         if buf.claimed:
             entry.claim(buf.pages)
     return buf
@@ -272,7 +272,7 @@ def write_kv(registry: PoolRegistry, caller: Caller, buf: KVWriteBuffer,
     with registry.locked(caller, sel.pool_id, exclusive=True) as entry:
         _check_same_pool(entry, buf)
         slots = entry.slots(buf.slots, unique=True, claimed_ok=buf.claimed)
-        entry.check_owner(buf.pages, entry.owner_of(caller))
+        entry.check_writable(buf.pages, entry.owner_of(caller))
         _check_wanted(wanted)
         _write_staged(entry, buf, slots)
         if buf.claimed:

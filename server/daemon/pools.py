@@ -11,7 +11,9 @@ allocator (WriteKV commit, MoveKV, Restore, AllocateSlots, FreeSlots, Offload wi
 holds it exclusive, so per pool those run one at a time.
 
 Ownership (README "Local attach"): pages allocated in an attach session belong to it
-(:attr:`PoolEntry.page_owner`); only that session frees, overwrites or moves onto them.
+(:attr:`PoolEntry.page_owner`); only that session frees, overwrites or moves onto them. Every call
+that writes pool bytes into existing pages checks :meth:`PoolEntry.check_writable` (also: cached
+prefix pages are never written, a lease's fresh pages only by its holder).
 """
 
 from __future__ import annotations
@@ -186,6 +188,38 @@ class PoolEntry:
                 raise FailedPrecondition(
                     f"{what}: page {page} of pool {self.pool_id!r} is held by the prefix cache (a cached page or a "
                     f"lease's fresh page); release the lease instead of freeing its pages")
+
+    def check_writable(self, pages: Any, owner: int, what: str = "slots") -> None:
+        """The one ownership check of every call that writes bytes into existing pages of the pool
+        (WriteKV into named slots, MoveKV's targets, Restore into named slots, PullKV's destination),
+        as ``owner`` (:meth:`owner_of`); caller holds the lock exclusive. A page may be written when:
+
+        * it belongs to no attach session, or to ``owner``'s (:meth:`check_owner`); and
+        * the prefix cache does not hold it (:attr:`cache_owned`), or it is a fresh page of an open
+          lease taken by ``owner`` (its session's lease; 0: a lease taken outside any session), which
+          that lease's holder fills before StorePrefix.
+
+        A cached page (after StorePrefix, also one a lease pins as a hit) is never written: LoadPrefix
+        serves its bytes under its key to every lease.
+
+        Raises:
+            FailedPrecondition: naming the first page refused and why (nothing is written then).
+        """
+        t = torch.unique(torch.as_tensor(pages, dtype=torch.int64).reshape(-1))
+        self.check_owner(t, owner, what)
+        held = t[self.cache_owned[t]].tolist() if t.numel() else []
+        if not held:
+            return
+        leases = self.prefix_cache.fresh_leases(held) if self.prefix_cache is not None else [None] * len(held)
+        for page, lease in zip(held, leases):
+            if lease is None:
+                raise FailedPrecondition(
+                    f"{what}: page {page} of pool {self.pool_id!r} is a cached prefix page (LoadPrefix serves its "
+                    f"bytes under its key); it is never overwritten: write new KV into a lease's fresh slots")
+            if self.lease_owner.get(lease, 0) != owner:
+                raise FailedPrecondition(
+                    f"{what}: page {page} of pool {self.pool_id!r} is a fresh page of another client's prefix lease; "
+                    f"only the client that took the lease writes it")
 
     @property
     def page_size(self) -> int:

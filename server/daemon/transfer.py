@@ -325,7 +325,7 @@ class TransferState:
                 # a failed pull frees its destination pages: they must be the caller's to free
                 entry.check_client_owned(dst, "destination pages")
                 owner = entry.owner_of(caller)
-                entry.check_owner(dst, owner, "destination pages")
+                entry.check_writable(dst, owner, "destination pages")
                 local = self.layout(entry)
                 if local.latent[0] == remote.latent[0]:
                     raise InvalidArgument(f"pool {spec.pool_id!r} would pull from itself; use MoveKV to copy pages within a pool")

@@ -468,6 +468,14 @@ class PrefixCache:
                 self.allocator.free_pages_by_id(lease.fresh)
             self.counters["releases"] += 1
 
+    def fresh_leases(self, pages: Sequence[int]) -> list[str | None]:
+        """For each of ``pages``, the open lease whose fresh page it is (the caller fills it before
+        :meth:`store`), or None: a cached page (served under its key), or no page of this cache."""
+        with self._lock:
+            wanted = set(pages)
+            of = {p: lease_id for lease_id, lease in self._leases.items() for p in lease.fresh if p in wanted}
+        return [of.get(p) for p in pages]
+
     def drop_all(self) -> int:
         """Evict every unpinned device page down the stack (e.g. before shutdown); returns how many."""
         with self._lock:

@@ -358,3 +358,35 @@ def test_a_sessions_lease_is_its_own(daemon):
             assert c.tier_stats("p").device["open_leases"] == 1
             assert s1.store_prefix(lease, keys, lease.slots, release=True) == 2
             assert c.tier_stats("p").device["open_leases"] == 0
+
+
+@pytest.mark.parametrize("bad", [
+    '{"kind":"release_prefix","id":1,"pool_id":"p","lease_id":' + "9" * 5000 + '}',  # past Python's 4,300 digits
+    '{"kind":"release_prefix","id":1,"pool_id":"p","lease_id":"x","n":-' + "1" * 4301 + '}',
+    '{"kind":"release_prefix","id":1,"pool_id":"p","lease_id":NaN}',  # not JSON (Python's json takes it)
+    '{"kind":"release_prefix","id":1,"pool_id":"p","lease_id":-Infinity}',
+    '{"kind":"release_prefix","id":1,"pool_id":"p","lease_id":"\\ud800"}',  # a lone surrogate: no str
+    '{"kind":"release_prefix","id":1,"pool_id":"p","lease_id":"x"',  # cut off
+    '\xff\xfe',  # not UTF-8
+])
+def test_an_attach_message_that_does_not_decode_is_invalid_argument_and_the_session_lives(daemon, bad):
+    """Scenario (issue 23, defect 5): a session sends a message whose JSON integer has more than the
+    4,300 digits Python converts; the daemon answered nothing, logged an ERROR with a traceback and
+    ended the session. Every message that does not decode (Python's own limits, NaN/Infinity,
+    a lone surrogate, cut-off JSON, bytes that are not UTF-8) is answered INVALID_ARGUMENT, and the
+    same session's next call is answered as usual (a prefix call in a storage session, which has
+    no pool: FAILED_PRECONDITION; an ended session would see its connection closed instead)."""
+    with KVTierClient(daemon.address) as c:
+        path = c.attach_socket()
+    s = raw_session(path)
+    try:
+        s.send(bad.encode("utf-8", "surrogatepass") if not bad.startswith("\xff") else b"\xff\xfe")
+        reply, _ = recv_message(s, accept_fds=True)
+        assert reply["error"]["code"] == "INVALID_ARGUMENT", reply
+        assert "\n" not in reply["error"]["message"]
+        send_message(s, {"kind": "release_prefix", "id": 2, "pool_id": "p", "lease_id": "0" * 32})
+        reply, _ = recv_message(s, accept_fds=True)
+        assert reply["error"]["code"] == "FAILED_PRECONDITION", reply
+        assert reply["id"] == 2
+    finally:
+        s.close()

@@ -170,3 +170,36 @@ def test_staging_buffers_are_the_sessions_own_and_bounded(d):
         d.attach.staging(grant.session, {"nbytes": 0})
     d.end_session(grant.session, "test")
     assert shm.fd == -1 and grant.session.staging == []
+
+
+def test_a_sessions_lease_pages_are_written_by_that_session_only(d):
+    """Issue 23, defect 4 (the session side of tests/client/test_daemon_write_ownership.py): a lease
+    taken in session ``mine`` has a fresh page (to fill) and a hit page (cached under key 0). A caller
+    in no session and another session are refused (FAILED_PRECONDITION) writing, moving onto and
+    restoring into either; ``mine`` may write its fresh page but never the cached hit page. A new
+    LoadPrefix then serves exactly the bytes ``mine`` wrote (seed 5) and the cached ones (seed 3)."""
+    mine, _ = attach(d, A)
+    other, _ = attach(d, A)
+    ks = keys(2, seed=7)
+    store_prefix(d, A, "p", ks[:1], seed=3)  # key 0 cached: every layer seed 3
+    spare, _ = kv_ops.allocate_slots(d.pools, A, "p", PS)
+    kv_ops.offload(d.pools, d.offload_store, A, "p", "copy", spare, free_slots=False)
+    ld = d.tiers.load(mine, "p", ks, None)
+    hit, fresh = ld.slots[:PS], ld.slots[PS:]
+    for who in (A, other):
+        for slots, why in ((fresh, "another client's prefix lease"), (hit, "cached prefix page")):
+            with pytest.raises(FailedPrecondition, match=why):
+                write_rows(d, who, "p", slots, seed=4)
+            with pytest.raises(FailedPrecondition, match=why):
+                kv_ops.move_kv(d.pools, who, "p", slots, spare)
+            with pytest.raises(FailedPrecondition, match=why):
+                kv_ops.restore(d.pools, d.offload_store, who, "p", "copy", slots.tolist(), drop=False)
+    for attempt in (lambda: write_rows(d, mine, "p", hit, seed=4), lambda: kv_ops.move_kv(d.pools, mine, "p", hit, spare)):
+        with pytest.raises(FailedPrecondition, match="cached prefix page"):
+            attempt()
+    write_rows(d, mine, "p", fresh, seed=5)  # the lease's holder fills its fresh page
+    d.tiers.store(mine, "p", ld.lease, ks[1:], fresh.tolist(), release=True)
+    again = d.tiers.load(A, "p", ks, None)
+    got = kv_ops.read_kv(d.pools, A, KVSelection("p", again.slots, (0,), ()))[0][1]
+    assert got.tobytes() == rows(PS, 656, 3).numpy().tobytes() + rows(PS, 656, 5).numpy().tobytes()
+    d.tiers.release(A, "p", again.lease)

@@ -256,3 +256,20 @@ def test_lease_ids_are_128_bit_random():
     ids = [cache.load(keys_for(1, seed=i)).lease for i in range(50)]
     assert all(len(i) == 32 and int(i, 16) >= 0 for i in ids) and len(set(ids)) == 50
     assert len({i[:4] for i in ids}) > 40  # no common prefix, no counter
+
+
+def test_fresh_leases_names_the_lease_of_each_fresh_page_and_none_for_cached_pages(pool, allocator, codec, stack):
+    """What the daemon's write check asks (issue 23, defect 4): a lease of 3 keys of which 1 is
+    cached has 1 hit page (cached: None) and 2 fresh pages (that lease); a second lease's fresh page
+    names it; after a store the stored page is cached (None), after release nothing is a fresh page."""
+    cache = PrefixCache(stack, allocator, codec, pool=pool)
+    keys = keys_for(4)
+    store_pages(cache, pool, keys[:1], seed=1)
+    one, two = cache.load(keys[:3]), cache.load(keys[3:])
+    pages = [int(s) // PAGE for s in one.slots[::PAGE]] + [int(two.slots[0]) // PAGE]
+    assert cache.fresh_leases(pages) == [None, one.lease, one.lease, two.lease]
+    cache.store(one.lease, keys[1:2], one.slots[PAGE:2 * PAGE])
+    assert cache.fresh_leases(pages) == [None, None, one.lease, two.lease]
+    cache.release(one.lease)
+    cache.release(two.lease)
+    assert cache.fresh_leases(pages) == [None] * 4
