@@ -115,3 +115,16 @@ def test_every_check_names_a_cuda_test_that_exists():
     collected = set(r.stdout.split())
     for node in gc.TEST_CHECKS.values():
         assert node in collected, node
+
+
+def test_the_files_it_runs_hold_every_cuda_test_but_mooncakes():
+    """``pytest -m cuda`` over the whole tree here collects exactly the tests of the files the script
+    runs (plus the Mooncake one it leaves out): no cuda test is missed when one is added elsewhere."""
+    gc = _script_module()
+    files = gc.cuda_test_files()
+    assert "tests/client/test_attach_cuda.py" in files and "tests/kvtier/bench/test_gpu_bench.py" in files
+    assert not any("mooncake" in f for f in files)
+    r = subprocess.run([sys.executable, "-m", "pytest", "-m", "cuda", "--collect-only", "-q", "-p", "no:cacheprovider", "tests"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    collected = {line.split("::")[0] for line in r.stdout.split() if "::" in line}
+    assert collected == set(files) | set(gc.LEFT_OUT), collected ^ (set(files) | set(gc.LEFT_OUT))
