@@ -6,8 +6,10 @@ pool component (layers x slots x row words, or live layers x pages x page words)
 rows to take. The host bytes of a copy are the parts one after another, each ``(groups, len(index),
 words)``, exactly the ``get_cpu_copy`` / record payload layout.
 
-* CPU: one ``index_select`` per group straight into its slice of the host buffer (one pass over the
-  bytes; ~2x faster than one gather along dim 1).
+* CPU: one gather per group (numpy's ``take``) straight into its slice of the host buffer (one pass
+  over the bytes; ~2x faster than one gather along dim 1), and a load's scatters of every layer, each
+  split over :func:`copy_threads` plain threads with the GIL released (:func:`gather_jobs`,
+  :func:`scatter_jobs`): the copies use the machine's cores without torch's OpenMP threads.
 * CUDA: every part is gathered on the device into one contiguous staging buffer (on the current
   stream, after the work that wrote the pool), then a side stream that waits for it copies the whole
   staging buffer to the (page-locked) host buffer in one DMA and records an event; only that event is
@@ -270,8 +272,8 @@ def _put(job: Job) -> None:
 def scatter_layers(pairs: Sequence[Pair], index: torch.Tensor) -> None:
     """``dst[index[i]] = src[i]`` along dim 0 for every ``(dst, src)`` pair of host tensors (several
     layers, the same distinct ``(n,)`` int64 slots ``index``, scattered: more runs than
-    :data:`MAX_COPY_RUNS`), through numpy's fancy assignment, layers split over two threads
-    (:func:`copy_pairs`; 1.8x one thread for 78 GLM-5.2 layers of 4,096 scattered slots here).
+    :data:`MAX_COPY_RUNS`), through numpy's fancy assignment, layers split over the copy threads
+    (:func:`copy_pairs`; 1.8x one thread for 78 GLM-5.2 layers of 4,096 scattered slots on 2 cores).
     The index is read once for every layer."""
     rows = index.numpy()
 

@@ -268,10 +268,10 @@ class MLATokenToKVPool:
             return
         if self.device.type == "cpu":
             runs = slot_runs(slots, MAX_COPY_RUNS)
-            if runs is not None:  # runs of slots (whole pages): block copies, on two threads
+            if runs is not None:  # runs of slots (whole pages): block copies, split over the copy threads
                 copy_pairs([pair for pos, data in todo for pair in run_pairs(self._lat_words[pos], runs, as_words(data, self._lat_word))])
                 return
-            # scattered slots: numpy's fancy assignment, the layers on two threads
+            # scattered slots: numpy's fancy assignment, the layers split over the copy threads
             scatter_layers([(self._lat_words[pos], as_words(data, self._lat_word)) for pos, data in todo], slots)
             return
         for pos, data in todo:
