@@ -100,8 +100,8 @@ def set_copy_threads(n: int) -> None:
 
     The daemon sets it from its ``copy_threads`` setting, ``kvtier bench --torch-threads N`` to N.
     Plain threads, not torch's OpenMP ones: each runs one numpy copy with the GIL released, so a
-    busy machine slows them as it slows any thread (OpenMP's spinning teams fell to 0.3-0.5 GB/s at 2
-    threads on this 2-core machine under load, BENCHMARKS.md / docs/bench/threads).
+    busy machine slows them as it slows any thread (torch's OpenMP teams fell to 0.3-0.9 GB/s at 2
+    threads on a busy 2-core machine, where these kept 3.5-11 GB/s: docs/bench/threads).
 
     Raises:
         ValueError: ``n`` not in ``1 .. MAX_COPY_THREADS``.
