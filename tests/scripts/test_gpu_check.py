@@ -128,3 +128,13 @@ def test_the_files_it_runs_hold_every_cuda_test_but_mooncakes():
                        cwd=ROOT, capture_output=True, text=True, timeout=600)
     collected = {line.split("::")[0] for line in r.stdout.split() if "::" in line}
     assert collected == set(files) | set(gc.LEFT_OUT), collected ^ (set(files) | set(gc.LEFT_OUT))
+
+
+def test_a_site_folder_it_did_not_make_is_never_emptied(tmp_path):
+    """--site is emptied before the install: a folder that holds files and not gpu-check's mark is
+    refused (one line, exit 2) and keeps its files."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "precious").write_text("keep")
+    one_line_error(run(str(tmp_path / "out"), "--site", str(site)), "is not a folder gpu-check made")
+    assert (site / "precious").read_text() == "keep" and not (tmp_path / "out").exists()
