@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.machinery
 import importlib.util
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -138,3 +139,28 @@ def test_a_site_folder_it_did_not_make_is_never_emptied(tmp_path):
     (site / "precious").write_text("keep")
     one_line_error(run(str(tmp_path / "out"), "--site", str(site)), "is not a folder gpu-check made")
     assert (site / "precious").read_text() == "keep" and not (tmp_path / "out").exists()
+
+
+def test_host_copies_adds_each_thread_counts_ratios_to_results_json(tmp_path):
+    """The part-3 step on this machine's cores (a real ``kvtier bench --case copies --quick`` per
+    thread count): results.json keeps what it held and gains ``host_copies`` with, for 1 thread and for
+    the cores, the copies' ratios, the issue's targets (0.8x and 0.9x of plain) and the load average."""
+    import os
+
+    gc = _script_module()
+    (tmp_path / "results.json").write_text('{"ok": true}')
+    logs = []
+
+    def run_(cmd, timeout, **kw):
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kw)
+        logs.append(p.stdout + p.stderr)
+        return p.returncode
+
+    gc.host_copies(tmp_path, dict(os.environ), run_, quick=True)
+    doc = json.loads((tmp_path / "results.json").read_text())
+    assert doc["ok"] is True
+    assert set(doc["host_copies"]) == {"1", str(min(os.cpu_count(), 64))}, logs
+    for entry in doc["host_copies"].values():
+        assert entry["targets"]["copies.get_cpu_copy_vs_plain"] == 0.8 and entry["targets"]["copies.load_cpu_copy_vs_plain"] == 0.9
+        assert entry["ratios"]["copies.get_cpu_copy_vs_plain"] > 0 and len(entry["load_average"]) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["results.json"]  # the runs' plots are not kept
