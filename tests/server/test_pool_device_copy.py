@@ -113,6 +113,15 @@ def test_cuda_load_of_a_copy_made_of_separate_tensors_uploads_each():
     assert_same_bytes(expected.buffers(), snapshot(pool))
 
 
+@pytest.fixture
+def two_copy_threads():
+    """Copies split over 2 threads (the caller's and one helper's) whatever the machine's cores, restored after."""
+    before = device_copy.copy_threads()
+    device_copy.set_copy_threads(2)
+    yield
+    device_copy.set_copy_threads(before)
+
+
 def _pairs(sizes: list[int], seed: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[torch.Tensor], torch.Tensor]:
     """Random sources and back-to-back slices of one zeroed buffer (4 KiB of slack at its end)."""
     g = torch.Generator().manual_seed(seed)
@@ -126,7 +135,7 @@ def _pairs(sizes: list[int], seed: int) -> tuple[list[tuple[torch.Tensor, torch.
 
 
 @pytest.mark.parametrize("sizes", [[3 << 20] * 6, [100, 5000, 1], [9 << 20], [1 << 20, 15 << 20]])
-def test_copy_pairs_copies_every_pair(sizes):
+def test_copy_pairs_copies_every_pair(two_copy_threads, sizes):
     """Large copies (cut in two halves, one on the helper thread), small ones (the caller alone), one
     pair, and uneven pairs: every destination holds its source's bytes, nothing else is written."""
     pairs, srcs, buf = _pairs(sizes, seed=len(sizes))
@@ -135,7 +144,7 @@ def test_copy_pairs_copies_every_pair(sizes):
     assert buf[sum(sizes):].eq(0).all()
 
 
-def test_copy_pairs_does_not_wait_for_a_busy_helper():
+def test_copy_pairs_does_not_wait_for_a_busy_helper(two_copy_threads):
     """With the helper taken (another call's half), a large copy runs on the caller alone and finishes."""
     pairs, srcs, buf = _pairs([4 << 20] * 4, seed=7)
     assert device_copy._idle.acquire(timeout=60)
@@ -146,7 +155,7 @@ def test_copy_pairs_does_not_wait_for_a_busy_helper():
     assert torch.equal(buf[:16 << 20], torch.cat(srcs))
 
 
-def test_copy_pairs_waits_for_the_helper_when_the_callers_half_fails():
+def test_copy_pairs_waits_for_the_helper_when_the_callers_half_fails(two_copy_threads):
     """The caller's half raises (a pair of unequal sizes): copy_pairs raises it only once the helper's
     half is done, or cancelled before it began (the caller's half can fail before the helper thread
     picks its half up, on a loaded machine), so no copy is still writing after the caller (which may
