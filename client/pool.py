@@ -15,11 +15,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvtier._streamcopy import copy_into
 from kvtier.client.base import BaseClient
 from kvtier.client.errors import FailedPreconditionError, InvalidArgumentError
 from kvtier.client.wire import ReceiveBuffers, decode_read_chunk, encode_write_chunk
+from kvtier.native import load
 from kvtier.v1 import pool_pb2, pool_pb2_grpc
+
+copy_into = load("kvtier._streamcopy").copy_into  # streaming stores, or the stand-in (kvtier.native)
 
 Slots = Any  # (n,) int torch.Tensor, numpy array or sequence of ints
 

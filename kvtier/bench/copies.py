@@ -27,6 +27,7 @@ from kvtier.bench.case import BenchContext, Case, CaseResult, Comparison, Figure
 from kvtier.bench.sglang_pool import SGLangPool, find_sglang_python
 from kvtier.server.model_config import DSAModelConfig
 from kvtier.server.pool import DSATokenToKVPool, create_pool, slots_of_pages
+from kvtier.server.pool.device_copy import copy_threads
 
 
 def fill_random(pool: DSATokenToKVPool, seed: int) -> None:
@@ -110,7 +111,7 @@ class CopiesCase(Case):
     def settings(self, ctx: BenchContext) -> dict[str, Any]:
         return {"model": "glm-5.2", "kv_cache_dtype": "fp8", "pool_tokens": 12288 if ctx.quick else 32768,
                 "request_tokens": 4096, "reps": 5 if ctx.quick else 15, "warmup": 1, "seed": 0,
-                "torch_threads": torch.get_num_threads()}
+                "torch_threads": torch.get_num_threads(), "copy_threads": copy_threads()}
 
 
     def run(self, ctx: BenchContext) -> CaseResult:

@@ -27,12 +27,14 @@ def _case_names() -> list[str]:
 @click.option("--sglang-python", default=None, metavar="PATH", envvar="KVTIER_SGLANG_PYTHON",
               help="Interpreter that imports sglang==0.5.23, to compare with SGLang's own pool "
                    "(env KVTIER_SGLANG_PYTHON). Default: this interpreter, if it imports sglang.")
-@click.option("--torch-threads", type=click.IntRange(min=1), default=1, show_default=True,
-              help="torch intra-op threads for every case (the daemon's default is 1 too).")
+@click.option("--torch-threads", type=click.IntRange(min=1, max=64), default=None,
+              help="Threads for every case: torch's intra-op threads (the plain baselines' copies) and "
+                   "the threads kvtier's host copies split over (the daemon's --copy-threads). "
+                   "Default: torch 1 (as the daemon runs), kvtier's copies the machine's cores.")
 @click.option("--check", is_flag=True,
               help="Exit with status 1 when a comparison misses its target (the results are written first).")
 def bench(quick: bool, out: Path, as_json: bool, only: tuple[str, ...], sglang_python: str | None,
-          torch_threads: int, check: bool) -> None:
+          torch_threads: int | None, check: bool) -> None:
     """Measure kvtier against plain baselines of the same bytes, in one run.
 
     Each case times kvtier and its baseline interleaved (medians after a warm-up) and reports
@@ -68,7 +70,11 @@ def bench(quick: bool, out: Path, as_json: bool, only: tuple[str, ...], sglang_p
     except OSError as e:
         raise click.ClickException(f"cannot create --out directory {out}: {e.strerror}; pass another --out DIR") from None
     console = Console(stderr=True) if as_json else Console(width=None if sys.stdout.isatty() else 160)
-    torch.set_num_threads(torch_threads)
+    from kvtier.server.pool.device_copy import copy_threads, set_copy_threads
+
+    torch.set_num_threads(torch_threads or 1)
+    if torch_threads is not None:
+        set_copy_threads(torch_threads)
     load_before = list(os.getloadavg())
     started = time.time()
     work = Path(tempfile.mkdtemp(prefix=".kvtier-bench-", dir=out))  # same file system as --out (fsync is real)
@@ -79,7 +85,8 @@ def bench(quick: bool, out: Path, as_json: bool, only: tuple[str, ...], sglang_p
         raise click.ClickException(f"{e} (rerun with --case NAME to isolate it)") from None
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    doc = results_document(results, {"quick": quick, "cases": [c.name for c in cases], "torch_threads": torch_threads}, started, load_before)
+    doc = results_document(results, {"quick": quick, "cases": [c.name for c in cases], "torch_threads": torch_threads or 1,
+                                          "copy_threads": copy_threads()}, started, load_before)
     written = write_outputs(doc, results, out)
     if as_json:
         click.echo(json.dumps(doc, indent=1, default=str))

@@ -48,6 +48,8 @@ def _layers(_ctx: click.Context, _param: click.Parameter, value: str | None) -> 
               help="Cap on all pools' bytes together; 0 = none [0].")
 @click.option("--workers", type=click.IntRange(min=1), default=None, help="gRPC worker threads [16].")
 @click.option("--torch-threads", type=click.IntRange(min=1), default=None, help="torch intra-op threads [1].")
+@click.option("--copy-threads", type=click.IntRange(min=0, max=64), default=None,
+              help="Threads a large host copy is split over; 0 = the machine's cores [0].")
 @click.option("--log-level", type=click.Choice(LOG_LEVELS, case_sensitive=False), default=None, help="[INFO]")
 @click.option("--max-message-bytes", callback=_bytes, default=None, metavar="BYTES",
               help="Largest gRPC message either way [4MiB]; clients must use the same.")

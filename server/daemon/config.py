@@ -116,6 +116,12 @@ class DaemonConfig:
     torch_threads: int = 1
     """torch intra-op threads. Calls already run in parallel on the workers; more than 1 made row
     gathers/scatters ~30x slower on a busy 2-core machine (OpenMP threads spin against each other)."""
+    copy_threads: int = 0
+    """Threads a large host copy (a request's ``get_cpu_copy`` / ``load_cpu_copy``, a WriteKV commit)
+    is split over, each a plain thread running one numpy copy with the GIL released. 0: the
+    machine's cores (at most 64). Measured on 2 cores (docs/bench/threads, load average ~3): a
+    request's load_cpu_copy ran 10.9 GB/s on 2 copy threads against 6.3 on 1, while torch's OpenMP
+    threads at 2 fell to 0.3-0.9 GB/s whenever the machine was busy: torch_threads stays 1."""
     log_level: str = "INFO"
     """``DEBUG``, ``INFO``, ``WARNING`` or ``ERROR``."""
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
@@ -186,6 +192,8 @@ class DaemonConfig:
             raise ValueError(f"workers must be >= 1, got {self.workers}")
         if self.torch_threads < 1:
             raise ValueError(f"torch_threads must be >= 1, got {self.torch_threads}")
+        if not 0 <= self.copy_threads <= 64:
+            raise ValueError(f"copy_threads must be 0 (the machine's cores) or 1..64, got {self.copy_threads}")
         if self.max_message_bytes < 64 * 1024:
             raise ValueError(f"max_message_bytes must be at least 65536, got {self.max_message_bytes}")
         if not MIN_CHUNK_BYTES <= self.chunk_bytes <= self.max_message_bytes - CHUNK_OVERHEAD_BYTES:

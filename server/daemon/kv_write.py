@@ -24,12 +24,14 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from kvtier._streamcopy import replace
+from kvtier.native import load
 from kvtier.server.daemon.config import MIN_CHUNK_BYTES
 from kvtier.server.daemon.errors import Cancelled, InvalidArgument, NotFound
 from kvtier.server.daemon.kv_ops import INDEX_K, INDEX_SCALE, LATENT, KVSelection, plan_segments
 from kvtier.server.daemon.pools import PoolEntry, PoolRegistry
 from kvtier.server.daemon.tenants import Caller
+
+replace = load("kvtier._streamcopy").replace  # the native one pass, or its stand-in (kvtier.native)
 
 MAX_CLAIM_RUNS = 16
 """A write into named slots is written in place only when its slots make at most this many runs of

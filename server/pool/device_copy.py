@@ -6,8 +6,10 @@ pool component (layers x slots x row words, or live layers x pages x page words)
 rows to take. The host bytes of a copy are the parts one after another, each ``(groups, len(index),
 words)``, exactly the ``get_cpu_copy`` / record payload layout.
 
-* CPU: one ``index_select`` per group straight into its slice of the host buffer (one pass over the
-  bytes; ~2x faster than one gather along dim 1).
+* CPU: one gather per group (numpy's ``take``) straight into its slice of the host buffer (one pass
+  over the bytes; ~2x faster than one gather along dim 1), and a load's scatters of every layer, each
+  split over :func:`copy_threads` plain threads with the GIL released (:func:`gather_jobs`,
+  :func:`scatter_jobs`): the copies use the machine's cores without torch's OpenMP threads.
 * CUDA: every part is gathered on the device into one contiguous staging buffer (on the current
   stream, after the work that wrote the pool), then a side stream that waits for it copies the whole
   staging buffer to the (page-locked) host buffer in one DMA and records an event; only that event is
@@ -18,10 +20,13 @@ words)``, exactly the ``get_cpu_copy`` / record payload layout.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
+import numpy as np
 import torch
 
 Part = tuple[torch.Tensor, torch.Tensor]
@@ -71,22 +76,48 @@ def slot_runs(index: torch.Tensor, max_runs: int) -> list[tuple[int, int]] | Non
     return [(f, e - s) for f, s, e in zip(firsts, starts, [*starts[1:], n])]
 
 
-COPY_THREADS = 2
-"""Threads a large host copy (:func:`copy_pairs`) runs on: the caller's and one helper's."""
+MAX_COPY_THREADS = 64
+"""The most threads :func:`set_copy_threads` accepts."""
 
 PARALLEL_MIN_BYTES = 8 << 20
-"""A :func:`copy_pairs` call moving less than this runs on the caller's thread alone."""
+"""A host copy (:func:`copy_pairs`, :func:`gather_jobs`, :func:`scatter_jobs`) moving less than this
+runs on the caller's thread alone."""
 
 _helpers: ThreadPoolExecutor | None = None
-_idle = threading.Semaphore(COPY_THREADS - 1)
 _helpers_lock = threading.Lock()
+_copy_threads = max(1, min(os.cpu_count() or 1, MAX_COPY_THREADS))
+_idle = threading.Semaphore(_copy_threads - 1)  # helper slots free; replaced by set_copy_threads
+
+
+def copy_threads() -> int:
+    """Threads a large host copy is split over (the caller's and ``copy_threads() - 1`` helpers').
+    Default: the machine's cores (:func:`os.cpu_count`), at most :data:`MAX_COPY_THREADS`."""
+    return _copy_threads
+
+
+def set_copy_threads(n: int) -> None:
+    """Split large host copies over ``n`` threads from now on (calls in flight finish as they began).
+
+    The daemon sets it from its ``copy_threads`` setting, ``kvtier bench --torch-threads N`` to N.
+    Plain threads, not torch's OpenMP ones: each runs one numpy copy with the GIL released, so a
+    busy machine slows them as it slows any thread (torch's OpenMP teams fell to 0.3-0.9 GB/s at 2
+    threads on a busy 2-core machine, where these kept 3.5-11 GB/s: docs/bench/threads).
+
+    Raises:
+        ValueError: ``n`` not in ``1 .. MAX_COPY_THREADS``.
+    """
+    global _copy_threads, _idle
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_COPY_THREADS:
+        raise ValueError(f"copy threads must be an integer in 1..{MAX_COPY_THREADS}, got {n!r}")
+    with _helpers_lock:
+        _copy_threads, _idle = n, threading.Semaphore(n - 1)
 
 
 def _helper_pool() -> ThreadPoolExecutor:
     global _helpers
     with _helpers_lock:
         if _helpers is None:
-            _helpers = ThreadPoolExecutor(COPY_THREADS - 1, thread_name_prefix="kvtier-copy")
+            _helpers = ThreadPoolExecutor(MAX_COPY_THREADS - 1, thread_name_prefix="kvtier-copy")
         return _helpers
 
 
@@ -103,11 +134,74 @@ def _copy_all(pairs: Sequence[Pair], copy: Callable[[torch.Tensor, torch.Tensor]
         copy(dst, src)
 
 
-def _run_helper(pairs: Sequence[Pair], copy: Callable[[torch.Tensor, torch.Tensor], None]) -> None:
+def _run_all(items: Sequence[Any], fn: Callable[[Any], None]) -> None:
+    for item in items:
+        fn(item)
+
+
+def _run_helper(items: Sequence[Any], fn: Callable[[Any], None], slot: threading.Semaphore) -> None:
     try:
-        _copy_all(pairs, copy)
+        _run_all(items, fn)
     finally:
-        _idle.release()
+        slot.release()
+
+
+def _groups(sizes: Sequence[int], k: int) -> list[tuple[int, int]]:
+    """At most ``k`` consecutive, non-empty ``(start, end)`` ranges of ``sizes``' indexes, cut where
+    the running sum first reaches each ``g / k`` of the total (about equal bytes each)."""
+    total, bounds, acc = sum(sizes), [0], 0
+    for i, size in enumerate(sizes[:-1]):
+        acc += size
+        if len(bounds) < k and acc * k >= total * len(bounds):
+            bounds.append(i + 1)
+    bounds.append(len(sizes))
+    return list(zip(bounds, bounds[1:]))
+
+
+def split_run(items: Sequence[Any], sizes: Sequence[int], fn: Callable[[Any], None]) -> None:
+    """``fn(item)`` for every item, complete when this returns; with :data:`PARALLEL_MIN_BYTES` or
+    more in all (``sizes``: each item's bytes), the items are cut into :func:`copy_threads` groups
+    of about equal bytes, the first run by the caller and the others by helper threads (``fn`` must
+    release the GIL to gain). A group whose helper is busy (another call's), or that has not started
+    when the caller's is done, the caller runs itself: a call never waits behind another. If any
+    group raises, this raises once every started group is done (none still writing).
+
+    Lock order: none taken (the helpers are leaves; callers may hold a pool's lock).
+    """
+    n, slot = _copy_threads, _idle
+    if n < 2 or len(items) < 2 or sum(sizes) < PARALLEL_MIN_BYTES:
+        _run_all(items, fn)
+        return
+    groups = [items[a:b] for a, b in _groups(sizes, min(n, len(items)))]
+    futures = []
+    for group in groups[1:]:
+        if not slot.acquire(blocking=False):
+            break
+        try:
+            futures.append((_helper_pool().submit(_run_helper, group, fn, slot), group))
+        except RuntimeError:  # interpreter shutting down
+            slot.release()
+            break
+    error: BaseException | None = None
+    try:
+        _run_all(groups[0], fn)
+        for group in groups[1 + len(futures):]:
+            _run_all(group, fn)
+    except BaseException as e:  # noqa: BLE001 - raised below, once no helper is still writing
+        error = e
+    for fut, group in futures:
+        if fut.cancel():  # never started: run it here (or, after a failure, not at all)
+            slot.release()
+            if error is None:
+                try:
+                    _run_all(group, fn)
+                except BaseException as e:  # noqa: BLE001
+                    error = e
+        else:
+            exc = fut.exception()  # waits: never return (and let a lock go) while a helper writes
+            error = error or exc
+    if error is not None:
+        raise error
 
 
 def copy_pairs(pairs: Sequence[Pair], copy: Callable[[torch.Tensor, torch.Tensor], None] = _copy_one) -> None:
@@ -116,52 +210,70 @@ def copy_pairs(pairs: Sequence[Pair], copy: Callable[[torch.Tensor, torch.Tensor
     of ``src``'s rows at an index into ``dst``, :func:`scatter_layers`). ``src`` holds the bytes a pair
     moves; the pairs' destinations do not overlap, and ``copy`` must release the GIL to gain.
 
-    With :data:`PARALLEL_MIN_BYTES` or more in all, the pairs are cut in two halves of about equal
-    bytes and the second runs on a helper thread while the caller copies the first (torch's ``copy_``
-    and numpy's assignments release the GIL): two memory streams, 1.8-2.0x one on this machine, for
-    the copies that run while the client waits (a WriteKV commit). Plain threads, not torch's OpenMP
-    threads, which spin and made copies ~30x slower on a busy 2-core machine (README "Performance").
-    When the helper is busy (another call's half), or its half has not started by the time the
-    caller's is done, the caller copies it too: a call never waits behind another.
-
-    Lock order: none taken (the helper is a leaf; callers may hold a pool's lock).
+    Large calls are split over :func:`copy_threads` threads (:func:`split_run`): memory streams in
+    parallel (1.8-2.0x one thread for two on this machine) for the copies that run while the client
+    waits (a WriteKV commit).
     """
-    sizes = [src.numel() * src.element_size() for _, src in pairs]
-    total = sum(sizes)
-    if total < PARALLEL_MIN_BYTES or len(pairs) < 2 or COPY_THREADS < 2 or not _idle.acquire(blocking=False):
-        _copy_all(pairs, copy)
-        return
-    cut, done = 0, 0
-    while cut < len(pairs) - 1 and done + sizes[cut] <= total // 2:
-        done += sizes[cut]
-        cut += 1
-    cut = max(cut, 1)
-    try:
-        fut = _helper_pool().submit(_run_helper, pairs[cut:], copy)
-    except RuntimeError:  # interpreter shutting down
-        _idle.release()
-        _copy_all(pairs, copy)
-        return
-    try:
-        _copy_all(pairs[:cut], copy)
-    except BaseException:
-        if fut.cancel():
-            _idle.release()
+    split_run(pairs, [src.numel() * src.element_size() for _, src in pairs], lambda p: copy(p[0], p[1]))
+
+
+Job = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+"""``(dst, index, src)`` of one row copy along dim 0 (a gather: ``dst = src[index]``; a scatter:
+``dst[index] = src``), host tensors of one word dtype."""
+
+
+def _take(job: Job) -> None:
+    dst, index, src = job
+    # mode="clip": no bounds check (the pool checked the slots) and no buffered out= (numpy buffers
+    # `out` in the default mode); the GIL is released for the copy
+    np.take(src.numpy(), index.numpy(), axis=0, out=dst.numpy(), mode="clip")
+
+
+def gather_jobs(jobs: Sequence[Job]) -> None:
+    """``dst = src[index]`` (rows along dim 0) for every ``(dst, index, src)`` job of host tensors,
+    split over :func:`copy_threads` threads (numpy's ``take``, the GIL released: one memory stream a
+    thread, none of torch's OpenMP threads). ``index``: ``(n,)`` int64 rows of ``src`` (checked by
+    the caller); ``dst``: ``(n, *src.shape[1:])``, contiguous."""
+    split_run(jobs, [d.numel() * d.element_size() for d, _, _ in jobs], _take)
+
+
+def scatter_jobs(jobs: Sequence[Job]) -> None:
+    """``dst[index] = src`` (rows along dim 0) for every ``(dst, index, src)`` job of host tensors,
+    ``index`` distinct: rows in at most :data:`MAX_COPY_RUNS` runs of consecutive slots are block
+    copies, others numpy's fancy assignment (each row one block: 1.5-1.7x torch's ``index_copy_``),
+    all split over :func:`copy_threads` threads (the work of many layers spread over the cores; one
+    layer a thread at a time). Jobs that share an index tensor (every layer of one copy) find its
+    runs once."""
+    runs_of: dict[tuple[int, int], list[tuple[int, int]] | None] = {}
+    items: list[Job] = []
+    for dst, index, src in jobs:
+        key = (index.data_ptr(), index.numel())
+        if key not in runs_of:
+            runs_of[key] = slot_runs(index, MAX_COPY_RUNS)
+        runs = runs_of[key]
+        if runs is None:
+            items.append((dst, index, src))
         else:
-            fut.exception()  # the helper may still be writing: never return (and let the lock go) before it is done
-        raise
-    if fut.cancel():  # never started: copy it here
-        _idle.release()
-        _copy_all(pairs[cut:], copy)
-        return
-    fut.result()
+            items.extend((d, _NO_INDEX, r) for d, r in run_pairs(dst, runs, src))
+    split_run(items, [s.numel() * s.element_size() for _, _, s in items], _put)
+
+
+_NO_INDEX = torch.empty(0, dtype=torch.int64)
+
+
+def _put(job: Job) -> None:
+    dst, index, src = job
+    if index is _NO_INDEX:
+        dst.numpy()[...] = src.numpy()
+    else:
+        dst.numpy()[index.numpy()] = src.numpy()
 
 
 def scatter_layers(pairs: Sequence[Pair], index: torch.Tensor) -> None:
     """``dst[index[i]] = src[i]`` along dim 0 for every ``(dst, src)`` pair of host tensors (several
     layers, the same distinct ``(n,)`` int64 slots ``index``, scattered: more runs than
-    :data:`MAX_COPY_RUNS`), through numpy's fancy assignment, layers split over two threads
-    (:func:`copy_pairs`; 1.8x one thread for 78 GLM-5.2 layers of 4,096 scattered slots here).
+    :data:`MAX_COPY_RUNS`), through numpy's fancy assignment, layers split over the copy threads
+    (:func:`copy_pairs`; 1.8x one thread for 78 GLM-5.2 layers of 4,096 scattered slots on 2 cores).
     The index is read once for every layer."""
     rows = index.numpy()
 
@@ -242,10 +354,9 @@ class CopyEngine:
         """Copy every part's rows into the host buffer ``flat`` (laid out as :func:`host_views`);
         complete when this returns."""
         if self.device.type != "cuda":
-            for (src, index), dst in zip(parts, host_views(flat, parts)):
-                if index.numel():
-                    for g in range(src.shape[0]):
-                        gather_rows(src[g], 0, index, dst[g])
+            gather_jobs([(dst[g], index, src[g] if dst.dtype == src.dtype else src[g].view(dst.dtype))
+                         for (src, index), dst in zip(parts, host_views(flat, parts)) if index.numel()
+                         for g in range(src.shape[0])])
             return
         nbytes = sum(part_nbytes(s, i) for s, i in parts)
         if nbytes == 0:

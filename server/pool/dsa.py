@@ -23,7 +23,7 @@ from kvtier.server.hostmem import HostArena
 from kvtier.server.model_config import index_token_bytes
 from kvtier.server.pool.arena import as_words, word_dtype
 from kvtier.server.pool.buffer_info import BufferRange, BufInfos, live_ranges
-from kvtier.server.pool.device_copy import Part, scatter_rows
+from kvtier.server.pool.device_copy import Part
 from kvtier.server.pool.mla import MLATokenToKVPool, _check_out, _chunk_rows, whole_pages
 from kvtier.server.pool.validation import check_layer, check_unique
 
@@ -487,12 +487,12 @@ class DSATokenToKVPool(MLATokenToKVPool):
         uploaded = self._upload(lat_sources + idx_sources)
         lat_sources, idx_words = uploaded[:self.layer_num], [g[0] for g in uploaded[self.layer_num:]]
         whole = self._whole_pages(slots, page_idx, offset) if self.live_layers else None
-        self._load_latent(lat_sources, slots)
+        jobs = self._latent_jobs(lat_sources, slots)
+        if self.live_layers and whole is not None:  # every layer's scatter in one split over the copy threads
+            jobs += [(self._page_words[pos], whole, words) for pos, words in enumerate(idx_words)]
+        self._scatter(jobs)
         if self.live_layers:
-            if whole is not None:
-                for pos, words in enumerate(idx_words):
-                    scatter_rows(self._page_words[pos], whole, words)
-            else:
+            if whole is None:
                 tp, to = slots // self.page_size, slots % self.page_size
                 page_idx, offset = page_idx.to(self.device), offset.to(self.device)
                 for pos, words in enumerate(idx_words):

@@ -24,7 +24,8 @@ from kvtier.server.model_config import KV_CACHE_DTYPES, latent_row_bytes
 from kvtier.memfd import SharedMemory
 from kvtier.server.pool.arena import alloc_arena, as_words, check_arena, host_buffer, resolve_device, shared_arena, word_dtype
 from kvtier.server.pool.buffer_info import BufInfos
-from kvtier.server.pool.device_copy import MAX_COPY_RUNS, CopyEngine, Part, copy_pairs, run_pairs, scatter_layers, scatter_rows, slot_runs
+from kvtier.server.pool.device_copy import (MAX_COPY_RUNS, CopyEngine, Job, Part, copy_pairs, run_pairs, scatter_jobs,
+                                            scatter_layers, scatter_rows, slot_runs)
 from kvtier.server.pool.validation import as_slots, check_layer, check_rows, check_unique
 
 KV_CHUNK_SLOTS = 8192  # get_cpu_copy: latent chunks hold at most this many slots
@@ -267,10 +268,10 @@ class MLATokenToKVPool:
             return
         if self.device.type == "cpu":
             runs = slot_runs(slots, MAX_COPY_RUNS)
-            if runs is not None:  # runs of slots (whole pages): block copies, on two threads
+            if runs is not None:  # runs of slots (whole pages): block copies, split over the copy threads
                 copy_pairs([pair for pos, data in todo for pair in run_pairs(self._lat_words[pos], runs, as_words(data, self._lat_word))])
                 return
-            # scattered slots: numpy's fancy assignment, the layers on two threads
+            # scattered slots: numpy's fancy assignment, the layers split over the copy threads
             scatter_layers([(self._lat_words[pos], as_words(data, self._lat_word)) for pos, data in todo], slots)
             return
         for pos, data in todo:
@@ -402,20 +403,32 @@ class MLATokenToKVPool:
         """Each checked chunk as a ``(rows, words)`` view, where it lies (nothing written yet)."""
         return [[as_words(c.reshape(c.shape[0], -1), self._lat_word) for c in chunks] for chunks in kv]
 
-    def _load_latent(self, sources: list[list[torch.Tensor]], slots: torch.Tensor) -> None:
-        """Scatter checked source chunks (already on the pool's device) onto ``slots``: as page rows
-        when the slots are whole pages in order (chunks hold whole pages), else token rows."""
+    def _latent_jobs(self, sources: list[list[torch.Tensor]], slots: torch.Tensor) -> list[Job]:
+        """The ``(dst, index, src)`` scatters of checked source chunks (already on the pool's device)
+        onto ``slots``: page rows when the slots are whole pages in order (chunks hold whole pages),
+        else token rows."""
         ps = self.page_size
         pages = whole_pages(slots, ps, self._lat_full_pages)
+        jobs = []
         for layer, chunks in enumerate(sources):
             start = 0
             for data in chunks:
                 rows = data.shape[0]
                 if pages is not None:
-                    scatter_rows(self._lat_pages[layer], pages[start // ps:(start + rows) // ps], data.reshape(rows // ps, -1))
+                    jobs.append((self._lat_pages[layer], pages[start // ps:(start + rows) // ps], data.reshape(rows // ps, -1)))
                 else:
-                    scatter_rows(self._lat_words[layer], slots[start:start + rows], data)
+                    jobs.append((self._lat_words[layer], slots[start:start + rows], data))
                 start += rows
+        return jobs
+
+    def _scatter(self, jobs: list[Job]) -> None:
+        """Run scatters (:meth:`_latent_jobs`): on the CPU split over the copy threads
+        (:func:`scatter_jobs`), on a device one ``index_copy_`` each."""
+        if self.device.type == "cpu":
+            scatter_jobs(jobs)
+            return
+        for dst, index, src in jobs:
+            scatter_rows(dst, index, src)
 
     def _upload(self, sources: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
         """``sources`` (nested lists of host tensors) on the pool's device, nesting kept (one DMA on
@@ -436,7 +449,7 @@ class MLATokenToKVPool:
         if not isinstance(copy, Mapping) or "kv" not in copy:
             raise ValueError("copy must be a mapping with a 'kv' entry (a get_cpu_copy result)")
         self._check_latent_copy(copy["kv"], slots.numel())
-        self._load_latent(self._upload(self._latent_sources(copy["kv"])), slots)
+        self._scatter(self._latent_jobs(self._upload(self._latent_sources(copy["kv"])), slots))
         self._copier.finish()
 
 

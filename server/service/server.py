@@ -323,7 +323,10 @@ def serve(config: DaemonConfig) -> int:
         check_engine_available()  # likewise a missing library
     import torch
 
+    from kvtier.server.pool.device_copy import set_copy_threads
+
     torch.set_num_threads(config.torch_threads)
+    set_copy_threads(config.copy_threads or min(os.cpu_count() or 1, 64))
     keep_freed_memory()  # gRPC's message buffers and LMDB's transaction pages are reused, not faulted in per call
     state = Daemon(config)
     state.create_configured_pools()

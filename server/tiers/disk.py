@@ -64,7 +64,6 @@ from kvtier.server.tiers.disk_faults import (
 from kvtier.server.tiers.disk_env import (  # noqa: F401 - DiskTierConfig, disk_charge, open_environment: re-exported
     LMDB_PAGE_BYTES, MAX_KEY_BYTES, DiskTierConfig, close_environment, disk_charge, open_environment,
 )
-from kvtier.server.tiers._recordio import copy_check
 from kvtier.server.tiers.disk_reads import ABSENT, SHORT, ReadChunks, copy_records, damage_reason, writable_bytes
 from kvtier.server.tiers.disk_writer import DiskJob, WriteBehind, WriteBehindFailed
 from kvtier.server.tiers.errors import EnvironmentInUseError, RecordError, TierFullError, TierUnavailableError
@@ -639,7 +638,7 @@ class DiskTier(Tier):
                     for i in empty:
                         codes[i] = SHORT
                 else:
-                    codes = copy_check(views, dsts, self.config.verify_reads)  # one native call a window
+                    codes = copy_records(views, dsts, self.config.verify_reads)  # one native call a window
         except Exception as e:
             if not is_io_fault(e):
                 raise

@@ -7,7 +7,8 @@ records are one native call (fix 11: ~20 Python operations a record, each made d
 the copy evicts, cost ~15 us of a ~45 us record).
 
 * :func:`copy_records`: copy a window of records out of LMDB's views and check each (the native
-  helper ``_recordio``, built from ``_recordio.c`` by ``pip install``; a required part);
+  helper ``_recordio``, built from ``_recordio.c`` by ``pip install``; where it could not be built,
+  its pure-Python stand-in ``recordio_py``, same results, slower: :mod:`kvtier.native`);
 * :func:`writable_bytes`: a caller's tensor as a buffer to copy into, without numpy;
 * :class:`ReadChunks`: buffers for records a caller borrows, carved as a stack out of chunks of the
   tier's read arena: the next record lands where the last dropped one was (still in the cache);
@@ -26,7 +27,9 @@ import numpy as np
 import torch
 
 from kvtier.server.hostmem import HostArena
-from kvtier.server.tiers import _recordio
+from kvtier.native import load
+
+_recordio = load("kvtier.server.tiers._recordio")
 
 from_numpy = torch.from_numpy
 

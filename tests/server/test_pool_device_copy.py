@@ -9,7 +9,8 @@ import torch
 from kvtier.server.model_config import DSAModelConfig
 from kvtier.server.pool import create_pool, slots_of_pages
 from kvtier.server.pool import device_copy
-from kvtier.server.pool.device_copy import CopyEngine, contiguous_span, copy_pairs, host_views, part_nbytes, scatter_layers, scatter_rows
+from kvtier.server.pool.device_copy import (CopyEngine, contiguous_span, copy_pairs, gather_jobs, host_views, part_nbytes,
+                                            scatter_jobs, scatter_layers, scatter_rows)
 from pool_reference import RefPool, assert_same_bytes, randomize, snapshot
 
 
@@ -112,6 +113,15 @@ def test_cuda_load_of_a_copy_made_of_separate_tensors_uploads_each():
     assert_same_bytes(expected.buffers(), snapshot(pool))
 
 
+@pytest.fixture
+def two_copy_threads():
+    """Copies split over 2 threads (the caller's and one helper's) whatever the machine's cores, restored after."""
+    before = device_copy.copy_threads()
+    device_copy.set_copy_threads(2)
+    yield
+    device_copy.set_copy_threads(before)
+
+
 def _pairs(sizes: list[int], seed: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[torch.Tensor], torch.Tensor]:
     """Random sources and back-to-back slices of one zeroed buffer (4 KiB of slack at its end)."""
     g = torch.Generator().manual_seed(seed)
@@ -125,7 +135,7 @@ def _pairs(sizes: list[int], seed: int) -> tuple[list[tuple[torch.Tensor, torch.
 
 
 @pytest.mark.parametrize("sizes", [[3 << 20] * 6, [100, 5000, 1], [9 << 20], [1 << 20, 15 << 20]])
-def test_copy_pairs_copies_every_pair(sizes):
+def test_copy_pairs_copies_every_pair(two_copy_threads, sizes):
     """Large copies (cut in two halves, one on the helper thread), small ones (the caller alone), one
     pair, and uneven pairs: every destination holds its source's bytes, nothing else is written."""
     pairs, srcs, buf = _pairs(sizes, seed=len(sizes))
@@ -134,7 +144,7 @@ def test_copy_pairs_copies_every_pair(sizes):
     assert buf[sum(sizes):].eq(0).all()
 
 
-def test_copy_pairs_does_not_wait_for_a_busy_helper():
+def test_copy_pairs_does_not_wait_for_a_busy_helper(two_copy_threads):
     """With the helper taken (another call's half), a large copy runs on the caller alone and finishes."""
     pairs, srcs, buf = _pairs([4 << 20] * 4, seed=7)
     assert device_copy._idle.acquire(timeout=60)
@@ -145,7 +155,7 @@ def test_copy_pairs_does_not_wait_for_a_busy_helper():
     assert torch.equal(buf[:16 << 20], torch.cat(srcs))
 
 
-def test_copy_pairs_waits_for_the_helper_when_the_callers_half_fails():
+def test_copy_pairs_waits_for_the_helper_when_the_callers_half_fails(two_copy_threads):
     """The caller's half raises (a pair of unequal sizes): copy_pairs raises it only once the helper's
     half is done, or cancelled before it began (the caller's half can fail before the helper thread
     picks its half up, on a loaded machine), so no copy is still writing after the caller (which may
@@ -162,3 +172,67 @@ def test_copy_pairs_waits_for_the_helper_when_the_callers_half_fails():
     assert torch.equal(dst, at_return)
     assert device_copy._idle.acquire(timeout=60)  # the helper gave its slot back
     device_copy._idle.release()
+
+
+@pytest.fixture
+def threads_and_no_minimum(monkeypatch):
+    """Set the copy threads (restored after) and split copies of any size, so small tests take the
+    threaded path a 221 MB request takes."""
+    before = device_copy.copy_threads()
+    monkeypatch.setattr(device_copy, "PARALLEL_MIN_BYTES", 0)
+    yield device_copy.set_copy_threads
+    device_copy.set_copy_threads(before)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 5])
+def test_gather_and_scatter_jobs_equal_torch_on_any_thread_count(threads_and_no_minimum, threads):
+    """Seven layers' gathers and scatters (scattered rows, rows in runs, one empty index) split over
+    1-5 threads: every destination equals torch's index_select / index_copy_ of the same rows, and
+    rows not named keep their bytes."""
+    threads_and_no_minimum(threads)
+    g = torch.Generator().manual_seed(threads)
+    srcs = [torch.randint(-2**62, 2**62, (50, 9), dtype=torch.int64, generator=g) for _ in range(7)]
+    scattered = torch.randperm(50, generator=g)[:20]
+    in_runs = torch.cat([torch.arange(3, 9), torch.arange(30, 34)])
+    indexes = [scattered, in_runs, torch.empty(0, dtype=torch.int64)] * 3
+    outs = [torch.full((idx.numel(), 9), -1, dtype=torch.int64) for idx in indexes[:7]]
+    gather_jobs([(o, idx, s) for o, idx, s in zip(outs, indexes, srcs)])
+    for o, idx, s in zip(outs, indexes, srcs):
+        assert torch.equal(o, s.index_select(0, idx))
+    dsts = [torch.randint(0, 9, (50, 9), dtype=torch.int64, generator=g) for _ in range(7)]
+    want = [d.clone().index_copy_(0, idx, o) for d, idx, o in zip(dsts, indexes, outs)]
+    scatter_jobs([(d, idx, o) for d, idx, o in zip(dsts, indexes, outs)])
+    for d, w in zip(dsts, want):
+        assert torch.equal(d, w)
+
+
+def test_the_groups_are_consecutive_non_empty_and_about_equal_in_bytes():
+    assert device_copy._groups([10] * 8, 2) == [(0, 4), (4, 8)]
+    assert device_copy._groups([10] * 8, 3) == [(0, 3), (3, 6), (6, 8)]  # 30 >= 80/3, 60 >= 160/3
+    assert device_copy._groups([100, 1, 1, 1], 2) == [(0, 1), (1, 4)]
+    assert device_copy._groups([1, 1], 5) == [(0, 1), (1, 2)]  # never more groups than items
+    assert device_copy._groups([5], 4) == [(0, 1)]
+
+
+def test_copy_threads_refuses_what_is_not_a_thread_count():
+    before = device_copy.copy_threads()
+    for bad in (0, -1, device_copy.MAX_COPY_THREADS + 1, 2.0, True, "2"):
+        with pytest.raises(ValueError, match="copy threads"):
+            device_copy.set_copy_threads(bad)
+    assert device_copy.copy_threads() == before
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_a_request_copy_and_load_split_over_threads_moves_the_same_bytes(threads_and_no_minimum, threads):
+    """get_cpu_copy of scattered whole pages and of scattered single slots, loaded onto other slots,
+    with the copy split over 1 and 3 threads: the pool equals the reference pool's moves."""
+    threads_and_no_minimum(threads)
+    model = DSAModelConfig.from_preset("glm-5.2", num_layers=8)
+    pool = create_pool(model, 2048, device="cpu")
+    randomize(pool, 11)
+    for src, dst in ((slots_of_pages(torch.tensor([9, 2, 5]), 64), slots_of_pages(torch.tensor([20, 14, 17]), 64)),
+                     (torch.tensor([70, 3, 900, 65]), torch.tensor([1500, 1600, 1601, 77]))):
+        expected = RefPool(pool)
+        expected.move(dst.tolist(), src.tolist())
+        pool.load_cpu_copy(pool.get_cpu_copy(src), dst)
+        assert_same_bytes(expected.buffers(), snapshot(pool))

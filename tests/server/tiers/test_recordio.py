@@ -1,7 +1,8 @@
 """The disk tier's native window read (``server/tiers/_recordio.c`` via ``disk_reads.copy_records``):
 byte-exact copies, the same verdict as ``verify_record`` (the Python reference, hashing with the
 ``xxhash`` package) for a damaged byte in each part of a record, absent keys, and destinations too
-small refused before anything is copied."""
+small refused before anything is copied. Every test of the calls runs on the native module and on its
+pure-Python stand-in (``recordio_py``, used where the extension was not built)."""
 
 from __future__ import annotations
 
@@ -14,9 +15,14 @@ import xxhash
 
 from kvtier.server.pool import slots_of_pages
 from kvtier.server.tiers import RecordError, verify_record
-from kvtier.server.tiers import _recordio
-from kvtier.server.tiers.disk_reads import ABSENT, copy_records, damage_reason
+from kvtier.server.tiers import _recordio, recordio_py
+from kvtier.server.tiers.disk_reads import ABSENT, damage_reason
 from tierkit import PAGE, ROW, fill_page, record_of
+
+
+@pytest.fixture(params=[_recordio, recordio_py], ids=["native", "pure"])
+def rio(request):
+    return request.param
 
 
 def _dst(n: int) -> memoryview:
@@ -29,30 +35,30 @@ def _multi_page_record(codec, pool, first: int, pages: int, tokens: int) -> torc
     return codec.encode_from_pool(pool, slots_of_pages(torch.arange(first, first + pages), PAGE)[:tokens])
 
 
-def test_a_window_comes_back_byte_for_byte_with_each_records_token_count(pool, codec):
+def test_a_window_comes_back_byte_for_byte_with_each_records_token_count(rio, pool, codec):
     """Records of different sizes (one page; three pages cut to 150 tokens), one absent key, in one
     call: each copy equals its source, the codes are the token counts and ABSENT."""
     recs = [record_of(codec, pool, 1, seed=1), _multi_page_record(codec, pool, 2, 3, 150), record_of(codec, pool, 6, seed=2)]
     views = [memoryview(recs[0].numpy()), None, memoryview(recs[1].numpy()), memoryview(recs[2].numpy())]
     dsts = [_dst(recs[0].numel() + 100), None, _dst(recs[1].numel()), _dst(recs[2].numel())]
-    codes = copy_records(views, dsts, True)
+    codes = rio.copy_check(views, dsts, True)
     assert codes == [PAGE, ABSENT, 150, PAGE]
     for rec, d in zip(recs, [dsts[0], dsts[2], dsts[3]]):
         assert bytes(d[:rec.numel()]) == rec.numpy().tobytes()
     assert bytes(dsts[0][recs[0].numel():]) == bytes(100)  # nothing past the record is written
 
 
-def test_the_checksum_is_xxh3_64_as_the_python_package_computes_it():
+def test_the_checksum_is_xxh3_64_as_the_python_package_computes_it(rio):
     """Records written before (hashed by the ``xxhash`` package) must still read: the linked library's
     XXH3_64bits gives the same value at every length class of xxh3 (0-16, 17-128, 129-240, long)."""
     for n in (0, 1, 3, 8, 16, 17, 100, 128, 129, 240, 241, 1024, 4096 + 7, 194_048):
         data = os.urandom(n)
-        assert _recordio.xxh3_64(data) == xxhash.xxh3_64_intdigest(data), n
+        assert rio.xxh3_64(data) == xxhash.xxh3_64_intdigest(data), n
 
 
 @pytest.mark.parametrize("where", ["magic", "version", "n_tokens", "fp_len", "latent_len", "src_len", "checksum",
                                    "fingerprint", "layer_mask", "pad", "latent", "index", "src_loc", "last"])
-def test_a_damaged_byte_anywhere_is_refused_as_verify_record_refuses_it(pool, codec, where):
+def test_a_damaged_byte_anywhere_is_refused_as_verify_record_refuses_it(rio, pool, codec, where):
     """One flipped byte in each part of a record: verify_record (the reference) refuses it, and so
     does the native check, naming a failure; the good record next to it in the window still passes."""
     rec = record_of(codec, pool, 1, seed=3)
@@ -67,14 +73,14 @@ def test_a_damaged_byte_anywhere_is_refused_as_verify_record_refuses_it(pool, co
     with pytest.raises(RecordError):
         verify_record(bad)
     dsts = [_dst(n), _dst(n)]
-    codes = copy_records([memoryview(bad.numpy()), memoryview(rec.numpy())], dsts, True)
+    codes = rio.copy_check([memoryview(bad.numpy()), memoryview(rec.numpy())], dsts, True)
     assert codes[0] < 0 and codes[0] != ABSENT and codes[1] == PAGE
     assert damage_reason(codes[0])
     assert bytes(dsts[1]) == rec.numpy().tobytes()
     assert torch.equal(bad[pos], rec[pos] ^ 0x10)  # the source is never written
 
 
-def test_the_failed_check_is_named(pool, codec):
+def test_the_failed_check_is_named(rio, pool, codec):
     rec = record_of(codec, pool, 1, seed=4)
     n = rec.numel()
     cases = {}
@@ -83,7 +89,7 @@ def test_the_failed_check_is_named(pool, codec):
         bad[pos] ^= 1
         cases[name] = bad.numpy()
     cut = rec[:-8].clone().numpy()
-    codes = copy_records([memoryview(cases[k]) for k in cases] + [memoryview(cut), memoryview(bytes(20))],
+    codes = rio.copy_check([memoryview(cases[k]) for k in cases] + [memoryview(cut), memoryview(bytes(20))],
                          [_dst(n) for _ in range(len(cases) + 2)], True)
     reasons = [damage_reason(c) for c in codes]
     assert "magic" in reasons[0] and "version" in reasons[1] and "length" in reasons[2]
@@ -91,27 +97,27 @@ def test_the_failed_check_is_named(pool, codec):
     assert "checksum" in reasons[4] and "length" in reasons[5] and "shorter" in reasons[6]
 
 
-def test_without_verify_the_bytes_are_copied_unchecked(pool, codec):
+def test_without_verify_the_bytes_are_copied_unchecked(rio, pool, codec):
     rec = record_of(codec, pool, 1, seed=5)
     bad = rec.clone()
     bad[codec.header_nbytes + 7] ^= 1
     d = _dst(rec.numel())
-    assert copy_records([memoryview(bad.numpy())], [d], False) == [0]
+    assert rio.copy_check([memoryview(bad.numpy())], [d], False) == [0]
     assert bytes(d) == bad.numpy().tobytes()
 
 
-def test_a_destination_too_small_is_refused_before_any_copy(pool, codec):
+def test_a_destination_too_small_is_refused_before_any_copy(rio, pool, codec):
     """The third of three destinations is one byte short: ValueError, and not one byte of the first
     two (which fit) was written."""
     recs = [record_of(codec, pool, 1 + i, seed=6 + i) for i in range(3)]
     dsts = [_dst(recs[0].numel()), _dst(recs[1].numel()), _dst(recs[2].numel() - 1)]
     with pytest.raises(ValueError, match="too small"):
-        copy_records([memoryview(r.numpy()) for r in recs], dsts, True)
+        rio.copy_check([memoryview(r.numpy()) for r in recs], dsts, True)
     assert all(bytes(d) == bytes(len(d)) for d in dsts)
     with pytest.raises(ValueError, match="sources"):
-        copy_records([memoryview(recs[0].numpy())], [], True)
+        rio.copy_check([memoryview(recs[0].numpy())], [], True)
     with pytest.raises(BufferError):
-        copy_records([memoryview(recs[0].numpy())], [bytes(recs[0].numel())], True)  # not writable
+        rio.copy_check([memoryview(recs[0].numpy())], [bytes(recs[0].numel())], True)  # not writable
 
 
 def _cpu_has_avx2() -> bool:
@@ -124,6 +130,7 @@ def test_the_one_pass_copy_and_hash_runs_where_the_cpu_has_avx2():
     one pass; elsewhere the copy-then-hash path serves (the same digests, tested below either way)."""
     import platform
 
+    assert recordio_py.FUSED_COPY_HASH == 0
     if platform.machine() == "x86_64":
         assert _recordio.FUSED_COPY_HASH == int(_cpu_has_avx2())
     else:
@@ -132,7 +139,7 @@ def test_the_one_pass_copy_and_hash_runs_where_the_cpu_has_avx2():
 
 @pytest.mark.parametrize("n", [56, 64, 200, 240, 241, 255, 256, 1023, 1024, 1025, 1088, 2047, 2048, 4096 + 7,
                                16 * 1024 - 1, 194_048, 1_000_003])
-def test_copy_and_hash_equals_xxh3_of_the_record_with_its_checksum_field_zeroed(n):
+def test_copy_and_hash_equals_xxh3_of_the_record_with_its_checksum_field_zeroed(rio, n):
     """``copy_xxh3`` (the path ``copy_check`` takes: one pass on AVX2) returns the ``xxhash``
     package's xxh3_64 of the source with bytes 48-55 read as zeros, at every length class of xxh3's
     long input (stripes, 1 KiB blocks, a last partial block, a last stripe overlapping the one
@@ -143,7 +150,7 @@ def test_copy_and_hash_equals_xxh3_of_the_record_with_its_checksum_field_zeroed(
         src = rng.integers(0, 256, size=n + src_off, dtype=np.uint8)
         dst = np.full(n + dst_off + 64, 0xA5, dtype=np.uint8)
         s, d = memoryview(src)[src_off:], memoryview(dst)[dst_off:dst_off + n + 64]
-        digest = _recordio.copy_xxh3(d, s)
+        digest = rio.copy_xxh3(d, s)
         expect = xxhash.xxh3_64_intdigest(bytes(s[:48]) + bytes(8) + bytes(s[56:]))
         assert digest == expect, (n, src_off, dst_off)
         assert bytes(d[:n]) == bytes(s)
@@ -151,24 +158,24 @@ def test_copy_and_hash_equals_xxh3_of_the_record_with_its_checksum_field_zeroed(
         assert bytes(dst[:dst_off]) == b"\xa5" * dst_off
 
 
-def test_copy_and_hash_catches_a_flip_in_every_stripe_of_a_block():
+def test_copy_and_hash_catches_a_flip_in_every_stripe_of_a_block(rio):
     """One flipped bit at each 64-byte stripe of the first 2 KiB and near the end changes the digest
     (the checksum field itself excepted: it is read as zeros)."""
     base = np.random.default_rng(1).integers(0, 256, size=5000, dtype=np.uint8)
-    ref = _recordio.copy_xxh3(bytearray(5000), base)
+    ref = rio.copy_xxh3(bytearray(5000), base)
     for pos in [*range(0, 2048, 64), 4935, 4999]:
         bad = base.copy()
         bad[pos] ^= 0x04
-        got = _recordio.copy_xxh3(bytearray(5000), bad)
+        got = rio.copy_xxh3(bytearray(5000), bad)
         assert (got == ref) == (48 <= pos < 56), pos
-    assert _recordio.copy_xxh3(bytearray(5000), base) == ref
+    assert rio.copy_xxh3(bytearray(5000), base) == ref
     field = base.copy()
     field[50] ^= 0xFF
-    assert _recordio.copy_xxh3(bytearray(5000), field) == ref
+    assert rio.copy_xxh3(bytearray(5000), field) == ref
 
 
-def test_copy_and_hash_refuses_short_inputs_and_small_destinations():
+def test_copy_and_hash_refuses_short_inputs_and_small_destinations(rio):
     with pytest.raises(ValueError, match="at least 56"):
-        _recordio.copy_xxh3(bytearray(64), bytes(55))
+        rio.copy_xxh3(bytearray(64), bytes(55))
     with pytest.raises(ValueError, match="too small"):
-        _recordio.copy_xxh3(bytearray(100), bytes(101))
+        rio.copy_xxh3(bytearray(100), bytes(101))
