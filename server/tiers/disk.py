@@ -69,7 +69,6 @@ from kvtier.server.tiers.disk_reads import ABSENT, SHORT, ReadChunks, copy_recor
 from kvtier.server.tiers.disk_writer import DiskJob, WriteBehind, WriteBehindFailed
 from kvtier.server.tiers.errors import EnvironmentInUseError, RecordError, TierFullError, TierUnavailableError
 from kvtier.server.tiers.health import TierHealth
-from kvtier.server.tiers.policy import TierIndex
 from kvtier.server.tiers.record import verify_record
 
 # Pauses between retries of a put transaction that hit MapFullError while read transactions still
@@ -147,7 +146,7 @@ class DiskTier(Tier):
 
     def __init__(self, config: DiskTierConfig) -> None:
         config.validate()
-        super().__init__(TierIndex(config.record_budget))
+        super().__init__(config.make_index(config.record_budget))
         self.health = TierHealth(self.name, backoff_initial_s=config.probe_backoff_initial_s,
                                  backoff_max_s=config.probe_backoff_max_s)
         self.config = config
