@@ -57,7 +57,7 @@ import torch
 
 from kvtier.server.hostmem import HostArena
 from kvtier.server.hostmem.malloc import keep_freed_memory
-from kvtier.server.tiers.base import EvictHook, RecordLike, Tier
+from kvtier.server.tiers.base import EvictHook, RecordLike, Tier, record_nbytes
 from kvtier.server.tiers.disk_faults import (
     check_disk_path, check_injected_fault, describe_fault, free_bytes, is_io_fault, open_failure,
 )
@@ -298,6 +298,12 @@ class DiskTier(Tier):
         if self.health.healthy:
             self._env()
         return super().lookup(keys)
+
+    def admits(self, items: Sequence[tuple[bytes, RecordLike]]) -> list[bool]:
+        """For each ``(key, record)``, whether the policy admits it (:meth:`TierIndex.admit`: always
+        while it fits; the stack passes on what is turned away, counted ``(not admitted)``)."""
+        with self.index.lock:
+            return [self.index.admit(k, disk_charge(record_nbytes(r))) for k, r in items]
 
     def nbytes(self, keys: Sequence[bytes]) -> list[int | None]:
         if not self.health.healthy:

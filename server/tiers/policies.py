@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 
+from kvtier.server.tiers.hit_density import HitDensityPolicy
 from kvtier.server.tiers.policy import CachePolicy, Key, LRUPolicy
 
 
@@ -216,7 +217,8 @@ class ARCPolicy(CachePolicy):
         return list(self.t1) + list(self.t2)
 
 
-POLICIES: dict[str, type[CachePolicy]] = {"lru": LRUPolicy, "s3fifo": S3FIFOPolicy, "arc": ARCPolicy}
+POLICIES: dict[str, type[CachePolicy]] = {"lru": LRUPolicy, "s3fifo": S3FIFOPolicy, "arc": ARCPolicy,
+                                          "hitdensity": HitDensityPolicy}
 
 
 def policy_names() -> list[str]:
@@ -242,4 +244,4 @@ def make_policy(name: str) -> CachePolicy:
 
 
 #: What ``default`` means (``kvtier serve`` and ``kvtier replay`` use it unless told otherwise).
-DEFAULT_POLICY = "lru"
+DEFAULT_POLICY = "hitdensity"

@@ -64,6 +64,13 @@ class SimTier(Tier):
         self.config = config
         self._sizes: dict[bytes, int] = {}
 
+    def admits(self, items: Sequence[tuple[bytes, RecordLike]]) -> list[bool]:
+        """The disk tier's admission rule, for the disk's twin (others admit everything)."""
+        if not self.config.lmdb_charge:
+            return [True] * len(items)
+        with self.index.lock:
+            return [self.index.admit(k, self._charge(record_nbytes(r))) for k, r in items]
+
     def _charge(self, n: int) -> int:
         return disk_charge(n) if self.config.lmdb_charge else n
 
