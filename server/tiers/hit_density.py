@@ -33,6 +33,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 from kvtier.server.tiers.policy import CachePolicy, Key
+from kvtier.server.tiers.reuse import ReuseHistory
 
 CLASSES = 4
 BINS = 48
@@ -53,6 +54,7 @@ class HitDensityPolicy(CachePolicy):
     name = "hitdensity"
     DECAY = 0.9
     RECONFIGURE = 4096
+    ADMISSION = True
 
     def __init__(self) -> None:
         self.queues: list[OrderedDict[Key, int]] = [OrderedDict() for _ in range(CLASSES)]
@@ -66,7 +68,19 @@ class HitDensityPolicy(CachePolicy):
         self.hits = [[0.0] * BINS for _ in range(CLASSES)]
         self.ends = [[0.0] * BINS for _ in range(CLASSES)]
         self.density = [[0.0] * BINS for _ in range(CLASSES)]
+        self.hit_chance = [[1.0] * BINS for _ in range(CLASSES)]  # P(used again | class, age)
         self._events = 0
+        self.history: ReuseHistory | None = None
+        self._key_of: Callable[[Key], Key] = lambda k: k
+
+    def use_history(self, history: object, key_of: Callable[[Key], Key] = lambda k: k) -> None:
+        if isinstance(history, ReuseHistory):
+            self.history, self._key_of = history, key_of
+
+    def _class(self, key: Key, fallback: int) -> int:
+        """The key's class: from the prefix cache's history when there is one, else ``fallback``
+        (this tier's own reuse count)."""
+        return self.history.class_of(self._key_of(key)) if self.history is not None else fallback
 
     def bind(self, capacity: int) -> None:
         self.capacity = capacity
@@ -81,7 +95,7 @@ class HitDensityPolicy(CachePolicy):
         """Recompute the density table from the counts, then decay the counts."""
         self._events = 0
         for c in range(CLASSES):
-            hits, ends, dens = self.hits[c], self.ends[c], self.density[c]
+            hits, ends, dens, chance = self.hits[c], self.ends[c], self.density[c], self.hit_chance[c]
             h_ge = n_ge = life_ge = 0.0
             for b in range(BINS - 1, -1, -1):
                 n = hits[b] + ends[b]
@@ -90,6 +104,7 @@ class HitDensityPolicy(CachePolicy):
                 life_ge += n * _AGE[b]
                 remaining = life_ge - n_ge * _AGE[b]  # expected accesses left, summed over entries this old
                 dens[b] = h_ge / max(remaining, n_ge, 1e-9) if n_ge else -1.0
+                chance[b] = h_ge / n_ge if n_ge else -1.0
                 hits[b] *= self.DECAY
                 ends[b] *= self.DECAY
             # ages past any lifetime seen (no data): the density of the oldest age with data
@@ -99,6 +114,12 @@ class HitDensityPolicy(CachePolicy):
                     dens[b] = known if known is not None else 0.0
                 else:
                     known = dens[b]
+            known = next((p for p in chance if p >= 0.0), None)
+            for b in range(BINS):
+                if chance[b] < 0.0:
+                    chance[b] = known if known is not None else 1.0
+                else:
+                    known = chance[b]
 
     def _score(self, key: Key) -> float:
         return self.density[self.cls[key]][_bin(self.clock - self.stamp[key])]
@@ -108,7 +129,7 @@ class HitDensityPolicy(CachePolicy):
         c = self.cls[key]
         self.hits[c][_bin(self.clock - self.stamp[key])] += 1
         size = self.queues[c].pop(key)
-        c2 = min(c + 1, CLASSES - 1)
+        c2 = self._class(key, min(c + 1, CLASSES - 1))
         self.queues[c2][key] = size
         self.cls[key] = c2
         self.stamp[key] = self.clock
@@ -117,7 +138,7 @@ class HitDensityPolicy(CachePolicy):
 
     def _start_class(self, key: Key) -> int:
         g = self.ghost.get(key)
-        return 0 if g is None else min(g[0] + 1, CLASSES - 1)
+        return self._class(key, 0 if g is None else min(g[0] + 1, CLASSES - 1))
 
     def insert(self, key: Key, nbytes: int) -> None:
         if key in self.cls:
@@ -131,6 +152,7 @@ class HitDensityPolicy(CachePolicy):
             self.hits[gc][_bin(self.clock - gstamp)] += 1
             c = min(gc + 1, CLASSES - 1)
             self._event()
+        c = self._class(key, c)
         self.queues[c][key] = nbytes
         self.cls[key] = c
         self.stamp[key] = self.clock
@@ -185,11 +207,14 @@ class HitDensityPolicy(CachePolicy):
         return chosen
 
     def admit(self, key: Key, nbytes: int) -> bool:
+        if not self.ADMISSION:
+            return True
         victim = self._candidates(set(), lambda k: True)
         if victim is None:
             return True
         c = self._start_class(key)
-        if self.density[c][0] >= self._score(victim):
+        vc, vbin = self.cls[victim], _bin(self.clock - self.stamp[victim])
+        if self.hit_chance[c][0] >= self.hit_chance[vc][vbin]:
             return True
         g = self.ghost.pop(key, None)  # refused: remembered as a ghost (an end at age 0)
         if g is not None:

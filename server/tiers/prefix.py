@@ -136,6 +136,8 @@ class PrefixCache:
         self._lock = threading.RLock()
         self._device = TierIndex(capacity=1 << 62, policy=make_policy(policy), policy_capacity=allocator.num_pages)
         self.policy = resolve_policy(policy)
+        self.history = stack.reuse_history(allocator.num_pages, self.page_record_bytes)
+        self._device.policy.use_history(self.history, self._tier_key)
         self._pages: dict[bytes, int] = {}
         self._leases: dict[str, _Lease] = {}
         self.lease_ttl_seconds = lease_ttl_seconds
@@ -291,6 +293,7 @@ class PrefixCache:
             self.expire_leases()
             found = self._lookup(keys).tiers
             found = found[: total // self.page_size]
+            self.history.observe([self._tier_key(k) for k in keys])
             lower = [(i, key) for i, (key, t) in enumerate(zip(keys, found)) if t != DEVICE]
             device_hits = [k for k, t in zip(keys, found) if t == DEVICE]
             lease_id = self._new_lease_id()

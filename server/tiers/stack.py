@@ -36,6 +36,7 @@ from kvtier.server.tiers.errors import TierFullError, TierUnavailableError
 from kvtier.server.tiers.host import HostTier, HostTierConfig
 from kvtier.server.tiers.mooncake_config import MooncakeStoreTierConfig
 from kvtier.server.tiers.mooncake_store import MooncakeStoreTier
+from kvtier.server.tiers.reuse import ReuseHistory
 from kvtier.server.tiers.sim import SimTier, SimTierConfig
 
 log = logging.getLogger(__name__)
@@ -88,6 +89,7 @@ class TierStack:
         self.shared = [t for t in self.tiers if is_shared(t)]
         self.moves: dict[str, dict[str, int]] = {}
         self._moves_lock = threading.Lock()
+        self._history: ReuseHistory | None = None
         for t in self.cascade:  # records a tier lost after it took them (a failed write-behind transaction)
             if hasattr(t, "on_lost"):
                 t.on_lost = functools.partial(self._count_lost, t.name)  # type: ignore[attr-defined]
@@ -104,6 +106,18 @@ class TierStack:
                 continue
             tiers.append(build_tier(SimTierConfig.like(cfg) if simulate else cfg))
         return cls(tiers)
+
+    def reuse_history(self, device_pages: int, page_record_bytes: int) -> ReuseHistory:
+        """The stack's :class:`~kvtier.server.tiers.reuse.ReuseHistory` (made by the first prefix cache
+        that asks, sized to remember 4x the pages the device and cascade tiers hold, and offered to
+        every cascade tier's policy); prefix caches record their requests in it."""
+        with self._moves_lock:
+            if self._history is None:
+                pages = device_pages + sum(t.index.capacity for t in self.cascade) // max(page_record_bytes, 1)
+                self._history = ReuseHistory(max(4 * pages, 1024))
+                for t in self.cascade:
+                    t.index.policy.use_history(self._history)
+            return self._history
 
     @property
     def names(self) -> list[str]:
