@@ -46,7 +46,7 @@ class ReplayScale:
     host_bytes: int = 1 << 30
     disk_bytes: int = 4 << 30
     write_back: bool = True
-    policy: str = "lru"
+    policy: str = "default"
 
     def validate(self) -> None:
         """Raise ValueError naming a bad knob."""
