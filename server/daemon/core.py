@@ -72,7 +72,7 @@ class Counters:
 class TierUsage:
     """Bytes a tier holds (``tier``: ``device``, ``host``, ``disk``): daemon-wide, and the caller's
     tenant's; and the tier's health (``reason``: why it is unhealthy; ``next_probe_in_s``: when it is
-    probed next; ``policy``: the name of its eviction policy, e.g. ``hitdensity``)."""
+    probed next; ``policy``: the name of its eviction policy, e.g. ``lru``)."""
 
     tier: str
     used_bytes: int

@@ -1,4 +1,4 @@
-"""kvtier's default eviction policy: least *hit density* first, learned online, ghosts included.
+"""kvtier's own eviction candidate: least *hit density* first, learned online, ghosts included.
 
 The idea (after Beckmann, Chen and Cidon, "LHD: Improving Cache Hit Rate by Maximizing Hit Density",
 NSDI 2018): a cache should keep what earns the most hits per byte of space per unit of time. An
@@ -49,7 +49,7 @@ _AGE = [0.0] + [1.5 * (1 << (b - 1)) for b in range(1, BINS)]
 
 
 class HitDensityPolicy(CachePolicy):
-    """Least hit density first (``hitdensity``, what ``default`` means): see the module docstring."""
+    """Least hit density first (``hitdensity``): see the module docstring."""
 
     name = "hitdensity"
     DECAY = 0.9

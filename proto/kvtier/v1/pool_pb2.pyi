@@ -1162,7 +1162,7 @@ class TierStats(_message.Message):
     next_probe_seconds: _builtins.float
     """while unhealthy: seconds until it is probed again"""
     policy: _builtins.str
-    """its eviction policy, e.g. "hitdensity" (what --policy default means), "lru" """
+    """its eviction policy by its own name ("lru", "s3fifo", "arc", "hitdensity")"""
     def __init__(
         self,
         *,
