@@ -24,7 +24,7 @@ from kvtier.server.replay.trace import read_trace
 
 class PolicyCase(Case):
     name = "policy"
-    title = "Eviction and admission: the hitdensity vs LRU and Belady (simulated, default budgets)"
+    title = "Eviction and admission: hitdensity vs LRU and Belady (simulated, default budgets)"
 
     def settings(self, ctx: BenchContext) -> dict[str, Any]:
         return {"requests": 3000 if ctx.quick else None, "policies": ["lru", "hitdensity"]}
