@@ -23,7 +23,9 @@ detached at the end of the test::
         ap.store_prefix(lease, keys, lease.slots)
         ap.release_prefix(lease)
  Budgets: ``device_pages`` (pool pages), ``host_pages`` and ``disk_pages`` (records of one
-page each; the LMDB map is twice the records' size), ``write_through``, ``num_layers`` (of ``model``).
+page each; the LMDB map is twice the records' size), ``write_through``, ``num_layers`` (of ``model``),
+``policy`` (the eviction policy of every tier: ``lru`` unless given, so eviction order is the
+recency order a test can work out by hand; ``default``, ``s3fifo``, ``arc`` or ``hitdensity`` test another).
 The daemon is configured by a TOML file in its temp dir (``[tiers]`` table).
 
 ``mooncake_master`` starts a real ``mooncake_master`` with its HTTP metadata server on free ports of
@@ -117,9 +119,10 @@ class TinyDaemon:
 
 
 def start_tiny_daemon(workdir: Path, *, device_pages: int = 8, host_pages: int = 4, disk_pages: int = 8,
-                      write_through: bool = False, model: str = "glm-5.2", num_layers: int = 4) -> TinyDaemon:
+                      write_through: bool = False, model: str = "glm-5.2", num_layers: int = 4,
+                      policy: str = "lru") -> TinyDaemon:
     """Start a daemon whose tiers hold ``host_pages`` and ``disk_pages`` one-page records, with a pool
-    of ``device_pages`` pages. Stop it with :func:`stop_tiny_daemon`."""
+    of ``device_pages`` pages, every tier evicting by ``policy``. Stop it with :func:`stop_tiny_daemon`."""
     from kvtier.client import KVTierClient
     from kvtier.client.spawn import DaemonProcess
 
@@ -133,14 +136,14 @@ def start_tiny_daemon(workdir: Path, *, device_pages: int = 8, host_pages: int =
     config = workdir / "kvtier.toml"
     config.write_text(f'device = "cpu"\nlog_level = "WARNING"\nhost_memory_bytes = {host_bytes}\n\n[tiers]\n'
                       f'disk_path = "{workdir / "disk"}"\ndisk_bytes = {disk_bytes}\ndisk_reserve_fraction = 0.5\n'
-                      f'write_through = {"true" if write_through else "false"}\n')
+                      f'write_through = {"true" if write_through else "false"}\npolicy = "{policy}"\n')
     args = ["--config", str(config)]
     proc = DaemonProcess(extra_args=args)
     proc.start()
     client = KVTierClient(proc.address, timeout=60.0)
     info = client.create_pool(model, num_layers=num_layers, size_tokens=device_pages * 64, pool_id="tiny")
     budgets = {"device_pages": device_pages, "host_bytes": host_bytes, "disk_bytes": disk_bytes,
-               "write_through": write_through, "model": model, "num_layers": num_layers}
+               "write_through": write_through, "model": model, "num_layers": num_layers, "policy": policy}
     return TinyDaemon(proc.address, client, info.pool_id, info.layout.page_size, budgets, workdir, proc)
 
 

@@ -21,11 +21,12 @@ def all_cases() -> list[Case]:
     from kvtier.bench.disk import DiskCase
     from kvtier.bench.mooncake import MooncakeCase
     from kvtier.bench.pd_transfer import PDTransferCase
+    from kvtier.bench.policy import PolicyCase
     from kvtier.bench.replay import ReplayCase
     from kvtier.bench.sglang_storage import StorageCase
 
     return [CapacityCase(), CopiesCase(), DiskCase(), DaemonIOCase(), AttachCase(), PDTransferCase(), MooncakeCase(),
-            ReplayCase(), StorageCase()]
+            ReplayCase(), PolicyCase(), StorageCase()]
 
 
 class BenchCaseError(RuntimeError):

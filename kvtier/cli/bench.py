@@ -14,7 +14,7 @@ import click
 
 
 def _case_names() -> list[str]:
-    return ["capacity", "copies", "disk", "daemon", "attach", "pd", "mooncake", "replay", "storage"]
+    return ["capacity", "copies", "disk", "daemon", "attach", "pd", "mooncake", "replay", "policy", "storage"]
 
 
 @click.command(short_help='Measure kvtier against plain baselines of the same bytes (ratios, plots).')

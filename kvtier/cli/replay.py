@@ -52,7 +52,7 @@ def daemon_args(scale: ReplayScale, disk_path: str) -> list[str]:
     """``kvtier serve`` arguments that give a daemon the tier budgets of ``scale``."""
     return ["--device", "cpu", "--log-level", "WARNING", "--host-memory", str(scale.host_bytes),
             "--disk-path", disk_path, "--disk-size", str(scale.disk_bytes),
-            "--write-back" if scale.write_back else "--write-through"]
+            "--write-back" if scale.write_back else "--write-through", "--policy", scale.policy]
 
 
 TRANSPORTS = ("auto", "attach", "grpc")
@@ -205,23 +205,49 @@ def _print_report(res: ReplayResult, belady: int | None, wall_seconds: float | N
 @click.option("--disk-size", "disk_bytes", callback=_bytes, default="4GiB", show_default=True, help="Disk tier budget (LMDB map size).")
 @click.option("--write-through/--write-back", default=False, show_default=True, help="Host tier write policy.")
 @click.option("--belady/--no-belady", default=True, show_default=True, help="Compute Belady's upper bound.")
+@click.option("--policy", "policy_list", default="default", show_default=True, metavar="NAME[,NAME...]",
+              help="Eviction policy of every tier (lru, s3fifo, arc, hitdensity, default = lru today). A comma list needs --simulate --sweep. "
+                   "Through a daemon: the embedded daemon's --policy (an existing --server keeps its own).")
+@click.option("--sweep", "sweep_list", default=None, metavar="TOKENS[,TOKENS...]",
+              help="Policy lab (with --simulate): every policy at each total capacity in trace tokens (a 512-token "
+                   "block counts 512; e.g. 1e6,3e6,1e7), with Belady's bound at each.")
+@click.option("--plot", "plot_dir", type=click.Path(file_okay=False), default=None,
+              help="With --sweep: write hit rate vs capacity as DIR/policy-sweep.png.")
 def replay(trace_path: str, model: str, n_requests: int | None, server: str | None, transport: str, simulate: bool,
            json_path: str | None,
            num_layers: int, tokens_per_block: int, device_tokens: int, host_bytes: int, disk_bytes: int,
-           write_through: bool, belady: bool) -> None:
+           write_through: bool, belady: bool, policy_list: str, sweep_list: str | None, plot_dir: str | None) -> None:
     """Replay the Mooncake trace: prefix lookups, loads from every tier, verified bytes, hit rates.
 
     Example: kvtier replay --trace ../shared/data/conversation_trace.jsonl --requests 2000
+
+    Policy lab: kvtier replay --simulate --policy lru,s3fifo,default --sweep 1e6,1e7 --json lab.json --plot out/
 
     "seconds" times the replay itself; "wall seconds" the whole command, from the interpreter's start
     (imports and the embedded daemon's start and stop included).
     """
     from kvtier.server.replay.scale import ReplayScale
     from kvtier.server.replay.trace import read_trace
+    from kvtier.server.tiers.policies import resolve_policy
 
+    try:
+        policies = [p.strip() for p in policy_list.split(",") if p.strip()]
+        if not policies:
+            raise ValueError("--policy needs at least one name")
+        for p in policies:
+            resolve_policy(p)
+        capacities = _parse_sweep(sweep_list) if sweep_list is not None else None
+        if capacities is None and len(policies) > 1:
+            raise ValueError("several policies need --simulate --sweep CAPACITIES (the policy lab)")
+        if capacities is not None and not simulate:
+            raise ValueError("--sweep runs the policy lab on the simulator: add --simulate")
+        if plot_dir is not None and capacities is None:
+            raise ValueError("--plot draws a --sweep")
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
     scale = ReplayScale(model=model, num_layers=num_layers, tokens_per_block=tokens_per_block,
                         device_tokens=device_tokens, host_bytes=host_bytes, disk_bytes=disk_bytes,
-                        write_back=not write_through)
+                        write_back=not write_through, policy=policies[0])
     try:
         scale.validate()
         if server is not None:
@@ -229,6 +255,9 @@ def replay(trace_path: str, model: str, n_requests: int | None, server: str | No
         requests = read_trace(trace_path, n_requests)
     except (ValueError, OSError) as e:
         raise click.UsageError(str(e)) from None
+    if capacities is not None:
+        _lab(requests, scale, policies, capacities, json_path, plot_dir)
+        return
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     with Progress(TextColumn("[bold]replay"), BarColumn(), MofNCompleteColumn(), TextColumn("hit {task.fields[hit]}"),
@@ -258,6 +287,64 @@ def replay(trace_path: str, model: str, n_requests: int | None, server: str | No
                                               indent=1) + "\n")
     if res.verify_failures:
         raise SystemExit(1)
+
+
+def _parse_sweep(value: str) -> list[float]:
+    """``"1e6,3e6"`` -> capacities in trace tokens. Raises ValueError naming a bad item."""
+    out = []
+    for item in value.split(","):
+        try:
+            cap = float(item)
+        except ValueError:
+            raise ValueError(f"--sweep takes a comma list of token counts (e.g. 1e6,1e7), got {item!r}") from None
+        if not 0 < cap < float("inf"):
+            raise ValueError(f"--sweep capacities must be positive token counts, got {item!r}")
+        out.append(cap)
+    if not out:
+        raise ValueError("--sweep needs at least one capacity")
+    return out
+
+
+def _lab(requests: list[Any], scale: ReplayScale, policies: list[str], capacities: list[float],
+         json_path: str | None, plot_dir: str | None) -> None:
+    """The policy lab: run, print a table, write JSON and the PNG."""
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+    from rich.table import Table
+
+    from kvtier.server.replay.sweep import plot_sweep, run_sweep
+
+    runs = len(policies) * len(capacities)
+    with Progress(TextColumn("[bold]policy lab"), TextColumn("{task.fields[label]}"), BarColumn(),
+                  TextColumn("{task.percentage:>3.0f}%"), TimeRemainingColumn(), transient=True) as bar:
+        task = bar.add_task("lab", total=runs * len(requests), label="")
+        done = [0]
+
+        def step(label: str, i: int, n: int) -> None:
+            done[0] += 1
+            if i % 200 == 0 or i + 1 == n:
+                bar.update(task, completed=done[0], label=label)
+
+        rows = run_sweep(requests, scale, policies, capacities, on_step=step)
+    t = Table(title=f"policy lab ({len(requests):,} requests, hit rate = blocks hit / blocks)")
+    for col in ("capacity (tokens)", "policy", "hit rate", "Belady", "closed vs lru", "device", "host", "disk",
+                "input-token hit rate", "written to disk"):
+        t.add_column(col, justify="right")
+    for r in rows:
+        lru = next((x for x in rows if x.capacity_tokens == r.capacity_tokens and x.policy == "lru"), None)
+        closed = "-"
+        if lru is not None and r.belady_hit_rate > lru.hit_rate:
+            closed = f"{(r.hit_rate - lru.hit_rate) / (r.belady_hit_rate - lru.hit_rate):+.0%}"
+        t.add_row(f"{r.capacity_tokens:,}", r.policy, f"{r.hit_rate:.2%}", f"{r.belady_hit_rate:.2%}", closed,
+                  *(f"{r.tier_hit_rate.get(k, 0.0):.2%}" for k in ("device", "host", "disk")),
+                  f"{r.input_token_hit_rate:.2%}", _fmt_bytes(r.bytes_written.get("disk", 0)))
+    Console().print(t)
+    if json_path:
+        Path(json_path).write_text(json.dumps({"sweep": [r.to_dict() for r in rows]}, indent=1) + "\n")
+    if plot_dir:
+        Path(plot_dir).mkdir(parents=True, exist_ok=True)
+        plot_sweep(rows, str(Path(plot_dir) / "policy-sweep.png"))
+        click.echo(f"plot: {Path(plot_dir) / 'policy-sweep.png'}")
 
 
 def simulate_fn(requests: list[Any], scale: ReplayScale, tick: Any) -> ReplayResult:

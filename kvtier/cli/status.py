@@ -41,11 +41,11 @@ def status(server: str | None, timeout: float, as_json: bool) -> None:
     t = Table(title="tiers (all tenants; yours beside)",
               caption="device: the pools' memory (entries: pools; budget: --pool-memory); the pages in use are in the "
                       "pools table and the kvtier_tier_used_bytes metric")
-    for col in ("tier", "health", "used bytes", "budget bytes", "entries", "your bytes", "your quota"):
-        t.add_column(col, justify="left" if col in ("tier", "health") else "right")
+    for col in ("tier", "health", "policy", "used bytes", "budget bytes", "entries", "your bytes", "your quota"):
+        t.add_column(col, justify="left" if col in ("tier", "health", "policy") else "right")
     for tier in stats.tiers:
         quota = f"{tier.tenant_quota_bytes:,}" if tier.HasField("tenant_quota_bytes") else "-"
-        t.add_row(tier.tier, _health(tier), f"{tier.used_bytes:,}", f"{tier.budget_bytes:,}" if tier.budget_bytes else "-",
+        t.add_row(tier.tier, _health(tier), tier.policy or "-", f"{tier.used_bytes:,}", f"{tier.budget_bytes:,}" if tier.budget_bytes else "-",
                   f"{tier.entries:,}", f"{tier.tenant_used_bytes:,}", quota)
     con.print(t)
     if stats.pools:

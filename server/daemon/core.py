@@ -41,6 +41,7 @@ from kvtier.server.daemon.transfer import TransferState
 from kvtier.server.daemon.unit_settings import UnitSettings
 from kvtier.server.daemon.unit_store import UnitStore
 from kvtier.server.pool import resolve_device, slots_of_pages
+from kvtier.server.tiers.policies import resolve_policy
 
 log = logging.getLogger("kvtier.daemon")
 
@@ -71,7 +72,7 @@ class Counters:
 class TierUsage:
     """Bytes a tier holds (``tier``: ``device``, ``host``, ``disk``): daemon-wide, and the caller's
     tenant's; and the tier's health (``reason``: why it is unhealthy; ``next_probe_in_s``: when it is
-    probed next)."""
+    probed next; ``policy``: the name of its eviction policy, e.g. ``lru``)."""
 
     tier: str
     used_bytes: int
@@ -82,6 +83,7 @@ class TierUsage:
     healthy: bool = True
     reason: str = ""
     next_probe_in_s: float = 0.0
+    policy: str = ""
 
 
 @dataclass(frozen=True)
@@ -218,12 +220,12 @@ class Daemon:
         q = self.config.quotas.of(caller.tenant)
         device = TierUsage("device", sum(e.pool.get_kv_size_bytes() for e in pools), self.config.pool_memory_bytes,
                            len(pools), sum(e.pool.get_kv_size_bytes() for e in pools if e.tenant == caller.tenant),
-                           q.pool_bytes)
+                           q.pool_bytes, policy=resolve_policy(self.tiers.settings.policy))
         out = [device]
         for t in self.tiers.stack.tiers:
             h = t.health.snapshot()
             out.append(TierUsage(t.name, t.index.used, t.index.capacity, len(t.index), t.index.group_used(caller.tenant),
-                                 q.tier_bytes(t.name), h.healthy, h.reason, h.next_probe_in_s))
+                                 q.tier_bytes(t.name), h.healthy, h.reason, h.next_probe_in_s, t.index.policy.name))
         return out
 
     def stats(self, caller: Caller) -> DaemonStats:

@@ -119,14 +119,16 @@ def build_stack(host_bytes: int, settings: TierSettings, device: str = "cpu") ->
     disk tier (``disk_*``), the Mooncake Store tier (``settings.mooncake``)."""
     pin = settings.host_pin_memory if settings.host_pin_memory is not None else device.startswith("cuda")
     configs: dict[str, Any] = {
-        "host": lambda: HostTierConfig(capacity_bytes=host_bytes, write_back=not settings.write_through, pin_memory=pin),
+        "host": lambda: HostTierConfig(capacity_bytes=host_bytes, write_back=not settings.write_through, pin_memory=pin,
+                                       policy=settings.policy),
         "disk": lambda: DiskTierConfig(path=settings.disk_path, capacity_bytes=settings.disk_bytes,
                                        max_readers=settings.disk_max_readers, sync=settings.disk_sync,
                                        write_behind=settings.disk_write_behind,
                                        reserve_fraction=settings.disk_reserve_fraction,
                                        probe_backoff_max_s=settings.disk_probe_backoff_max_seconds,
                                        probe_backoff_initial_s=min(1.0, settings.disk_probe_backoff_max_seconds),
-                                       fault_file=fault_file_from_env(), slow_file=slow_file_from_env()),
+                                       fault_file=fault_file_from_env(), slow_file=slow_file_from_env(),
+                                       policy=settings.policy),
         "mooncake": lambda: settings.mooncake,
     }
     return TierStack.from_configs([configs[name]() for name in settings.tier_names])
@@ -181,7 +183,8 @@ class TierRuntime:
                     namespace = tenant_key(entry.tenant, b"p:" + bytes.fromhex(entry.model.fingerprint_digest()))
                     cache = PrefixCache(self.stack, EntryAllocator(entry), RecordCodec(entry.model),  # type: ignore[arg-type]
                                         pool=entry.pool, namespace=namespace,
-                                        lease_ttl_seconds=self.settings.lease_ttl_seconds or None)
+                                        lease_ttl_seconds=self.settings.lease_ttl_seconds or None,
+                                        policy=self.settings.policy)
                     entry.prefix_cache = cache
         return cache
 

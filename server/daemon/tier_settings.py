@@ -25,6 +25,7 @@ from typing import Any
 
 from kvtier.server.daemon.config_keys import check_known_keys, settings_from_table
 from kvtier.server.tiers.mooncake_config import MooncakeStoreTierConfig
+from kvtier.server.tiers.policies import resolve_policy
 
 GiB = 1 << 30
 TIER_NAMES = ("host", "disk", "mooncake")
@@ -54,6 +55,8 @@ class TierSettings:
         stack: tier names fastest first, from ``host``, ``disk``, ``mooncake``; empty: ``host``, plus
             ``disk`` when ``disk_path`` is set.
         mooncake: settings of the Mooncake Store tier (used when ``stack`` names it).
+        policy: eviction policy name of the device, host and disk tiers (each its own instance;
+            :func:`~kvtier.server.tiers.policies.make_policy`); ``default`` is kvtier's own.
     """
 
     disk_path: str = ""
@@ -68,8 +71,15 @@ class TierSettings:
     disk_probe_backoff_max_seconds: float = 30.0
     stack: tuple[str, ...] = ()
     mooncake: MooncakeStoreTierConfig = field(default_factory=MooncakeStoreTierConfig)
+    policy: str = "default"
 
     def __post_init__(self) -> None:
+        if not isinstance(self.policy, str):
+            raise ValueError(f"tiers.policy must be a policy name, got {self.policy!r}")
+        try:
+            resolve_policy(self.policy)
+        except ValueError as e:
+            raise ValueError(f"tiers.policy: {e}") from None
         if not isinstance(self.disk_probe_backoff_max_seconds, (int, float)) or self.disk_probe_backoff_max_seconds <= 0:
             raise ValueError(f"tiers.disk_probe_backoff_max_seconds must be > 0, got {self.disk_probe_backoff_max_seconds!r}")
         if not isinstance(self.disk_bytes, int) or self.disk_bytes <= 0:

@@ -81,7 +81,7 @@ def daemon_snapshot(stack: TierStack, caches: Callable[[], Sequence[tuple[str, P
     snap: dict[str, Rows] = {name: [] for name in (
         "kvtier_tier_used_bytes", "kvtier_tier_capacity_bytes", "kvtier_tier_healthy", "kvtier_hit_pages",
         "kvtier_miss_pages", "kvtier_moves", "kvtier_moved_bytes", "kvtier_evictions", "kvtier_checksum_failures",
-        "kvtier_pool_free_pages")}
+        "kvtier_pool_free_pages", "kvtier_tier_policy")}
     dev = tier_labels(DEVICE)
     snap["kvtier_tier_used_bytes"].append((dev, sum((v.total_pages - v.free_pages) * v.page_bytes for v in views)))
     snap["kvtier_tier_capacity_bytes"].append((dev, sum(v.total_pages * v.page_bytes for v in views)))
@@ -89,6 +89,7 @@ def daemon_snapshot(stack: TierStack, caches: Callable[[], Sequence[tuple[str, P
     snap["kvtier_evictions"].append((dev, sum(c.get("evicted_pages", 0) for c in counters)))
     for t in stack.tiers:
         lab = tier_labels(t.name)
+        snap["kvtier_tier_policy"].append(({**lab, "policy": t.index.policy.name}, 1))
         counts = t.counter_snapshot()
         snap["kvtier_tier_used_bytes"].append((lab, t.index.used))
         snap["kvtier_tier_capacity_bytes"].append((lab, t.index.capacity))

@@ -50,6 +50,7 @@ METRICS: dict[str, MetricSpec] = {
     "kvtier_evictions": MetricSpec("counter", "Entries a tier evicted to stay in budget."),
     "kvtier_checksum_failures": MetricSpec("counter", "Records that failed their checksum or header checks."),
     "kvtier_pool_free_pages": MetricSpec("gauge", "Free pages of a device pool."),
+    "kvtier_tier_policy": MetricSpec("gauge", "1 for the eviction policy a tier runs (label policy), e.g. lru."),
 }
 
 #: Labels of the RPC histogram (``tenant``: the authenticated caller's; "" for health, reflection and

@@ -105,7 +105,7 @@ class InProcessBackend:
         self.allocator = PagedTokenAllocator(scale.device_tokens, model.page_size)
         self.stack = TierStack.from_configs(scale.tier_configs(disk_path), simulate=simulate)
         self.cache = PrefixCache(self.stack, self.allocator, self.codec, pool=self.pool,
-                                 namespace=bytes.fromhex(model.fingerprint_digest()))
+                                 namespace=bytes.fromhex(model.fingerprint_digest()), policy=scale.policy)
         self.page_size = model.page_size
         self.layers = model.num_layers
         self.live = self.codec.live_layers

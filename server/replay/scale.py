@@ -20,6 +20,7 @@ from typing import Any
 from kvtier.server.model_config import DSAModelConfig
 from kvtier.server.tiers.disk import DiskTierConfig, disk_charge
 from kvtier.server.tiers.host import HostTierConfig
+from kvtier.server.tiers.policies import resolve_policy
 from kvtier.server.tiers.record import RecordCodec
 
 
@@ -35,6 +36,7 @@ class ReplayScale:
         host_bytes: host tier budget.
         disk_bytes: disk tier budget (LMDB map size); records may use ``1 - reserve`` of it.
         write_back: host tier write-back (True) or write-through (False).
+        policy: eviction policy of every tier (:func:`~kvtier.server.tiers.policies.make_policy`).
     """
 
     model: str = "glm-5.2"
@@ -44,6 +46,7 @@ class ReplayScale:
     host_bytes: int = 1 << 30
     disk_bytes: int = 4 << 30
     write_back: bool = True
+    policy: str = "default"
 
     def validate(self) -> None:
         """Raise ValueError naming a bad knob."""
@@ -54,6 +57,7 @@ class ReplayScale:
             raise ValueError(f"device_tokens must be a positive multiple of {m.page_size}, got {self.device_tokens}")
         if self.host_bytes < 0 or self.disk_bytes < 0:
             raise ValueError("host_bytes and disk_bytes must be >= 0")
+        resolve_policy(self.policy)
 
     def model_config(self) -> DSAModelConfig:
         """The scaled model (the preset's first ``num_layers`` layers)."""
@@ -65,8 +69,8 @@ class ReplayScale:
 
     def tier_configs(self, disk_path: str) -> list[HostTierConfig | DiskTierConfig]:
         """Host and disk tier configs for these budgets (a zero budget leaves the tier out)."""
-        return [HostTierConfig(capacity_bytes=self.host_bytes, write_back=self.write_back),
-                DiskTierConfig(path=disk_path, capacity_bytes=self.disk_bytes)]
+        return [HostTierConfig(capacity_bytes=self.host_bytes, write_back=self.write_back, policy=self.policy),
+                DiskTierConfig(path=disk_path, capacity_bytes=self.disk_bytes, policy=self.policy)]
 
     def capacity_pages(self) -> dict[str, int]:
         """Pages each tier holds at most: ``{"device", "host", "disk"}``."""

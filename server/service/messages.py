@@ -110,7 +110,8 @@ def stats(s: DaemonStats, max_message_bytes: int) -> pool_pb2.StatsResponse:
             open_leases=cache["open_leases"]))
     tiers = [pool_pb2.TierStats(tier=t.tier, used_bytes=t.used_bytes, budget_bytes=t.budget_bytes, entries=t.entries,
                                 tenant_used_bytes=t.tenant_used_bytes, tenant_quota_bytes=t.tenant_quota_bytes,
-                                unhealthy=not t.healthy, unhealthy_reason=t.reason, next_probe_seconds=t.next_probe_in_s)
+                                unhealthy=not t.healthy, unhealthy_reason=t.reason, next_probe_seconds=t.next_probe_in_s,
+                                policy=t.policy)
              for t in s.tiers]
     return pool_pb2.StatsResponse(
         version=s.version, uptime_seconds=s.uptime_seconds, device=s.device, pools=pools, tiers=tiers,

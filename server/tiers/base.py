@@ -43,15 +43,27 @@ class TierConfig:
 
     Attributes:
         capacity_bytes: the tier's byte budget (0 disables the tier in a stack).
+        policy: eviction policy name (:func:`kvtier.server.tiers.policies.make_policy`; ``lru`` by
+            default here, the daemon passes its ``--policy``); each tier builds its own instance.
     """
 
     kind: ClassVar[str] = ""
     capacity_bytes: int = 0
+    policy: str = "lru"
 
     def validate(self) -> None:
         """Raise ValueError naming a bad field."""
+        from kvtier.server.tiers.policies import resolve_policy
+
         if isinstance(self.capacity_bytes, bool) or not isinstance(self.capacity_bytes, int) or self.capacity_bytes < 0:
             raise ValueError(f"{self.kind} capacity_bytes must be a non-negative integer, got {self.capacity_bytes!r}")
+        resolve_policy(self.policy)
+
+    def make_index(self, capacity: int) -> TierIndex:
+        """A :class:`TierIndex` of ``capacity`` charged bytes with a fresh instance of :attr:`policy`."""
+        from kvtier.server.tiers.policies import make_policy
+
+        return TierIndex(capacity, make_policy(self.policy))
 
 
 @dataclass

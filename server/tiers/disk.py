@@ -57,7 +57,7 @@ import torch
 
 from kvtier.server.hostmem import HostArena
 from kvtier.server.hostmem.malloc import keep_freed_memory
-from kvtier.server.tiers.base import EvictHook, RecordLike, Tier
+from kvtier.server.tiers.base import EvictHook, RecordLike, Tier, record_nbytes
 from kvtier.server.tiers.disk_faults import (
     check_disk_path, check_injected_fault, describe_fault, free_bytes, hold_before_commit, is_io_fault, open_failure,
 )
@@ -68,7 +68,6 @@ from kvtier.server.tiers.disk_reads import ABSENT, SHORT, ReadChunks, copy_recor
 from kvtier.server.tiers.disk_writer import DiskJob, WriteBehind, WriteBehindFailed
 from kvtier.server.tiers.errors import EnvironmentInUseError, RecordError, TierFullError, TierUnavailableError
 from kvtier.server.tiers.health import TierHealth
-from kvtier.server.tiers.policy import TierIndex
 from kvtier.server.tiers.record import verify_record
 
 # Pauses between retries of a put transaction that hit MapFullError while read transactions still
@@ -146,7 +145,7 @@ class DiskTier(Tier):
 
     def __init__(self, config: DiskTierConfig) -> None:
         config.validate()
-        super().__init__(TierIndex(config.record_budget))
+        super().__init__(config.make_index(config.record_budget))
         self.health = TierHealth(self.name, backoff_initial_s=config.probe_backoff_initial_s,
                                  backoff_max_s=config.probe_backoff_max_s)
         self.config = config
@@ -298,6 +297,12 @@ class DiskTier(Tier):
         if self.health.healthy:
             self._env()
         return super().lookup(keys)
+
+    def admits(self, items: Sequence[tuple[bytes, RecordLike]]) -> list[bool]:
+        """For each ``(key, record)``, whether the policy admits it (:meth:`TierIndex.admit`: always
+        while it fits; the stack passes on what is turned away, counted ``(not admitted)``)."""
+        with self.index.lock:
+            return [self.index.admit(k, disk_charge(record_nbytes(r))) for k, r in items]
 
     def nbytes(self, keys: Sequence[bytes]) -> list[int | None]:
         if not self.health.healthy:

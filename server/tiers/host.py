@@ -26,7 +26,6 @@ import torch
 from kvtier.server.hostmem import HostArena
 from kvtier.server.tiers.base import EvictHook, RecordLike, Tier, TierConfig
 from kvtier.server.tiers.errors import RecordError, TierFullError
-from kvtier.server.tiers.policy import TierIndex
 from kvtier.server.tiers.record import verify_record
 
 log = logging.getLogger(__name__)
@@ -70,7 +69,7 @@ class HostTier(Tier):
 
     def __init__(self, config: HostTierConfig) -> None:
         config.validate()
-        super().__init__(TierIndex(config.capacity_bytes))
+        super().__init__(config.make_index(config.capacity_bytes))
         self.config = config
         self.pin_memory = torch.cuda.is_available() if config.pin_memory is None else bool(config.pin_memory)
         self._data: dict[bytes, torch.Tensor] = {}

@@ -20,7 +20,27 @@ Key = Hashable
 
 
 class CachePolicy(ABC):
-    """Which entry to evict next. Entries carry their charged size in bytes."""
+    """Which entry to evict next. Entries carry their charged size in bytes.
+
+    The index that owns a policy tells it its budget once (:meth:`bind`), records uses
+    (:meth:`touch`), adds entries (:meth:`insert`), takes the :meth:`victims` it needs and then
+    drops them with :meth:`evicted` (an eviction: a policy may remember the key as a *ghost*, a
+    recently evicted key whose return says its reuse distance exceeded the budget) or forgets an
+    entry with :meth:`remove` (an explicit removal: no ghost). :meth:`admit` answers whether a
+    newcomer is worth storing at all (the disk tier's admission rule).
+    """
+
+    #: The name :func:`kvtier.server.tiers.policies.make_policy` knows this policy by.
+    name: str = ""
+
+    def bind(self, capacity: int) -> None:
+        """Learn the owner's budget in charged bytes (called once, before any entry). Policies with
+        size targets (a small queue of 10%, ghost lists as long as the cache) use it; default: nothing."""
+
+    def use_history(self, history: object, key_of: Callable[[Key], Key] = lambda k: k) -> None:
+        """Read request-level facts about keys from ``history`` (a
+        :class:`~kvtier.server.tiers.reuse.ReuseHistory`, keyed by ``key_of(key)``): the prefix cache
+        offers it to every tier's policy. Default: ignored."""
 
     @abstractmethod
     def touch(self, key: Key) -> None:
@@ -37,7 +57,18 @@ class CachePolicy(ABC):
     @abstractmethod
     def victims(self, nbytes: int, can_evict: Callable[[Key], bool]) -> list[Key] | None:
         """Entries whose eviction frees at least ``nbytes``, skipping those ``can_evict`` refuses;
-        None if that is impossible. Changes nothing."""
+        None if that is impossible. Never changes which keys are held; a policy with second chances
+        (S3-FIFO, CLOCK) may apply them while it looks (move a used entry to its main queue), which
+        is a decision it would take at this point anyway, so calling it twice returns the same keys."""
+
+    def evicted(self, key: Key) -> None:
+        """Drop ``key`` (present) as an eviction victim. Default: :meth:`remove` (no ghost)."""
+        self.remove(key)
+
+    def admit(self, key: Key, nbytes: int) -> bool:
+        """Whether ``key`` (absent), offered to a full owner, is expected back before it would be
+        evicted here; the disk tier stores only admitted pages. Default: always."""
+        return True
 
     @abstractmethod
     def order(self) -> list[Key]:
@@ -48,12 +79,15 @@ class CachePolicy(ABC):
         chosen = self.victims(nbytes, can_evict)
         if chosen is not None:
             for key in chosen:
-                self.remove(key)
+                self.evicted(key)
         return chosen
 
 
 class LRUPolicy(CachePolicy):
-    """Least recently used first."""
+    """Least recently used first (``lru``): kvtier's behaviour before policies had names, and the
+    peers' default (Mooncake Store, SGLang's radix cache, vLLM's CPU offload, LMCache)."""
+
+    name = "lru"
 
     def __init__(self) -> None:
         self._entries: OrderedDict[Key, int] = OrderedDict()
@@ -94,7 +128,10 @@ class TierIndex:
 
     Args:
         capacity: budget in charged bytes.
-        policy: eviction policy (default :class:`LRUPolicy`).
+        policy: eviction policy (default :class:`LRUPolicy`); told ``capacity`` (or ``policy_capacity``)
+            through :meth:`CachePolicy.bind`.
+        policy_capacity: the budget the policy should size its targets by, when the index's own
+            byte budget is not the real limit (the device tier: its pool's pages).
 
     Pins are reference counts: a pinned key is never chosen as a victim. Take them with
     :meth:`pinned` (a context manager), so they return to zero on every path, exceptions included.
@@ -108,11 +145,12 @@ class TierIndex:
     the shared budget. The daemon uses this for per-tenant tier quotas (keys carry the tenant).
     """
 
-    def __init__(self, capacity: int, policy: CachePolicy | None = None) -> None:
+    def __init__(self, capacity: int, policy: CachePolicy | None = None, *, policy_capacity: int | None = None) -> None:
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
             raise ValueError(f"capacity must be a non-negative integer of bytes, got {capacity!r}")
         self.capacity = capacity
         self.policy = policy or LRUPolicy()
+        self.policy.bind(capacity if policy_capacity is None else policy_capacity)
         self.lock = threading.RLock()
         self._charge: dict[Key, int] = {}
         self._pins: dict[Key, int] = {}
@@ -264,7 +302,7 @@ class TierIndex:
         with self.lock:
             self._apply_later()
             for v in victims:
-                self.remove(v)
+                self.evict(v)
             self.policy.insert(key, charge)
             self._charge[key] = charge
             self.used += charge
@@ -309,6 +347,27 @@ class TierIndex:
             self.used -= charge
             self._drop_from_group(key, charge)
             return True
+
+    def evict(self, key: Key) -> bool:
+        """Drop ``key`` as an eviction victim (the policy may keep it as a ghost); False if absent."""
+        with self.lock:
+            self._apply_later()
+            charge = self._charge.pop(key, None)
+            if charge is None:
+                return False
+            self.policy.evicted(key)
+            self.used -= charge
+            self._drop_from_group(key, charge)
+            return True
+
+    def admit(self, key: Key, charge: int) -> bool:
+        """Whether the policy admits ``key`` charged ``charge``: always while it fits without an
+        eviction, else :meth:`CachePolicy.admit`."""
+        with self.lock:
+            self._apply_later()
+            if self.used + charge <= self.capacity:
+                return True
+            return self.policy.admit(key, charge)
 
     def pin(self, keys: Iterable[Key]) -> list[Key]:
         """Pin the present keys among ``keys``; returns those pinned (pass them to :meth:`unpin`)."""

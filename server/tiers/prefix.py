@@ -41,6 +41,7 @@ import torch
 from kvtier.server.pool import DSATokenToKVPool, PagedTokenAllocator, slots_of_pages
 from kvtier.server.tiers.base import RecordLike
 from kvtier.server.tiers.errors import LeaseError, RecordError, TierFullError
+from kvtier.server.tiers.policies import make_policy, resolve_policy
 from kvtier.server.tiers.policy import TierIndex
 from kvtier.server.tiers.record import RecordCodec
 from kvtier.server.tiers.stack import TierStack
@@ -115,11 +116,13 @@ class PrefixCache:
         lease_ttl_seconds: a lease not released this long after its load is released by the cache
             (at the next load or lookup), so a client that vanished mid-request cannot pin pages
             forever. None: never.
+        policy: eviction policy name of the device tier's index
+            (:func:`~kvtier.server.tiers.policies.make_policy`), sized by the pool's pages.
     """
 
     def __init__(self, stack: TierStack, allocator: PagedTokenAllocator, codec: RecordCodec, *,
                  pool: DSATokenToKVPool | None = None, namespace: bytes = b"",
-                 lease_ttl_seconds: float | None = 600.0) -> None:
+                 lease_ttl_seconds: float | None = 600.0, policy: str = "lru") -> None:
         if allocator.page_size != codec.page_size:
             raise ValueError("allocator and codec disagree on page_size")
         self.stack = stack
@@ -131,7 +134,10 @@ class PrefixCache:
         self.page_size = codec.page_size
         self.page_record_bytes = codec.page_nbytes()
         self._lock = threading.RLock()
-        self._device = TierIndex(capacity=1 << 62)
+        self._device = TierIndex(capacity=1 << 62, policy=make_policy(policy), policy_capacity=allocator.num_pages)
+        self.policy = resolve_policy(policy)
+        self.history = stack.reuse_history(allocator.num_pages, self.page_record_bytes)
+        self._device.policy.use_history(self.history, self._tier_key)
         self._pages: dict[bytes, int] = {}
         self._leases: dict[str, _Lease] = {}
         self.lease_ttl_seconds = lease_ttl_seconds
@@ -248,7 +254,7 @@ class PrefixCache:
                 self.stack.count_move(DEVICE, "gone", self.page_record_bytes * len(batch), records=len(batch))
             for key in batch:
                 del self._pages[key]
-                self._device.remove(key)
+                self._device.evict(key)
             self.allocator.free_pages_by_id(pages)
             self.counters["evicted_pages"] += len(batch)
 
@@ -287,6 +293,7 @@ class PrefixCache:
             self.expire_leases()
             found = self._lookup(keys).tiers
             found = found[: total // self.page_size]
+            self.history.observe([self._tier_key(k) for k in keys])
             lower = [(i, key) for i, (key, t) in enumerate(zip(keys, found)) if t != DEVICE]
             device_hits = [k for k, t in zip(keys, found) if t == DEVICE]
             lease_id = self._new_lease_id()

@@ -16,7 +16,6 @@ from kvtier.server.tiers.disk import DiskTierConfig, disk_charge
 from kvtier.server.tiers.errors import TierFullError
 from kvtier.server.tiers.host import HostTierConfig
 from kvtier.server.tiers.mooncake_config import MooncakeStoreTierConfig
-from kvtier.server.tiers.policy import TierIndex
 
 
 @dataclass
@@ -43,11 +42,12 @@ class SimTierConfig(TierConfig):
     def like(cls, config: TierConfig) -> SimTierConfig:
         """The simulated twin of a real tier config (same budget, charges and write policy)."""
         if isinstance(config, HostTierConfig):
-            return cls(capacity_bytes=config.capacity_bytes, name="host", write_back=config.write_back)
+            return cls(capacity_bytes=config.capacity_bytes, name="host", write_back=config.write_back,
+                       policy=config.policy)
         if isinstance(config, DiskTierConfig):
-            return cls(capacity_bytes=config.record_budget, name="disk", lmdb_charge=True)
+            return cls(capacity_bytes=config.record_budget, name="disk", lmdb_charge=True, policy=config.policy)
         if isinstance(config, MooncakeStoreTierConfig):
-            return cls(capacity_bytes=config.capacity_bytes, name="mooncake", shared=True)
+            return cls(capacity_bytes=config.capacity_bytes, name="mooncake", shared=True, policy=config.policy)
         if isinstance(config, SimTierConfig):
             return config
         raise ValueError(f"no simulated twin for {type(config).__name__}")
@@ -60,9 +60,16 @@ class SimTier(Tier):
         config.validate()
         self.name = config.name
         self.shared = config.shared
-        super().__init__(TierIndex(config.capacity_bytes))
+        super().__init__(config.make_index(config.capacity_bytes))
         self.config = config
         self._sizes: dict[bytes, int] = {}
+
+    def admits(self, items: Sequence[tuple[bytes, RecordLike]]) -> list[bool]:
+        """The disk tier's admission rule, for the disk's twin (others admit everything)."""
+        if not self.config.lmdb_charge:
+            return [True] * len(items)
+        with self.index.lock:
+            return [self.index.admit(k, self._charge(record_nbytes(r))) for k, r in items]
 
     def _charge(self, n: int) -> int:
         return disk_charge(n) if self.config.lmdb_charge else n

@@ -36,6 +36,7 @@ from kvtier.server.tiers.errors import TierFullError, TierUnavailableError
 from kvtier.server.tiers.host import HostTier, HostTierConfig
 from kvtier.server.tiers.mooncake_config import MooncakeStoreTierConfig
 from kvtier.server.tiers.mooncake_store import MooncakeStoreTier
+from kvtier.server.tiers.reuse import ReuseHistory
 from kvtier.server.tiers.sim import SimTier, SimTierConfig
 
 log = logging.getLogger(__name__)
@@ -88,6 +89,7 @@ class TierStack:
         self.shared = [t for t in self.tiers if is_shared(t)]
         self.moves: dict[str, dict[str, int]] = {}
         self._moves_lock = threading.Lock()
+        self._history: ReuseHistory | None = None
         for t in self.cascade:  # records a tier lost after it took them (a failed write-behind transaction)
             if hasattr(t, "on_lost"):
                 t.on_lost = functools.partial(self._count_lost, t.name)  # type: ignore[attr-defined]
@@ -104,6 +106,18 @@ class TierStack:
                 continue
             tiers.append(build_tier(SimTierConfig.like(cfg) if simulate else cfg))
         return cls(tiers)
+
+    def reuse_history(self, device_pages: int, page_record_bytes: int) -> ReuseHistory:
+        """The stack's :class:`~kvtier.server.tiers.reuse.ReuseHistory` (made by the first prefix cache
+        that asks, sized to remember 4x the pages the device and cascade tiers hold, and offered to
+        every cascade tier's policy); prefix caches record their requests in it."""
+        with self._moves_lock:
+            if self._history is None:
+                pages = device_pages + sum(t.index.capacity for t in self.cascade) // max(page_record_bytes, 1)
+                self._history = ReuseHistory(max(4 * pages, 1024))
+                for t in self.cascade:
+                    t.index.policy.use_history(self._history)
+            return self._history
 
     @property
     def names(self) -> list[str]:
@@ -137,7 +151,7 @@ class TierStack:
         return self.put_many([(key, rec)], source=source, level=level, count_gone=count_gone)[0]
 
     def put_many(self, items: Sequence[tuple[bytes, RecordLike]], *, source: str, level: int = 0,
-                 count_gone: bool = True) -> list[list[str]]:
+                 count_gone: bool = True, _admitted: bool = False) -> list[list[str]]:
         """:meth:`put` of a batch with one write per tier: the records go into tier ``level`` in one
         ``write`` call, and the records that write evicts go down together, in eviction order, in one
         ``write`` of the tier below (for LMDB one transaction pair for the whole batch instead of one
@@ -155,6 +169,12 @@ class TierStack:
             level: index in :attr:`cascade` of the first tier to try.
             count_gone: count records that fit nowhere as ``source->gone``.
 
+        A tier with an admission rule (``tier.admits(items) -> list[bool]``: the disk tier asks its
+        policy, :meth:`~kvtier.server.tiers.policy.TierIndex.admit`) is offered the batch first; the
+        records it turns away are counted ``source-><tier>(not admitted)`` (0 bytes: nothing was
+        written) and passed on as if the tier were absent (past the last tier: dropped, not counted
+        again as ``->gone``).
+
         Returns:
             For each item, the names of the tiers that now hold it (empty: it fit nowhere).
         """
@@ -168,6 +188,21 @@ class TierStack:
         tier = self.cascade[level]
         if not tier.health.healthy:
             return self.put_many(items, source=source, level=level + 1, count_gone=count_gone)
+        admits = getattr(tier, "admits", None)
+        if admits is not None and not _admitted:
+            ok = admits(items)
+            if not all(ok):  # the tier's policy turned some away: counted, passed on as if it were absent
+                refused = [i for i, a in enumerate(ok) if not a]
+                self.count_move(source, f"{tier.name}(not admitted)", 0, records=len(refused))
+                placed = [[] for _ in items]
+                for i, where in zip(refused, self.put_many([items[i] for i in refused], source=source,
+                                                           level=level + 1, count_gone=False)):
+                    placed[i] = where
+                kept = [i for i, a in enumerate(ok) if a]
+                for i, where in zip(kept, self.put_many([items[i] for i in kept], source=source, level=level,
+                                                        count_gone=count_gone, _admitted=True)):
+                    placed[i] = where
+                return placed
         below = level + 1 < len(self.cascade)
         write_back = _write_back(tier)
         down: list[tuple[bytes, RecordLike]] = []  # the victims, in eviction order

@@ -3,6 +3,7 @@ byte and hits exactly what ``--simulate`` hits; the CLI's JSON and errors."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -38,6 +39,20 @@ def test_first_200_requests_through_the_daemon_equal_the_simulation(tmp_path):
     assert real.moves == sim.moves and real.moves["disk->gone"]["count"] > 0
     pages = sum(len(r.hash_ids) for r in reqs)  # one page per trace block at this scale
     assert real.requests == 200 and real.tokens == pages * 64 == 354_368
+
+
+@pytest.mark.parametrize("policy", ["hitdensity", pytest.param("lru", marks=pytest.mark.slow),
+                                    pytest.param("s3fifo", marks=pytest.mark.slow),
+                                    pytest.param("arc", marks=pytest.mark.slow)])
+def test_each_policy_through_the_daemon_equals_its_simulation(tmp_path, policy):
+    """The first 200 requests with ``--policy`` on the embedded daemon hit what ``--simulate`` of the
+    same policy hits, page for page and move for move (admission refusals included)."""
+    reqs = read_trace(TRACE, limit=200)
+    scale = dataclasses.replace(short_scale(), policy=policy)
+    real = replay_through_daemon(reqs, scale, workdir=str(tmp_path))
+    sim = simulate(reqs, scale)
+    assert real.verify_failures == 0
+    assert real.hit_tokens == sim.hit_tokens and real.moves == sim.moves
 
 
 def test_kv_over_grpc_replays_what_the_attached_replay_does(tmp_path):

@@ -59,3 +59,19 @@ def test_attached_pool_fixture_writes_through_tensors_and_reads_evicted_pages_ba
     assert torch.equal(ap.kv_buffer[2][lease.slots].view(64, 656), rows)
     ap.release_prefix(lease)
     assert d.client.stats().attach_sessions == 1
+
+
+def test_factory_takes_a_policy_and_get_stats_names_it(kvtier_daemon_factory):
+    """The plugin pins ``lru`` unless told; ``policy="s3fifo"`` runs S3-FIFO on every tier, and
+    GetStats says so per tier (the device tier too)."""
+    pinned = kvtier_daemon_factory()
+    assert {t.tier: t.policy for t in pinned.client.stats().tiers} == {"device": "lru", "host": "lru", "disk": "lru"}
+    d = kvtier_daemon_factory(device_pages=4, host_pages=1, disk_pages=2, policy="s3fifo")
+    assert {t.tier: t.policy for t in d.client.stats().tiers} == {"device": "s3fifo", "host": "s3fifo", "disk": "s3fifo"}
+    keys = d.page_keys(8)
+    for k in keys:
+        d.put_pages([k])
+    # S3-FIFO on one-page tiers: every page is a never-used probationer; each tier evicts its oldest
+    # first, as LRU would here (no page was used twice), so the placement is LRU's
+    where = d.client.where_is(d.pool_id, keys)
+    assert where == [[], ["disk"], ["disk"], ["host"]] + [["device"]] * 4

@@ -1144,6 +1144,7 @@ class TierStats(_message.Message):
     UNHEALTHY_FIELD_NUMBER: _builtins.int
     UNHEALTHY_REASON_FIELD_NUMBER: _builtins.int
     NEXT_PROBE_SECONDS_FIELD_NUMBER: _builtins.int
+    POLICY_FIELD_NUMBER: _builtins.int
     tier: _builtins.str
     """"device", "host", "disk" """
     used_bytes: _builtins.int
@@ -1160,6 +1161,8 @@ class TierStats(_message.Message):
     """why, e.g. "write: mdb_txn_commit: Input/output error" """
     next_probe_seconds: _builtins.float
     """while unhealthy: seconds until it is probed again"""
+    policy: _builtins.str
+    """its eviction policy by its own name ("lru", "s3fifo", "arc", "hitdensity")"""
     def __init__(
         self,
         *,
@@ -1172,10 +1175,11 @@ class TierStats(_message.Message):
         unhealthy: _builtins.bool = ...,
         unhealthy_reason: _builtins.str = ...,
         next_probe_seconds: _builtins.float = ...,
+        policy: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_tenant_quota_bytes", b"_tenant_quota_bytes", "tenant_quota_bytes", b"tenant_quota_bytes"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_tenant_quota_bytes", b"_tenant_quota_bytes", "budget_bytes", b"budget_bytes", "entries", b"entries", "next_probe_seconds", b"next_probe_seconds", "tenant_quota_bytes", b"tenant_quota_bytes", "tenant_used_bytes", b"tenant_used_bytes", "tier", b"tier", "unhealthy", b"unhealthy", "unhealthy_reason", b"unhealthy_reason", "used_bytes", b"used_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_tenant_quota_bytes", b"_tenant_quota_bytes", "budget_bytes", b"budget_bytes", "entries", b"entries", "next_probe_seconds", b"next_probe_seconds", "policy", b"policy", "tenant_quota_bytes", b"tenant_quota_bytes", "tenant_used_bytes", b"tenant_used_bytes", "tier", b"tier", "unhealthy", b"unhealthy", "unhealthy_reason", b"unhealthy_reason", "used_bytes", b"used_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__tenant_quota_bytes: _TypeAlias = _typing.Literal["tenant_quota_bytes"]  # noqa: Y015
     _WhichOneofArgType__tenant_quota_bytes: _TypeAlias = _typing.Literal["_tenant_quota_bytes", b"_tenant_quota_bytes"]  # noqa: Y015

@@ -15,7 +15,7 @@ import pytest
 
 from kvtier.bench.report import plot_name
 
-CASES = {"capacity", "copies", "disk", "daemon", "attach", "pd", "mooncake", "replay", "storage"}
+CASES = {"capacity", "copies", "disk", "daemon", "attach", "pd", "mooncake", "replay", "policy", "storage"}
 NEEDS_SGLANG = {"storage"}  # run here without KVTIER_SGLANG_PYTHON: reports why it measured nothing
 
 
@@ -53,6 +53,7 @@ def test_results_name_the_machine_settings_and_issue_targets(quick_run):
     assert targets["daemon.read_vs_echo"] == 0.9
     assert targets["daemon.write_vs_echo"] == targets["daemon.write_new_vs_echo"] == 0.9
     assert targets["attach.write_vs_in_process"] == 0.9 and targets["attach.read_vs_in_process"] == 0.9
+    assert targets["policy.device_hits_vs_lru"] == 1.5 and targets["policy.disk_bytes_written_vs_lru"] == 2.0
     assert "copies" in stderr  # progress went to stderr, the JSON alone to stdout
 
 
