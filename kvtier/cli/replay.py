@@ -38,9 +38,9 @@ def _trace_path(_ctx: click.Context, _param: click.Parameter, value: str) -> str
         if c.is_file():
             return str(c)
     looked = " nor ".join(str(c.resolve()) for c in candidates)
-    raise click.BadParameter(f"file {value!r} does not exist (looked at {looked}); download "
-                             f"FAST25-release/traces/conversation_trace.jsonl from github.com/kvcache-ai/Mooncake "
-                             f"into ../shared/data/ beside the checkout, or pass --trace PATH")
+    raise click.BadParameter(f"file {value!r} does not exist (looked at {looked}); put the Mooncake trace "
+                             f"(github.com/kvcache-ai/Mooncake, FAST25-release/traces/conversation_trace.jsonl) in "
+                             f"shared/data/ beside the kvtier checkout, or pass --trace PATH")
 
 
 def _bytes(_ctx: click.Context, param: click.Parameter, value: Any) -> int:
