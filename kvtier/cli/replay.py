@@ -29,16 +29,18 @@ DEFAULT_TRACE = "../shared/data/conversation_trace.jsonl"
 
 
 def _trace_path(_ctx: click.Context, _param: click.Parameter, value: str) -> str:
-    """The trace file; the default also resolves against the checkout's root (``<root>/../shared/data``)."""
-    from pathlib import Path
-
+    """The trace file: ``value`` from the current directory; the default also from the checkout's root
+    (``<root>/../shared/data``, where CI lays the data)."""
     candidates = [Path(value)]
     if value == DEFAULT_TRACE:
         candidates.append(Path(__file__).resolve().parents[2] / DEFAULT_TRACE)
     for c in candidates:
         if c.is_file():
             return str(c)
-    raise click.BadParameter(f"file {value!r} does not exist (pass --trace PATH to the Mooncake conversation trace)")
+    looked = " nor ".join(str(c.resolve()) for c in candidates)
+    raise click.BadParameter(f"file {value!r} does not exist (looked at {looked}); put the Mooncake trace "
+                             f"(github.com/kvcache-ai/Mooncake, FAST25-release/traces/conversation_trace.jsonl) in "
+                             f"shared/data/ beside the kvtier checkout, or pass --trace PATH")
 
 
 def _bytes(_ctx: click.Context, param: click.Parameter, value: Any) -> int:
@@ -186,8 +188,9 @@ def _print_report(res: ReplayResult, belady: int | None, wall_seconds: float | N
 @click.command(short_help='Replay the Mooncake trace through the tiers; hit rates vs Belady.')
 @click.option("--trace", "trace_path", type=click.Path(dir_okay=False), default=DEFAULT_TRACE, show_default=True,
               callback=_trace_path,
-              help="Mooncake trace (JSON lines with hash_ids). The default is looked up from the current directory, "
-                   "then beside the kvtier checkout.")
+              help="Mooncake FAST'25 conversation trace (JSON lines with hash_ids). A relative path is taken from the "
+                   "current directory; the default, if not there, from the kvtier checkout's root (the "
+                   "shared/data folder beside the checkout).")
 @click.option("--model", default="glm-5.2", show_default=True, help="Model preset.")
 @click.option("--requests", "n_requests", type=click.IntRange(min=1), default=None, help="Only the first N requests.")
 @click.option("--server", default=None, metavar="ADDR", help="Use this daemon instead of an embedded one.")

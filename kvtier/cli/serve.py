@@ -50,7 +50,7 @@ def _layers(_ctx: click.Context, _param: click.Parameter, value: str | None) -> 
 @click.option("--torch-threads", type=click.IntRange(min=1), default=None, help="torch intra-op threads [1].")
 @click.option("--copy-threads", type=click.IntRange(min=0, max=64), default=None,
               help="Threads a large host copy is split over; 0 = the machine's cores [0].")
-@click.option("--log-level", type=click.Choice(LOG_LEVELS, case_sensitive=False), default=None, help="[INFO]")
+@click.option("--log-level", type=click.Choice(LOG_LEVELS, case_sensitive=False), default=None, help="[info]")
 @click.option("--max-message-bytes", callback=_bytes, default=None, metavar="BYTES",
               help="Largest gRPC message either way [4MiB]; clients must use the same.")
 @click.option("--chunk-bytes", callback=_bytes, default=None, metavar="BYTES",

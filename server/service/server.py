@@ -365,9 +365,11 @@ def serve(config: DaemonConfig) -> int:
             log.warning("metrics are served beyond loopback (%s): they name pools and tiers", state.metrics_address)
     if config.ready_file:
         write_private_file(config.ready_file, address)
-    mode = f"{len(state.tokens.tenants)} tenants" if state.tokens else "one tenant"
-    log.info("kvtier %s serving on %s (device %s, %d pools, %s)", state.version, address, state.device,
-             len(state.pools.list()), mode)
+    n_tenants = len(state.tokens.tenants) if state.tokens else 1
+    n_pools = len(state.pools.list())
+    mode = f"{n_tenants} tenant{'' if n_tenants == 1 else 's'}" if state.tokens else "one tenant"
+    log.info("kvtier %s serving on %s (device %s, %d pool%s, %s)", state.version, address, state.device,
+             n_pools, "" if n_pools == 1 else "s", mode)
     while not stop.wait(1.0):
         pass
     hs.enter_graceful_shutdown()
