@@ -34,7 +34,7 @@ def status(server: str | None, timeout: float, as_json: bool) -> None:
 
     con = console()
     con.print(f"[bold]kvtier {stats.version}[/] at {c.address}: {health}, up {stats.uptime_seconds:.0f}s, "
-              f"device {stats.device}, tenant {stats.tenant}: {len(stats.pools)} pools, "
+              f"device {stats.device}, tenant {stats.tenant}: {len(stats.pools)} pool{'' if len(stats.pools) == 1 else 's'}, "
               f"max message {stats.max_message_bytes:,} bytes")
     if stats.metrics_address:
         con.print(f"metrics: {stats.metrics_address}")

@@ -367,7 +367,7 @@ def serve(config: DaemonConfig) -> int:
         write_private_file(config.ready_file, address)
     n_tenants = len(state.tokens.tenants) if state.tokens else 1
     n_pools = len(state.pools.list())
-    mode = f"{n_tenants} tenant{'' if n_tenants == 1 else 's'}" if state.tokens else "one tenant"
+    mode = f"{n_tenants} tenant{'' if n_tenants == 1 else 's'}" + ("" if state.tokens else ", no --auth-tokens")
     log.info("kvtier %s serving on %s (device %s, %d pool%s, %s)", state.version, address, state.device,
              n_pools, "" if n_pools == 1 else "s", mode)
     while not stop.wait(1.0):

@@ -121,7 +121,7 @@ def test_status_and_pools_honour_kvtier_token(tmp_path):
         s = json.loads(r.output)
         assert s["tenant"] == "cli" and [p["pool_id"] for p in s["pools"]] == ["mine"]
         t = runner.invoke(main, ["status", "--server", d.address], env={"KVTIER_TOKEN": token}, terminal_width=200)
-        assert t.exit_code == 0 and "tenant cli: 1 pools" in t.output
+        assert t.exit_code == 0 and "tenant cli: 1 pool," in t.output
         for cmd in ("status", "pools"):
             bad = runner.invoke(main, [cmd, "--server", d.address], env={"KVTIER_TOKEN": None})
             assert bad.exit_code == 1 and "set KVTIER_TOKEN" in bad.output and "Traceback" not in bad.output

@@ -37,7 +37,7 @@ def test_help_gives_the_wheel_download_command_for_the_gpu_machines_python():
     assert r.returncode == 0
     for part in ("pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp",
                  "--platform manylinux_2_17_x86_64", "grpcio==", "grpcio-health-checking==", "grpcio-reflection==",
-                 "protobuf==", "lmdb==", "scripts/gpu-check \"$OUT\" --wheels .whl"):
+                 "protobuf==", "lmdb==", "scripts/gpu-check OUT_DIR --wheels .whl"):
         assert part in r.stdout, part
 
 
