@@ -88,3 +88,12 @@ def test_peer_channels_are_bounded_and_the_evicted_are_closed_once_unused():
         assert _closed(second.channel)  # the least recently used one, not in use: closed at once
     finally:
         connector.close()
+
+
+def test_pd_peers_lists_unix_sockets_only():
+    from kvtier.server.daemon.config import DaemonConfig
+
+    assert DaemonConfig(pd_peers="unix:///run/a.sock,/run/b.sock").pd_peers == ("unix:///run/a.sock", "unix:///run/b.sock")
+    assert DaemonConfig.from_mapping({"pd_peers": ["unix:///run/a.sock"]}).pd_peers == ("unix:///run/a.sock",)
+    with pytest.raises(ValueError, match="TCP peers need no listing"):
+        DaemonConfig(pd_peers=("127.0.0.1:5000",))
