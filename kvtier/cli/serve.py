@@ -66,6 +66,9 @@ def _layers(_ctx: click.Context, _param: click.Parameter, value: str | None) -> 
                    "needs 'authorization: Bearer <token>'. Without it: one tenant, unix socket or loopback only.")
 @click.option("--peer-tls-ca", type=click.Path(exists=True, dir_okay=False), default=None,
               help="PEM CA to reach PD peers over TLS for PullKV (this daemon's --tls-cert is its client certificate).")
+@click.option("--pd-peers", default=None, metavar="unix:///PATH,...",
+              help="Unix-socket PD peers PullKV may name besides this daemon's own address (others are refused: "
+                   "their file permissions would be bypassed). TCP peers need no listing.")
 @click.option("--max-streams", type=click.IntRange(min=1), default=None,
               help="KV streams in flight at once; more are refused [half of --workers].")
 @click.option("--stream-idle-seconds", type=click.FloatRange(min=0.1), default=None,

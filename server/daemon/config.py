@@ -91,6 +91,23 @@ class PoolSpec:
         return cls(**kwargs)
 
 
+def _unix_peers(value: Any) -> tuple[str, ...]:
+    """``pd_peers`` as resolved ``unix://`` addresses. Raises ValueError for anything else."""
+    from kvtier.addresses import is_unix, resolve_address
+
+    if isinstance(value, str):
+        value = [v for v in value.split(",") if v.strip()]
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"pd_peers must be a list of unix:///path addresses, got {type(value).__name__}")
+    peers = []
+    for v in value:
+        address = resolve_address(str(v).strip()) if isinstance(v, str) and v.strip() else ""
+        if not is_unix(address):
+            raise ValueError(f"pd_peers lists unix-socket peers (unix:///path); {v!r} is not one (TCP peers need no listing)")
+        peers.append(address)
+    return tuple(peers)
+
+
 @dataclass(frozen=True)
 class DaemonConfig:
     """Everything ``kvtier serve`` can be told. Byte sizes are in bytes."""
@@ -147,6 +164,11 @@ class DaemonConfig:
     """PEM CA file for PullKV's calls to peer daemons: set it to reach peers over TLS (the daemon's
     own ``tls_cert``/``tls_key`` are presented as its client certificate). Without it peers are
     reached in plaintext, and then only on loopback or unix sockets when a token is forwarded."""
+    pd_peers: tuple[str, ...] = ()
+    """Unix-socket PD peers PullKV may name besides this daemon's own address (``unix:///path``; TOML
+    list, ``--pd-peers`` comma-separated). Other unix-socket peers are refused: they are this machine's
+    private daemons, whose file permissions the daemon would bypass for its caller. TCP peers need no
+    listing."""
     auth_tokens: str = ""
     """TOML file with a ``[tokens]`` table (token -> tenant), owned by the daemon's user, mode 0600.
     With it every call needs ``authorization: Bearer <token>``; without it there is one tenant
@@ -184,6 +206,7 @@ class DaemonConfig:
     """``text`` or ``json`` (one JSON object a line: ts, level, logger, message, thread, exception)."""
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "pd_peers", _unix_peers(self.pd_peers))
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
         if self.log_level.upper() not in LOG_LEVELS:

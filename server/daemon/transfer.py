@@ -23,6 +23,18 @@ address whose layout answer carries this daemon's :attr:`TransferState.daemon_id
 alone, then written under the destination pool's exclusive lock alone, so it never waits for a
 ReadPages thread of its own and never holds two pool locks; its result's transport is ``local``.
 
+Which peers a pull may name: the daemon connects to a peer with its own privileges, on behalf of a
+caller who may not be able to reach that peer itself (a confused deputy). A unix-socket peer is
+refused (FailedPrecondition) unless it is this daemon's own bound address or one the operator listed
+(``pd_peers``, ``--pd-peers``: same-machine PD pairs on unix sockets): a unix socket is reached
+through file permissions (a 0700 directory, a 0600 socket) that this daemon, often another user or
+root, would bypass for the caller, and a daemon behind such a socket may serve without tokens because
+those permissions are its access control. A TCP peer is allowed: its access control is who can reach
+its port, and it is asked with the caller's own token (a peer with tokens serves that token's tenant
+only). A TCP peer without tokens serves whoever reaches its port, this daemon included, so a caller
+of this daemon reaches it through a pull even from a host that cannot reach it directly: give
+networked peers tokens (docs/operations/security.md, "PD peers").
+
 Failure contract of PullKV: validation (mapping, destination pages allocated, layouts) happens
 before any byte moves and leaves everything as it was. A failure while moving bytes frees the
 destination pages -- they are never presented as valid -- and raises :class:`TransferError`.
@@ -43,7 +55,7 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 import torch
 
-from kvtier.addresses import resolve_address
+from kvtier.addresses import is_unix, resolve_address
 from kvtier.server.daemon.errors import FailedPrecondition, InvalidArgument, NotFound
 from kvtier.server.daemon.kv_ops import chunk_size
 from kvtier.server.daemon.pools import PoolEntry, PoolRegistry
@@ -173,6 +185,8 @@ class TransferState:
                         "only where every host and local user that can reach them is trusted (README, Security)")
         self.daemon_id = secrets.token_hex(16)
         """This daemon process's id, sent with every layout: a pull that meets it copies in process."""
+        self.pd_peers = frozenset(cfg.pd_peers)
+        """Unix-socket peers the operator listed (``--pd-peers``): a pull may name them too."""
         self.own_addresses: set[str] = set()
         """The addresses this daemon is bound to (``create_server`` adds them), which no other process
         can hold while it lives: a pull naming one makes no gRPC call at all. Other spellings of this
@@ -308,6 +322,10 @@ class TransferState:
         except ValueError as e:
             raise InvalidArgument(f"peer_address: {e}") from None
         from_self = address in self.own_addresses
+        if is_unix(address) and not from_self and address not in self.pd_peers:
+            raise FailedPrecondition(f"peer {address} is a unix socket and not this daemon's own address: unix-socket "
+                                     f"peers are this machine's private daemons, whose file permissions this daemon "
+                                     f"would bypass; reach PD peers over TCP (HOST:PORT), or list it in the daemon's --pd-peers")
         with nullcontext(None) if from_self else peers.connect(address, caller) as peer:
             snapshot: PageSnapshot | None = None
             if not from_self:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -40,6 +41,8 @@ from kvtier.server.transfer.pages import page_run
 from kvtier.v1 import transfer_pb2, transfer_pb2_grpc
 
 
+MAX_PEER_CHANNELS = 16
+"""Peer channels a daemon keeps open (the least recently used one is closed past it)."""
 PEER_RETRY_S = 30.0
 """Without a deadline, how long a pull keeps sending again a ReadPages its peer refused as "changed nothing"."""
 PEER_RETRY_FIRST_PAUSE_S = 0.05
@@ -139,6 +142,7 @@ class GrpcPeerLink:
     """A :class:`~kvtier.server.daemon.transfer.PeerLink` over one gRPC channel."""
 
     def __init__(self, channel: grpc.Channel, address: str, metadata: Sequence[tuple[str, str]] = ()) -> None:
+        self.channel = channel
         self.stub = transfer_pb2_grpc.TransferServiceStub(channel)
         self.address = address
         self.metadata = tuple(metadata)
@@ -171,28 +175,61 @@ class GrpcPeerConnector:
         tls: channel credentials for TLS peers (None: plaintext).
     """
 
-    def __init__(self, options: Sequence[tuple[str, int]], tls: grpc.ChannelCredentials | None = None) -> None:
+    def __init__(self, options: Sequence[tuple[str, int]], tls: grpc.ChannelCredentials | None = None,
+                 max_channels: int = MAX_PEER_CHANNELS) -> None:
         self.options = list(options)
         self.tls = tls
-        self._channels: dict[str, grpc.Channel] = {}
+        self.max_channels = max_channels
+        # address -> [channel, pulls using it], least recently used first; an evicted channel still in
+        # use is closed when its last pull ends (never under a running pull)
+        self._channels: OrderedDict[str, list[Any]] = OrderedDict()
         self._lock = threading.Lock()  # a dict lock only (level 1 of the daemon's lock order)
 
-    def _channel(self, address: str) -> grpc.Channel:
-        """The channel to ``address``, opened on first use and kept: a new connection per pull cost more
-        than the layout call (BENCHMARKS.md); gRPC reconnects by itself when the peer restarts, and the
-        caller's token travels per call, so callers share it."""
+    def _acquire(self, address: str) -> list[Any]:
+        """The kept channel to ``address`` (opened on first use), marked in use: a new connection per
+        pull cost more than the layout call (BENCHMARKS.md); gRPC reconnects by itself when the peer
+        restarts, and the caller's token travels per call, so callers share it. At most
+        ``max_channels`` are kept: the least recently used one goes (closed once no pull uses it), so
+        peer addresses callers name cannot pile up channels."""
+        evicted: list[grpc.Channel] = []
         with self._lock:
-            ch = self._channels.get(address)
-            if ch is None:
+            held = self._channels.get(address)
+            if held is None:
                 ch = (grpc.secure_channel(address, self.tls, options=self.options) if self.tls is not None
                       else grpc.insecure_channel(address, options=self.options))
-                self._channels[address] = ch
-            return ch
+                held = self._channels[address] = [ch, 0]
+                while len(self._channels) > self.max_channels:
+                    _, old = self._channels.popitem(last=False)
+                    if old[1] == 0:
+                        evicted.append(old[0])
+                    else:
+                        old[1] = -old[1]  # negative: evicted, closed by its last user
+            else:
+                self._channels.move_to_end(address)
+            held[1] += 1
+        for ch in evicted:
+            ch.close()
+        return held
+
+    def _release(self, held: list[Any]) -> None:
+        with self._lock:
+            if held[1] > 0:
+                held[1] -= 1
+                return
+            held[1] += 1  # evicted meanwhile: counts up towards 0
+            close = held[1] == 0
+        if close:
+            held[0].close()
+
+    def open_channels(self) -> int:
+        """How many peer channels are kept (tests)."""
+        with self._lock:
+            return len(self._channels)
 
     def close(self) -> None:
         """Close every kept channel (at shutdown)."""
         with self._lock:
-            channels, self._channels = list(self._channels.values()), {}
+            channels, self._channels = [h[0] for h in self._channels.values()], OrderedDict()
         for ch in channels:
             ch.close()
 
@@ -214,4 +251,8 @@ class GrpcPeerConnector:
                 raise FailedPrecondition(f"refusing to send the caller's token to peer {address} in plaintext: give the "
                                          f"daemon --peer-tls-ca (peers over TLS), or use a loopback/unix peer")
             metadata.append(("authorization", f"Bearer {caller.token}"))
-        yield GrpcPeerLink(self._channel(address), address, metadata)
+        held = self._acquire(address)
+        try:
+            yield GrpcPeerLink(held[0], address, metadata)
+        finally:
+            self._release(held)

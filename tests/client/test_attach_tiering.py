@@ -66,7 +66,8 @@ def test_offload_and_restore_move_what_the_tensors_hold(daemon):
 def test_pullkv_moves_pages_a_worker_wrote_into_pages_another_worker_reads(tmp_path):
     """Prefill worker writes 2 pages through its tensors on daemon P; the decode worker on daemon D
     pulls them into its own session's pages (PullKV, gRPC transport) and reads them through its tensors."""
-    with DaemonProcess(extra_args=ARGS) as p, DaemonProcess(extra_args=ARGS) as d:
+    # both on unix sockets (attach needs them): D lists P as a PD peer (--pd-peers), else it refuses the pull
+    with DaemonProcess(extra_args=ARGS) as p, DaemonProcess(extra_args=[*ARGS, "--pd-peers", p.address]) as d:
         with KVTierClient(p.address) as pc, pc.attach("default") as prefill, \
                 KVTierClient(d.address) as dc, dc.attach("default") as decode:
             src = prefill.allocate_slots(2 * PAGE_SIZE)
