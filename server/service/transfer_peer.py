@@ -16,6 +16,7 @@ unix-socket peer (else FAILED_PRECONDITION: a bearer token never crosses a netwo
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -41,7 +42,8 @@ from kvtier.v1 import transfer_pb2, transfer_pb2_grpc
 
 
 PEER_RETRY_S = 30.0
-"""Without a deadline, how long a pull keeps sending again a ReadPages its peer refused as "changed nothing"."""
+"""Without a deadline, how long a pull keeps sending again a ReadPages its peer refused as "changed nothing"
+(the default of ``DaemonConfig.peer_retry_seconds``); a pull with a deadline retries until it."""
 PEER_RETRY_FIRST_PAUSE_S = 0.05
 PEER_RETRY_MAX_PAUSE_S = 0.5
 
@@ -61,8 +63,10 @@ class GrpcPageTransport:
     name = "grpc"
 
     def __init__(self, stub: transfer_pb2_grpc.TransferServiceStub, peer: str, entry: PoolEntry, chunk_bytes: int,
-                 fail_batch: int | None, spec: PullSpec, metadata: Sequence[tuple[str, str]] = ()) -> None:
+                 fail_batch: int | None, spec: PullSpec, metadata: Sequence[tuple[str, str]] = (),
+                 retry_s: float = PEER_RETRY_S) -> None:
         self.stub, self.peer, self.peer_pool_id = stub, peer, spec.peer_pool_id
+        self.retry_s = retry_s
         self.entry, self.chunk_bytes, self.fail_batch = entry, chunk_bytes, fail_batch
         self.spec = spec
         self.metadata = tuple(metadata)
@@ -72,7 +76,8 @@ class GrpcPageTransport:
         with "changed nothing" (``kvtier-retry: unchanged``: every stream slot taken, source pages a
         write is landing on) is sent again -- the whole batch, whose pages are overwritten --
         pausing 0.05 s then doubling to at most :data:`PEER_RETRY_MAX_PAUSE_S`, until the pull's
-        deadline (without one, for at most :data:`PEER_RETRY_S` after the first refusal).
+        deadline (without one, for at most ``retry_s`` -- :data:`PEER_RETRY_S` unless the daemon's
+        ``peer_retry_seconds`` says otherwise -- after the first refusal).
 
         Raises:
             TransferError: a batch failed (any other error, a refusal past the retry bound, a short or
@@ -90,9 +95,10 @@ class GrpcPageTransport:
                     retry = _changed_nothing(e)
                     now = time.monotonic()
                     refused_since = now if refused_since is None else refused_since
-                    if retry and now - refused_since < PEER_RETRY_S:
+                    # with a deadline, retry until it; without one, for retry_s after the first refusal
+                    if retry and (self.spec.deadline is not None or now - refused_since < self.retry_s):
                         try:
-                            left = self.spec.remaining(PEER_RETRY_S)  # the deadline's time left; 0 once cancelled
+                            left = self.spec.remaining(math.inf)  # the deadline's time left; 0 once cancelled
                         except TransferError:
                             left = 0.0
                         if left > pause:
@@ -101,7 +107,9 @@ class GrpcPageTransport:
                             continue
                     raise TransferError(f"grpc: ReadPages from {self.peer} failed in batch {b + 1} of {len(plan.batches)}: "
                                         f"{e.code().name}: {e.details()}"
-                                        + (" (refused as 'retry' until the pull's deadline)" if retry else ""), batch=b) from None
+                                        + ((" (refused as 'retry' until the pull's deadline)" if self.spec.deadline is not None else
+                                            f" (refused as 'retry' for {self.retry_s:g} s, the bound of a pull without a deadline)")
+                                           if retry else ""), batch=b) from None
             short = [i for i, it in enumerate(batch) if got[i] != it.nbytes]
             if short:
                 raise TransferError(f"grpc: ReadPages from {self.peer} ended early in batch {b + 1} "
@@ -138,8 +146,10 @@ def _changed_nothing(e: grpc.RpcError) -> bool:
 class GrpcPeerLink:
     """A :class:`~kvtier.server.daemon.transfer.PeerLink` over one gRPC channel."""
 
-    def __init__(self, channel: grpc.Channel, address: str, metadata: Sequence[tuple[str, str]] = ()) -> None:
+    def __init__(self, channel: grpc.Channel, address: str, metadata: Sequence[tuple[str, str]] = (),
+                 retry_s: float = PEER_RETRY_S) -> None:
         self.stub = transfer_pb2_grpc.TransferServiceStub(channel)
+        self.retry_s = retry_s
         self.address = address
         self.metadata = tuple(metadata)
 
@@ -160,7 +170,7 @@ class GrpcPeerLink:
         return msg.layout_digest, (None if msg.unchanged else peer_layout(msg)), msg.daemon_id
 
     def page_transport(self, entry: PoolEntry, chunk_bytes: int, fail_batch: int | None, spec: PullSpec) -> PageTransport:
-        return GrpcPageTransport(self.stub, self.address, entry, chunk_bytes, fail_batch, spec, self.metadata)
+        return GrpcPageTransport(self.stub, self.address, entry, chunk_bytes, fail_batch, spec, self.metadata, self.retry_s)
 
 
 class GrpcPeerConnector:
@@ -169,7 +179,13 @@ class GrpcPeerConnector:
     Args:
         options: channel options (``DaemonConfig.grpc_options()``).
         tls: channel credentials for TLS peers (None: plaintext).
+
+    Attributes:
+        retry_s: without a deadline, how long a pull resends a ReadPages refused as "changed nothing"
+            (``DaemonConfig.peer_retry_seconds``).
     """
+
+    retry_s: float = PEER_RETRY_S
 
     def __init__(self, options: Sequence[tuple[str, int]], tls: grpc.ChannelCredentials | None = None) -> None:
         self.options = list(options)
@@ -204,7 +220,9 @@ class GrpcPeerConnector:
             own = (Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes()) if config.tls_cert else (None, None)
             tls = grpc.ssl_channel_credentials(root_certificates=Path(config.peer_tls_ca).read_bytes(),
                                                private_key=own[0], certificate_chain=own[1])
-        return cls(config.grpc_options(), tls)
+        connector = cls(config.grpc_options(), tls)
+        connector.retry_s = config.peer_retry_seconds
+        return connector
 
     @contextmanager
     def connect(self, address: str, caller: Caller) -> Iterator[GrpcPeerLink]:
@@ -214,4 +232,4 @@ class GrpcPeerConnector:
                 raise FailedPrecondition(f"refusing to send the caller's token to peer {address} in plaintext: give the "
                                          f"daemon --peer-tls-ca (peers over TLS), or use a loopback/unix peer")
             metadata.append(("authorization", f"Bearer {caller.token}"))
-        yield GrpcPeerLink(self._channel(address), address, metadata)
+        yield GrpcPeerLink(self._channel(address), address, metadata, self.retry_s)
