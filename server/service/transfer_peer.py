@@ -4,7 +4,8 @@ Implements the domain's :class:`~kvtier.server.daemon.transfer.PeerConnector`: t
 what to move; this module only asks the peer over gRPC and writes the bytes a ReadPages stream
 brings into the destination pool's pages. Peer errors become the daemon's typed errors (the peer's
 NOT_FOUND / INVALID_ARGUMENT stay what they are, an UNAVAILABLE that changed nothing, such as source
-pages a write is landing on, is :class:`Busy`; anything else is a :class:`TransferError`).
+pages a write is landing on or a layout fetch from a peer that is down, is :class:`Busy`; anything
+else is a :class:`TransferError`).
 
 Credentials: PullKV presents the *caller's* bearer token to the peer (``authorization: Bearer``), so
 the peer serves the pool of the tenant that token names there (run both daemons with the same
@@ -44,6 +45,10 @@ from kvtier.v1 import transfer_pb2, transfer_pb2_grpc
 PEER_RETRY_S = 30.0
 """Without a deadline, how long a pull keeps sending again a ReadPages its peer refused as "changed nothing"
 (the default of ``DaemonConfig.peer_retry_seconds``); a pull with a deadline retries until it."""
+PEER_RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                          ("grpc.max_reconnect_backoff_ms", 1000)]
+"""The kept peer channels' reconnect backoff: at most 1 s (gRPC's default grows to 120 s), so a
+peer that restarted is reached again within a second of being back."""
 PEER_RETRY_FIRST_PAUSE_S = 0.05
 PEER_RETRY_MAX_PAUSE_S = 0.5
 
@@ -166,6 +171,9 @@ class GrpcPeerLink:
                 raise InvalidArgument(f"peer {self.address}: {details}") from None
             if code == grpc.StatusCode.UNAVAILABLE and _changed_nothing(e):
                 raise Busy(f"peer {self.address}: {details}") from None  # e.g. source pages a write is landing on
+            if code == grpc.StatusCode.UNAVAILABLE:  # unreachable (down, restarting): nothing moved yet, so retryable
+                raise Busy(f"peer {self.address} unreachable (GetTransferLayout: UNAVAILABLE: {details}); "
+                           f"nothing moved") from None
             raise TransferError(f"peer {self.address} GetTransferLayout failed: {code.name}: {details}") from None
         return msg.layout_digest, (None if msg.unchanged else peer_layout(msg)), msg.daemon_id
 
@@ -220,7 +228,7 @@ class GrpcPeerConnector:
             own = (Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes()) if config.tls_cert else (None, None)
             tls = grpc.ssl_channel_credentials(root_certificates=Path(config.peer_tls_ca).read_bytes(),
                                                private_key=own[0], certificate_chain=own[1])
-        connector = cls(config.grpc_options(), tls)
+        connector = cls([*config.grpc_options(), *PEER_RECONNECT_OPTIONS], tls)
         connector.retry_s = config.peer_retry_seconds
         return connector
 

@@ -268,3 +268,42 @@ def test_a_pull_without_a_deadline_stops_retrying_after_the_bound(pair):
         assert "refused as 'retry' for 0.5 s" in info.value.details()
         p.free_slots("default", torch.cat([blocker_slots, src]))
 
+
+def test_a_pull_from_a_peer_that_is_down_is_retried_and_lands_once_it_is_back():
+    """Regression (peer restart): while the peer daemon was down, and for seconds after it was back
+    (the decode daemon's kept channel in gRPC's reconnect backoff), PullKV failed ABORTED
+    "GetTransferLayout failed: UNAVAILABLE" though nothing had moved, which the client does not
+    retry. Now that answer is UNAVAILABLE marked "changed nothing": the client retries it within its
+    deadline (so a pull while the peer is down ends DEADLINE_EXCEEDED, naming the peer unreachable,
+    with its destination pages kept), and a pull after the peer restarted on the same port lands."""
+    from kvtier.client import AbortedError, DeadlineExceededError
+
+    with DaemonProcess("127.0.0.1:0", extra_args=POOL) as dec:
+        pre = DaemonProcess("127.0.0.1:0", extra_args=POOL)
+        try:
+            pre.start()
+            with KVTierClient(pre.address, timeout=60) as p, KVTierClient(dec.address, timeout=60) as d:
+                src = p.allocate_slots("default", PS)
+                dst = d.allocate_slots("default", PS)
+                d.pull_kv("default", pre.address, "default", src_slots=src, dst_slots=dst, transport="grpc")
+            address = pre.address
+        finally:
+            pre.stop()
+            pre.cleanup()
+        with KVTierClient(dec.address, timeout=60) as d:
+            for _ in range(3):  # the kept channel fails to connect: gRPC backs off reconnecting
+                with pytest.raises((DeadlineExceededError, AbortedError)) as info:
+                    d.pull_kv("default", address, "default", src_slots=src, dst_slots=dst, transport="grpc", timeout=2)
+                assert isinstance(info.value, DeadlineExceededError), f"not retried: {info.value}"
+                assert "unreachable" in str(info.value) and "GetTransferLayout" in str(info.value)
+            d.read_kv("default", dst, index_layers=[])  # the destination pages are still allocated
+            with DaemonProcess(address, extra_args=POOL) as pre2, KVTierClient(pre2.address, timeout=60) as p:
+                src = p.allocate_slots("default", PS)
+                g = torch.Generator().manual_seed(13)
+                latent = {x: torch.randint(0, 256, (PS, 656), dtype=torch.uint8, generator=g) for x in range(8)}
+                p.write_kv("default", src, latent=latent)
+                r = d.pull_kv("default", address, "default", src_slots=src, dst_slots=dst, transport="grpc", timeout=60)
+                assert r.latent_bytes == 8 * PS * 656
+                kv = d.read_kv("default", dst, index_layers=[])
+                for x in range(8):
+                    assert torch.equal(kv.latent[x], latent[x]), f"latent layer {x}"
