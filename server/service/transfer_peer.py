@@ -110,11 +110,11 @@ class GrpcPageTransport:
                             time.sleep(pause)
                             pause = min(pause * 2, PEER_RETRY_MAX_PAUSE_S)
                             continue
+                    why = ("" if not retry else " (refused as 'retry' until the pull's deadline)"
+                           if self.spec.deadline is not None
+                           else f" (refused as 'retry' for {self.retry_s:g} s, the bound of a pull without a deadline)")
                     raise TransferError(f"grpc: ReadPages from {self.peer} failed in batch {b + 1} of {len(plan.batches)}: "
-                                        f"{e.code().name}: {e.details()}"
-                                        + ((" (refused as 'retry' until the pull's deadline)" if self.spec.deadline is not None else
-                                            f" (refused as 'retry' for {self.retry_s:g} s, the bound of a pull without a deadline)")
-                                           if retry else ""), batch=b) from None
+                                        f"{e.code().name}: {e.details()}{why}", batch=b) from None
             short = [i for i, it in enumerate(batch) if got[i] != it.nbytes]
             if short:
                 raise TransferError(f"grpc: ReadPages from {self.peer} ended early in batch {b + 1} "
