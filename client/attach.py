@@ -63,8 +63,10 @@ def open_channel(path: str, message: dict[str, Any], timeout: float) -> tuple[so
     """Connect to the attach channel at ``path``, send the first ``message`` (attach or storage) and
     return ``(the connection, the daemon's answer, the descriptors that came with it)``.
 
-    An answer UNAVAILABLE (the pool is busy: a call holds its lock exclusive, e.g. a transfer) and a
-    full listen queue (EAGAIN at connect) are retried on a new connection, with backoff, until
+    An answer UNAVAILABLE (the pool is busy: a call holds its lock exclusive, e.g. a transfer), an
+    answer marked "changed nothing" (``unchanged``: every handshake slot of the channel taken,
+    RESOURCE_EXHAUSTED) and a full listen queue (EAGAIN at connect) are retried on a new
+    connection, with backoff, until
     ``timeout`` seconds have passed; an answer the
     daemon sent before closing a connection it had no room for (RESOURCE_EXHAUSTED) is read even if
     the send failed.
@@ -111,7 +113,7 @@ def open_channel(path: str, message: dict[str, Any], timeout: float) -> tuple[so
             reply, fds = got
             if "error" in reply:
                 err = _reply_error(reply)
-                if isinstance(err, UnavailableError) and time.monotonic() + delay < deadline:
+                if (isinstance(err, UnavailableError) or err.unchanged) and time.monotonic() + delay < deadline:
                     busy = err
                     _close_fds(fds)
                     sock.close()
@@ -139,7 +141,8 @@ def _fits(n_slots: int, page_keys: Sequence[bytes]) -> bool:
 
 def _reply_error(reply: dict[str, Any]) -> Exception:
     """The client error an attach-channel reply's ``error`` (``{"code", "message"}``) stands for."""
-    return from_code_name(reply["error"].get("code", ""), reply["error"].get("message", ""))
+    return from_code_name(reply["error"].get("code", ""), reply["error"].get("message", ""),
+                          bool(reply["error"].get("unchanged", False)))
 
 
 def request_staging(sock: socket.socket, nbytes: int, timeout: float) -> tuple[int, Any]:

@@ -163,11 +163,12 @@ class BaseClient:
     def _run(self, fn: Callable[[float], T], idempotent: bool, timeout: float | None) -> T:
         """``fn(time left)`` until it succeeds, within one deadline for every attempt.
 
-        An UNAVAILABLE the daemon marks "changed nothing" (``unchanged``: slots a write still arriving
-        is writing) is sent again, writes too, until the deadline, pausing 0.05 s then doubling to at
-        most :data:`BUSY_MAX_PAUSE_S` (the claim lasts as long as that write's stream); any other
-        UNAVAILABLE only for an idempotent call, at most :attr:`retries` times (0.05, 0.1, 0.2 s ...).
-        ``retries=0`` turns both off.
+        A refusal the daemon marks "changed nothing" (``unchanged``, whatever its code: UNAVAILABLE
+        for slots a write still arriving is writing, RESOURCE_EXHAUSTED for every ``--max-streams``
+        slot taken) is sent again, writes too, until the deadline, pausing 0.05 s then doubling to at
+        most :data:`BUSY_MAX_PAUSE_S` (the claim or the slot lasts as long as another stream); any
+        other UNAVAILABLE only for an idempotent call, at most :attr:`retries` times (0.05, 0.1,
+        0.2 s ...); any other error is not retried. ``retries=0`` turns both off.
 
         Raises:
             KVTierError: the last answer's subclass; DeadlineExceededError when the deadline passes
@@ -185,12 +186,12 @@ class BaseClient:
                 return fn(left)
             except grpc.RpcError as e:
                 last = self._no_daemon_hint(from_rpc_error(e))
-            if last.code != grpc.StatusCode.UNAVAILABLE or not self.retries:
+            if not self.retries:
                 raise last from None
-            if last.unchanged:
+            if last.unchanged:  # whatever its code (UNAVAILABLE busy, RESOURCE_EXHAUSTED --max-streams)
                 busy += 1
                 pause = min(0.05 * 2 ** (busy - 1), BUSY_MAX_PAUSE_S)
-            elif idempotent and plain < self.retries:
+            elif last.code == grpc.StatusCode.UNAVAILABLE and idempotent and plain < self.retries:
                 plain += 1
                 pause = 0.05 * 2 ** (plain - 1)
             else:
@@ -200,14 +201,15 @@ class BaseClient:
     def _no_daemon_hint(self, err: KVTierError) -> KVTierError:
         """An UNAVAILABLE that is a failed connect says so first, with what to do (gRPC's own
         "failed to connect to all addresses; last error: ..." kept after it)."""
-        if err.code == grpc.StatusCode.UNAVAILABLE and "failed to connect" in err.details:
+        # a refusal marked "changed nothing" came from the daemon (e.g. naming a PullKV peer it cannot reach)
+        if err.code == grpc.StatusCode.UNAVAILABLE and "failed to connect" in err.details and not err.unchanged:
             return type(err)(f"no kvtier daemon answers at {self.address} (start one with `kvtier serve`, or pass "
                              f"its address to KVTierClient); gRPC: {err.details}", err.code)
         return err
 
     def unary(self, rpc: Callable[..., T], request: Any, *, idempotent: bool, timeout: float | None = None) -> T:
-        """Call a unary RPC with a deadline; UNAVAILABLE is retried when ``idempotent`` or when the
-        daemon changed nothing (:meth:`_run`). Raises a :class:`~kvtier.client.errors.KVTierError`
+        """Call a unary RPC with a deadline; UNAVAILABLE is retried when ``idempotent``, any refusal
+        when the daemon changed nothing (:meth:`_run`). Raises a :class:`~kvtier.client.errors.KVTierError`
         subclass on failure."""
         return self._run(lambda left: rpc(request, timeout=left), idempotent, timeout)
 

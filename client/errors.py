@@ -97,7 +97,8 @@ def from_rpc_error(err: grpc.RpcError) -> KVTierError:
     return cls(details, code, unchanged)
 
 
-def from_code_name(name: str, details: str) -> KVTierError:
-    """The :class:`KVTierError` subclass for a status code given by name (the attach channel's errors)."""
+def from_code_name(name: str, details: str, unchanged: bool = False) -> KVTierError:
+    """The :class:`KVTierError` subclass for a status code given by name (the attach channel's errors;
+    ``unchanged``: the reply said the daemon changed nothing)."""
     code = getattr(grpc.StatusCode, str(name), grpc.StatusCode.UNKNOWN)
-    return _BY_CODE.get(code, KVTierError)(details, code)
+    return _BY_CODE.get(code, KVTierError)(details, code, unchanged)

@@ -130,6 +130,10 @@ class DaemonConfig:
     stream_idle_seconds: float = 30.0
     """A stream that moves no message for this long (a stalled sender or a reader that stopped
     reading) is cancelled, freeing its worker thread and stream slot."""
+    peer_retry_seconds: float = 30.0
+    """A PullKV without a deadline resends a ReadPages its peer refused as "changed nothing" (every
+    stream slot taken, source pages a write is landing on) for at most this long after the first
+    refusal; a pull with a deadline resends it until the deadline."""
     torch_threads: int = 1
     """torch intra-op threads. Calls already run in parallel on the workers; more than 1 made row
     gathers/scatters ~30x slower on a busy 2-core machine (OpenMP threads spin against each other)."""
@@ -231,6 +235,8 @@ class DaemonConfig:
             raise ValueError(f"max_streams must be >= 0, got {self.max_streams}")
         if self.stream_idle_seconds <= 0:
             raise ValueError(f"stream_idle_seconds must be > 0, got {self.stream_idle_seconds}")
+        if self.peer_retry_seconds <= 0:
+            raise ValueError(f"peer_retry_seconds must be > 0, got {self.peer_retry_seconds}")
         if self.close_seconds <= 0:
             raise ValueError(f"close_seconds must be > 0, got {self.close_seconds}")
         if not isinstance(self.tenants, dict) or not all(isinstance(v, TenantSettings) for v in self.tenants.values()):

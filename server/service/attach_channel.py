@@ -161,7 +161,10 @@ def error_reply(exc: BaseException) -> dict[str, Any]:
     if code == grpc.StatusCode.INTERNAL:
         log.error("attach: internal error", exc_info=exc)
         return {"error": {"code": "INTERNAL", "message": f"internal error: {type(exc).__name__}"}}
-    return {"error": {"code": code.name, "message": str(exc)}}
+    error: dict[str, Any] = {"code": code.name, "message": str(exc)}
+    if getattr(exc, "unchanged", False):
+        error["unchanged"] = True  # changed nothing: the client may retry (as gRPC's kvtier-retry: unchanged)
+    return {"error": error}
 
 
 class AttachChannel:
@@ -284,7 +287,8 @@ class AttachChannel:
             if handshaking:
                 idle = next((c for c in handshaking if not c.serving and not _message_waiting(c.sock)), None)
                 if idle is None:
-                    self._refuse(sock, f"{MAX_HANDSHAKES} attach handshakes are in progress (the channel's cap); retry")
+                    self._refuse(sock, f"{MAX_HANDSHAKES} attach handshakes are in progress (the channel's cap); retry",
+                                 unchanged=True)  # a handshake ends (or times out) within HANDSHAKE_SECONDS
                     continue
                 log.info("attach: %d connections in their handshake; closed the oldest idle one (pid %d)",
                          MAX_HANDSHAKES, idle.peer.pid)
@@ -296,14 +300,17 @@ class AttachChannel:
                 self._handshaking[conn] = None
             self._sel.register(sock, selectors.EVENT_READ, conn)
 
-    def _refuse(self, sock: socket.socket, message: str) -> None:
-        """Answer a connection the channel has no room for RESOURCE_EXHAUSTED and close it."""
+    def _refuse(self, sock: socket.socket, message: str, unchanged: bool = False) -> None:
+        """Answer a connection the channel has no room for RESOURCE_EXHAUSTED (marked "changed
+        nothing" when ``unchanged``: the client retries it) and close it."""
         now = time.monotonic()
         if now - self._refusal_logged >= 10.0:  # a flood logs once per 10 s
             self._refusal_logged = now
             log.warning("attach: refusing connections: %s", message)
         with contextlib.suppress(OSError, WireError):
-            send_message(sock, error_reply(ResourceExhausted(message)))
+            refusal = ResourceExhausted(message)
+            refusal.unchanged = unchanged
+            send_message(sock, error_reply(refusal))
         # Closing with the peer's request unread would make the peer read ECONNRESET instead of the
         # answer: stop it sending (SHUT_RD: its sends fail EPIPE), drop what it sent, then close.
         with contextlib.suppress(OSError):

@@ -4,7 +4,8 @@ Implements the domain's :class:`~kvtier.server.daemon.transfer.PeerConnector`: t
 what to move; this module only asks the peer over gRPC and writes the bytes a ReadPages stream
 brings into the destination pool's pages. Peer errors become the daemon's typed errors (the peer's
 NOT_FOUND / INVALID_ARGUMENT stay what they are, an UNAVAILABLE that changed nothing, such as source
-pages a write is landing on, is :class:`Busy`; anything else is a :class:`TransferError`).
+pages a write is landing on or a layout fetch from a peer that is down, is :class:`Busy`; anything
+else is a :class:`TransferError`).
 
 Credentials: PullKV presents the *caller's* bearer token to the peer (``authorization: Bearer``), so
 the peer serves the pool of the tenant that token names there (run both daemons with the same
@@ -16,6 +17,7 @@ unix-socket peer (else FAILED_PRECONDITION: a bearer token never crosses a netwo
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import OrderedDict
@@ -44,7 +46,12 @@ from kvtier.v1 import transfer_pb2, transfer_pb2_grpc
 MAX_PEER_CHANNELS = 16
 """Peer channels a daemon keeps open (the least recently used one is closed past it)."""
 PEER_RETRY_S = 30.0
-"""Without a deadline, how long a pull keeps sending again a ReadPages its peer refused as "changed nothing"."""
+"""Without a deadline, how long a pull keeps sending again a ReadPages its peer refused as "changed nothing"
+(the default of ``DaemonConfig.peer_retry_seconds``); a pull with a deadline retries until it."""
+PEER_RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                          ("grpc.max_reconnect_backoff_ms", 1000)]
+"""The kept peer channels' reconnect backoff: at most 1 s (gRPC's default grows to 120 s), so a
+peer that restarted is reached again within a second of being back."""
 PEER_RETRY_FIRST_PAUSE_S = 0.05
 PEER_RETRY_MAX_PAUSE_S = 0.5
 
@@ -64,8 +71,10 @@ class GrpcPageTransport:
     name = "grpc"
 
     def __init__(self, stub: transfer_pb2_grpc.TransferServiceStub, peer: str, entry: PoolEntry, chunk_bytes: int,
-                 fail_batch: int | None, spec: PullSpec, metadata: Sequence[tuple[str, str]] = ()) -> None:
+                 fail_batch: int | None, spec: PullSpec, metadata: Sequence[tuple[str, str]] = (),
+                 retry_s: float = PEER_RETRY_S) -> None:
         self.stub, self.peer, self.peer_pool_id = stub, peer, spec.peer_pool_id
+        self.retry_s = retry_s
         self.entry, self.chunk_bytes, self.fail_batch = entry, chunk_bytes, fail_batch
         self.spec = spec
         self.metadata = tuple(metadata)
@@ -75,7 +84,8 @@ class GrpcPageTransport:
         with "changed nothing" (``kvtier-retry: unchanged``: every stream slot taken, source pages a
         write is landing on) is sent again -- the whole batch, whose pages are overwritten --
         pausing 0.05 s then doubling to at most :data:`PEER_RETRY_MAX_PAUSE_S`, until the pull's
-        deadline (without one, for at most :data:`PEER_RETRY_S` after the first refusal).
+        deadline (without one, for at most ``retry_s`` -- :data:`PEER_RETRY_S` unless the daemon's
+        ``peer_retry_seconds`` says otherwise -- after the first refusal).
 
         Raises:
             TransferError: a batch failed (any other error, a refusal past the retry bound, a short or
@@ -93,18 +103,21 @@ class GrpcPageTransport:
                     retry = _changed_nothing(e)
                     now = time.monotonic()
                     refused_since = now if refused_since is None else refused_since
-                    if retry and now - refused_since < PEER_RETRY_S:
+                    # with a deadline, retry until it; without one, for retry_s after the first refusal
+                    if retry and (self.spec.deadline is not None or now - refused_since < self.retry_s):
                         try:
-                            left = self.spec.remaining(PEER_RETRY_S)  # the deadline's time left; 0 once cancelled
+                            left = self.spec.remaining(math.inf)  # the deadline's time left; 0 once cancelled
                         except TransferError:
                             left = 0.0
                         if left > pause:
                             time.sleep(pause)
                             pause = min(pause * 2, PEER_RETRY_MAX_PAUSE_S)
                             continue
+                    why = ("" if not retry else " (refused as 'retry' until the pull's deadline)"
+                           if self.spec.deadline is not None
+                           else f" (refused as 'retry' for {self.retry_s:g} s, the bound of a pull without a deadline)")
                     raise TransferError(f"grpc: ReadPages from {self.peer} failed in batch {b + 1} of {len(plan.batches)}: "
-                                        f"{e.code().name}: {e.details()}"
-                                        + (" (refused as 'retry' until the pull's deadline)" if retry else ""), batch=b) from None
+                                        f"{e.code().name}: {e.details()}{why}", batch=b) from None
             short = [i for i, it in enumerate(batch) if got[i] != it.nbytes]
             if short:
                 raise TransferError(f"grpc: ReadPages from {self.peer} ended early in batch {b + 1} "
@@ -141,9 +154,11 @@ def _changed_nothing(e: grpc.RpcError) -> bool:
 class GrpcPeerLink:
     """A :class:`~kvtier.server.daemon.transfer.PeerLink` over one gRPC channel."""
 
-    def __init__(self, channel: grpc.Channel, address: str, metadata: Sequence[tuple[str, str]] = ()) -> None:
+    def __init__(self, channel: grpc.Channel, address: str, metadata: Sequence[tuple[str, str]] = (),
+                 retry_s: float = PEER_RETRY_S) -> None:
         self.channel = channel
         self.stub = transfer_pb2_grpc.TransferServiceStub(channel)
+        self.retry_s = retry_s
         self.address = address
         self.metadata = tuple(metadata)
 
@@ -160,11 +175,14 @@ class GrpcPeerLink:
                 raise InvalidArgument(f"peer {self.address}: {details}") from None
             if code == grpc.StatusCode.UNAVAILABLE and _changed_nothing(e):
                 raise Busy(f"peer {self.address}: {details}") from None  # e.g. source pages a write is landing on
+            if code == grpc.StatusCode.UNAVAILABLE:  # unreachable (down, restarting): nothing moved yet, so retryable
+                raise Busy(f"peer {self.address} unreachable (GetTransferLayout: UNAVAILABLE: {details}); "
+                           f"nothing moved") from None
             raise TransferError(f"peer {self.address} GetTransferLayout failed: {code.name}: {details}") from None
         return msg.layout_digest, (None if msg.unchanged else peer_layout(msg)), msg.daemon_id
 
     def page_transport(self, entry: PoolEntry, chunk_bytes: int, fail_batch: int | None, spec: PullSpec) -> PageTransport:
-        return GrpcPageTransport(self.stub, self.address, entry, chunk_bytes, fail_batch, spec, self.metadata)
+        return GrpcPageTransport(self.stub, self.address, entry, chunk_bytes, fail_batch, spec, self.metadata, self.retry_s)
 
 
 class GrpcPeerConnector:
@@ -173,7 +191,13 @@ class GrpcPeerConnector:
     Args:
         options: channel options (``DaemonConfig.grpc_options()``).
         tls: channel credentials for TLS peers (None: plaintext).
+
+    Attributes:
+        retry_s: without a deadline, how long a pull resends a ReadPages refused as "changed nothing"
+            (``DaemonConfig.peer_retry_seconds``).
     """
+
+    retry_s: float = PEER_RETRY_S
 
     def __init__(self, options: Sequence[tuple[str, int]], tls: grpc.ChannelCredentials | None = None,
                  max_channels: int = MAX_PEER_CHANNELS) -> None:
@@ -241,7 +265,9 @@ class GrpcPeerConnector:
             own = (Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes()) if config.tls_cert else (None, None)
             tls = grpc.ssl_channel_credentials(root_certificates=Path(config.peer_tls_ca).read_bytes(),
                                                private_key=own[0], certificate_chain=own[1])
-        return cls(config.grpc_options(), tls)
+        connector = cls([*config.grpc_options(), *PEER_RECONNECT_OPTIONS], tls)
+        connector.retry_s = config.peer_retry_seconds
+        return connector
 
     @contextmanager
     def connect(self, address: str, caller: Caller) -> Iterator[GrpcPeerLink]:
@@ -253,6 +279,6 @@ class GrpcPeerConnector:
             metadata.append(("authorization", f"Bearer {caller.token}"))
         held = self._acquire(address)
         try:
-            yield GrpcPeerLink(held[0], address, metadata)
+            yield GrpcPeerLink(held[0], address, metadata, self.retry_s)
         finally:
             self._release(held)

@@ -23,6 +23,11 @@ from kvtier.server.service.transfer_peer import GrpcPeerConnector
 from kvtier.v1 import transfer_pb2, transfer_pb2_grpc
 
 
+NO_DEADLINE_S = 1e8
+"""A call's time left beyond this (about 3 years) is no deadline: gRPC reports a call sent without one
+as due in the far future, which would make a pull without a deadline wait as if it had one."""
+
+
 class TransferServicer(transfer_pb2_grpc.TransferServiceServicer):
     """Serves PD transfer for :class:`Daemon`'s pools; see ``transfer.proto``."""
 
@@ -46,6 +51,8 @@ class TransferServicer(transfer_pb2_grpc.TransferServiceServicer):
         if request.transport not in TRANSPORTS:
             raise InvalidArgument(f"unknown transport {request.transport}")
         remaining = context.time_remaining()
+        if remaining is not None and remaining > NO_DEADLINE_S:  # gRPC's "no deadline" is a time centuries away
+            remaining = None
         result = self.transfer.pull(caller_of(context), PullSpec(
             pool_id=request.pool_id, peer_address=request.peer_address, peer_pool_id=request.peer_pool_id,
             src_pages=list(request.src_pages), dst_pages=list(request.dst_pages), src_slots=list(request.src_slots),

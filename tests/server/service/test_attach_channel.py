@@ -102,3 +102,73 @@ def test_a_handshake_whose_connection_closed_meanwhile_leaves_no_session(channel
     assert conn.session is None and channel.daemon.sessions.ended == 1
     a.close()
     b.close()
+
+
+def test_a_connection_past_the_handshake_cap_is_retried_by_the_client(channel, monkeypatch):
+    """Regression (the "handshakes in progress; retry" refusal): with every handshake slot taken by a
+    handshake a worker is serving, one more connection is refused RESOURCE_EXHAUSTED. It changed
+    nothing, so the reply now says so (``unchanged``) and ``open_channel`` retries it within its
+    timeout: once the held handshake ends, the session opens. Before: ResourceExhaustedError at once."""
+    import threading
+
+    from kvtier.client.attach import open_channel
+
+    monkeypatch.setattr(attach_channel, "MAX_HANDSHAKES", 1)
+    serving, release, refused = threading.Event(), threading.Event(), threading.Event()
+    handshake, refuse = channel._handshake, channel._refuse
+
+    def held_handshake(conn, request):
+        if not serving.is_set():  # the first one is held until the refusal was sent
+            serving.set()
+            release.wait(30)
+        handshake(conn, request)
+
+    def noted_refuse(sock, message, *args, **kwargs):
+        refuse(sock, message, *args, **kwargs)
+        refused.set()
+
+    monkeypatch.setattr(channel, "_handshake", held_handshake)
+    monkeypatch.setattr(channel, "_refuse", noted_refuse)
+    first = connect(channel)
+    send_message(first, {"kind": "storage", "version": PROTOCOL_VERSION, "token": None})
+    assert serving.wait(10)
+    outcome: dict[str, object] = {}
+
+    def second() -> None:
+        try:
+            outcome["reply"] = open_channel(str(channel.path), {"kind": "storage", "version": PROTOCOL_VERSION,
+                                                                "token": None}, 30)
+        except Exception as e:  # noqa: BLE001 - the test reports it
+            outcome["error"] = e
+
+    t = threading.Thread(target=second, daemon=True)
+    t.start()
+    try:
+        assert refused.wait(10) or not t.is_alive(), "the second connection was never refused"
+    finally:
+        release.set()
+    t.join(30)
+    assert not t.is_alive()
+    assert "error" not in outcome, f"open_channel failed: {outcome.get('error')}"
+    sock, reply, fds = outcome["reply"]
+    assert "session_id" in reply, reply
+    assert fds == []
+    first_reply, _ = recv_message(first)
+    assert "session_id" in first_reply, first_reply
+    assert first_reply["session_id"] != reply["session_id"]
+    for s in (first, sock):
+        s.close()
+
+
+def test_the_handshake_cap_refusal_says_it_changed_nothing():
+    """The reply the channel sends for the handshake cap is marked ``unchanged``; the connection cap's
+    (sessions last long) and other errors are not."""
+    from kvtier.server.daemon.errors import Busy, ResourceExhausted
+
+    marked = ResourceExhausted("handshakes")
+    marked.unchanged = True
+    assert attach_channel.error_reply(marked) == {"error": {"code": "RESOURCE_EXHAUSTED", "message": "handshakes",
+                                                           "unchanged": True}}
+    assert attach_channel.error_reply(ResourceExhausted("full")) == {"error": {"code": "RESOURCE_EXHAUSTED",
+                                                                               "message": "full"}}
+    assert attach_channel.error_reply(Busy("claimed"))["error"]["unchanged"] is True

@@ -22,12 +22,13 @@ from kvtier.v1 import transfer_pb2, transfer_pb2_grpc
 PS = 64
 POOL = ["--device", "cpu", "--pool", "glm-5.2:8192", "--pool-layers", "8", "--log-level", "INFO"]
 REFUSAL = "ReadPages -> RESOURCE_EXHAUSTED"
+RETRY_S = 0.5  # the decode daemon's --peer-retry-seconds: the bound of a pull without a deadline
 
 
 @pytest.fixture(scope="module")
 def pair():
     with DaemonProcess("127.0.0.1:0", extra_args=[*POOL, "--max-streams", "1", "--stream-idle-seconds", "600"]) as pre, \
-            DaemonProcess("127.0.0.1:0", extra_args=POOL) as dec:
+            DaemonProcess("127.0.0.1:0", extra_args=[*POOL, "--peer-retry-seconds", str(RETRY_S)]) as dec:
         yield pre, dec
 
 
@@ -185,3 +186,124 @@ def test_a_pull_whose_source_pages_a_write_claims_mid_pull_retries_and_lands(pai
             assert torch.equal(kv.latent[x], latent[x]), f"latent layer {x}"
         d.free_slots("default", dst)
         d.delete_pool("claimed-src", force=True)
+
+
+def _hold_the_stream_slot(address: str):
+    """A stalled ReadPages of 40 MB (beyond the flow-control window) that holds the prefill daemon's
+    one stream slot once its first message came; (the call, its channel)."""
+    runs = [transfer_pb2.PageRun(layer_id=x, component=transfer_pb2.PAGE_COMPONENT_LATENT, first_page=1,
+                                 num_pages=120) for x in range(8)]
+    ch = grpc.insecure_channel(address)
+    blocker = transfer_pb2_grpc.TransferServiceStub(ch).ReadPages(
+        transfer_pb2.ReadPagesRequest(pool_id="default", runs=runs), timeout=300)
+    next(blocker)
+    return blocker, ch
+
+
+def test_a_pull_with_a_deadline_retries_a_refusal_past_the_no_deadline_bound(pair):
+    """Regression (the 30 s cap): a pull with a deadline stopped resending a refused ReadPages once
+    the no-deadline bound (``peer_retry_seconds``, 0.5 s here) had passed, and ended ABORTED with its
+    destination pages freed though its deadline (120 s) was far. The slot is held here until the
+    prefill daemon has refused 6 ReadPages of this pull: its pauses between them (0.05, 0.1, 0.2,
+    0.4, 0.5 s) add up to 1.25 s, past the bound; the pull still lands once the slot is back."""
+    pre, dec = pair
+    with KVTierClient(pre.address, timeout=60) as p, KVTierClient(dec.address, timeout=60) as d:
+        blocker_slots = p.allocate_slots("default", 120 * PS)
+        src = p.allocate_slots("default", PS)
+        g = torch.Generator().manual_seed(11)
+        latent = {x: torch.randint(0, 256, (PS, 656), dtype=torch.uint8, generator=g) for x in range(8)}
+        p.write_kv("default", src, latent=latent)
+        dst = d.allocate_slots("default", PS)
+        before = pre.log_path.read_text(errors="replace").count(REFUSAL)
+        blocker, ch = _hold_the_stream_slot(pre.address)
+        outcome: dict[str, object] = {}
+
+        def pull() -> None:
+            try:
+                outcome["result"] = d.pull_kv("default", pre.address, "default", src_slots=src, dst_slots=dst,
+                                              transport="grpc", timeout=120)
+            except Exception as e:  # noqa: BLE001 - the test reports it
+                outcome["error"] = e
+
+        t = threading.Thread(target=pull, daemon=True)
+        t.start()
+        try:
+            while pre.log_path.read_text(errors="replace").count(REFUSAL) - before < 6 and t.is_alive():
+                time.sleep(0.05)
+        finally:
+            blocker.cancel()
+            ch.close()
+        t.join(120)
+        assert not t.is_alive()
+        assert "error" not in outcome, f"the pull failed: {outcome.get('error')}"
+        assert outcome["result"].latent_bytes == 8 * PS * 656
+        kv = d.read_kv("default", dst, index_layers=[])
+        for x in range(8):
+            assert torch.equal(kv.latent[x], latent[x]), f"latent layer {x}"
+        d.free_slots("default", dst)
+        p.free_slots("default", torch.cat([blocker_slots, src]))
+
+
+def test_a_pull_without_a_deadline_stops_retrying_after_the_bound(pair):
+    """The bound still holds a pull sent without a deadline (a raw PullKV, no gRPC timeout): the
+    slot stays held until the pull ends, which is ABORTED naming the 0.5 s bound."""
+    pre, dec = pair
+    with KVTierClient(pre.address, timeout=60) as p, KVTierClient(dec.address, timeout=60) as d:
+        blocker_slots = p.allocate_slots("default", 120 * PS)
+        src = p.allocate_slots("default", PS)
+        dst = d.allocate_slots("default", PS)
+        blocker, ch = _hold_the_stream_slot(pre.address)
+        dch = grpc.insecure_channel(dec.address)
+        try:
+            req = transfer_pb2.PullKVRequest(pool_id="default", peer_address=pre.address, peer_pool_id="default",
+                                             src_slots=src.tolist(), dst_slots=dst.tolist(),
+                                             transport=transfer_pb2.TRANSPORT_GRPC)
+            with pytest.raises(grpc.RpcError) as info:
+                transfer_pb2_grpc.TransferServiceStub(dch).PullKV(req)  # no deadline
+        finally:
+            blocker.cancel()
+            ch.close()
+            dch.close()
+        assert info.value.code() == grpc.StatusCode.ABORTED
+        assert "refused as 'retry' for 0.5 s" in info.value.details()
+        p.free_slots("default", torch.cat([blocker_slots, src]))
+
+
+def test_a_pull_from_a_peer_that_is_down_is_retried_and_lands_once_it_is_back():
+    """Regression (peer restart): while the peer daemon was down, and for seconds after it was back
+    (the decode daemon's kept channel in gRPC's reconnect backoff), PullKV failed ABORTED
+    "GetTransferLayout failed: UNAVAILABLE" though nothing had moved, which the client does not
+    retry. Now that answer is UNAVAILABLE marked "changed nothing": the client retries it within its
+    deadline (so a pull while the peer is down ends DEADLINE_EXCEEDED, naming the peer unreachable,
+    with its destination pages kept), and a pull after the peer restarted on the same port lands."""
+    from kvtier.client import AbortedError, DeadlineExceededError
+
+    with DaemonProcess("127.0.0.1:0", extra_args=POOL) as dec:
+        pre = DaemonProcess("127.0.0.1:0", extra_args=POOL)
+        try:
+            pre.start()
+            with KVTierClient(pre.address, timeout=60) as p, KVTierClient(dec.address, timeout=60) as d:
+                src = p.allocate_slots("default", PS)
+                dst = d.allocate_slots("default", PS)
+                d.pull_kv("default", pre.address, "default", src_slots=src, dst_slots=dst, transport="grpc")
+            address = pre.address
+        finally:
+            pre.stop()
+            pre.cleanup()
+        with KVTierClient(dec.address, timeout=60) as d:
+            for _ in range(3):  # the kept channel fails to connect: gRPC backs off reconnecting
+                with pytest.raises((DeadlineExceededError, AbortedError)) as info:
+                    d.pull_kv("default", address, "default", src_slots=src, dst_slots=dst, transport="grpc", timeout=2)
+                assert isinstance(info.value, DeadlineExceededError), f"not retried: {info.value}"
+                assert "unreachable" in str(info.value) and "GetTransferLayout" in str(info.value)
+            d.read_kv("default", dst, index_layers=[])  # the destination pages are still allocated
+            with DaemonProcess(address, extra_args=POOL) as pre2, KVTierClient(pre2.address, timeout=60) as p:
+                src = p.allocate_slots("default", PS)
+                g = torch.Generator().manual_seed(13)
+                latent = {x: torch.randint(0, 256, (PS, 656), dtype=torch.uint8, generator=g) for x in range(8)}
+                p.write_kv("default", src, latent=latent)
+                r = d.pull_kv("default", address, "default", src_slots=src, dst_slots=dst, transport="grpc", timeout=60)
+                assert r.latent_bytes == 8 * PS * 656
+                kv = d.read_kv("default", dst, index_layers=[])
+                for x in range(8):
+                    assert torch.equal(kv.latent[x], latent[x]), f"latent layer {x}"
