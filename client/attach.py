@@ -34,7 +34,7 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
-from kvtier.addresses import is_unix
+from kvtier.addresses import UnsafeSocketError, check_socket_path, is_unix
 import torch
 
 from kvtier.attach_wire import (
@@ -77,6 +77,12 @@ def open_channel(path: str, message: dict[str, Any], timeout: float) -> tuple[so
     """
     import time
 
+    try:  # the token goes in the first message: only to a socket no other local user could have put there
+        exists = check_socket_path(path)
+    except UnsafeSocketError as e:
+        raise FailedPreconditionError(str(e)) from None
+    if not exists:
+        raise UnavailableError(f"cannot reach the daemon's attach channel {path}: no such socket")
     deadline = time.monotonic() + timeout
     delay = 0.05
     busy: UnavailableError | None = None

@@ -17,8 +17,8 @@ from typing import Any, TypeVar
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvtier.addresses import is_loopback, resolve_address
-from kvtier.client.errors import DeadlineExceededError, KVTierError, from_rpc_error
+from kvtier.addresses import UnsafeSocketError, check_socket_path, is_loopback, is_unix, resolve_address, socket_path
+from kvtier.client.errors import DeadlineExceededError, FailedPreconditionError, KVTierError, from_rpc_error
 
 DEFAULT_MAX_MESSAGE_BYTES = 4 << 20
 DEFAULT_CHUNK_BYTES = 1 << 20
@@ -67,6 +67,58 @@ class _CallMetadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInte
 
     def intercept_stream_stream(self, continuation, client_call_details, request_iterator):  # type: ignore[no-untyped-def]
         return continuation(self._details(client_call_details), request_iterator)
+
+
+class _NoSocket(grpc.RpcError):
+    """UNAVAILABLE for a call not sent: no socket at the address (what gRPC's failed connect would say)."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path)
+        self._details = f"failed to connect to all addresses; last error: UNKNOWN: unix:{path}: No such file or directory"
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:
+        return self._details
+
+    def trailing_metadata(self) -> tuple:
+        return ()
+
+
+class _SocketCheck(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                   grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    """Before every call on a unix socket: :func:`kvtier.addresses.check_socket_path` (the way to the
+    socket only root's or this uid's, the socket too), so a token never goes to a socket another local
+    user put there. A refusal is a FailedPreconditionError naming the path and the reason; a missing
+    socket is UNAVAILABLE without dialing (gRPC would wait for one to appear, whoever makes it)."""
+
+    def __init__(self, path: str) -> None:
+        self._path = path
+
+    def _check(self) -> None:
+        try:
+            exists = check_socket_path(self._path)
+        except UnsafeSocketError as e:
+            raise FailedPreconditionError(str(e)) from None
+        if not exists:
+            raise _NoSocket(self._path)
+
+    def intercept_unary_unary(self, continuation, client_call_details, request):  # type: ignore[no-untyped-def]
+        self._check()
+        return continuation(client_call_details, request)
+
+    def intercept_unary_stream(self, continuation, client_call_details, request):  # type: ignore[no-untyped-def]
+        self._check()
+        return continuation(client_call_details, request)
+
+    def intercept_stream_unary(self, continuation, client_call_details, request_iterator):  # type: ignore[no-untyped-def]
+        self._check()
+        return continuation(client_call_details, request_iterator)
+
+    def intercept_stream_stream(self, continuation, client_call_details, request_iterator):  # type: ignore[no-untyped-def]
+        self._check()
+        return continuation(client_call_details, request_iterator)
 
 
 class BaseClient:
@@ -149,7 +201,10 @@ class BaseClient:
         else:
             self._raw_channel = grpc.insecure_channel(self.address, options=options)
         entries = ([("authorization", f"Bearer {token}")] if token else []) + [(k, v) for k, v in metadata]
-        self._channel = grpc.intercept_channel(self._raw_channel, _CallMetadata(entries)) if entries else self._raw_channel
+        interceptors: list[Any] = [_SocketCheck(socket_path(self.address))] if is_unix(self.address) else []
+        if entries:
+            interceptors.append(_CallMetadata(entries))
+        self._channel = grpc.intercept_channel(self._raw_channel, *interceptors) if interceptors else self._raw_channel
         self._stubs: dict[type, Any] = {}
 
     # ----- plumbing for mixins ------------------------------------------------------------------

@@ -5,6 +5,11 @@ An address is ``unix:///absolute/path``, ``HOST:PORT`` (``[::1]:PORT`` for IPv6)
 one). With none given, both sides use :func:`default_socket_path`: ``$XDG_RUNTIME_DIR/kvtier/kvtier.sock``
 if that variable is set, else ``/tmp/kvtier-<uid>/kvtier.sock``; the directory is private (mode 0700,
 owned by the daemon's user, not a symlink: :func:`prepare_private_dir`).
+
+Both sides also check the way to any unix socket (:func:`check_socket_path`): every directory on it
+is owned by root or this process's uid and not writable by group or others unless sticky (``/tmp``),
+and the socket is owned by root or this uid. Another local user could otherwise swap or squat the
+socket and receive the clients' bearer tokens.
 """
 
 from __future__ import annotations
@@ -107,7 +112,17 @@ def prepare_private_dir(path: str | Path) -> Path:
         OSError: the directory cannot be created (e.g. its parent is missing or read-only).
     """
     p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
+    missing: list[Path] = []
+    q = p.parent
+    while not os.path.lexists(q) and q != q.parent:
+        missing.append(q)
+        q = q.parent
+    for d in reversed(missing):  # e.g. a missing $XDG_RUNTIME_DIR: 0700 whatever the umask, never 0777
+        try:
+            os.mkdir(d, 0o700)
+        except FileExistsError:
+            continue  # made meanwhile by someone else: not ours to chmod (check_socket_path judges it)
+        os.chmod(d, 0o700)  # mkdir's mode passes through the umask; chmod does not
     try:
         os.mkdir(p, 0o700)
     except FileExistsError:
@@ -132,3 +147,76 @@ def prepare_private_dir(path: str | Path) -> Path:
         if st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) != 0o700:
             raise UnsafeSocketDirError(f"socket directory {p} changed while it was checked; refusing it")
     return p
+
+
+class UnsafeSocketError(ValueError):
+    """Another local user could swap or squat a unix socket: a directory on its way is owned by another
+    uid or writable by group/others without the sticky bit, or the socket (or a symlink on the way) is
+    owned by another uid."""
+
+
+_MAX_SYMLINKS = 40
+
+
+def _trusted(uid: int) -> bool:
+    return uid in (0, os.getuid())
+
+
+def check_socket_path(path: str | Path) -> bool:
+    """Check the way to unix socket ``path`` before a token (or anything) is sent there or the daemon
+    listens there. Every directory a name is looked up in (symlinks followed, each checked) must be
+    owned by root or this uid and not writable by group/others unless it has the sticky bit (in
+    ``/tmp`` nobody can rename or remove another user's entry); each symlink followed and the socket
+    itself must be owned by root or this uid.
+
+    Returns:
+        True when the socket exists, False when a name on the way is missing (nothing to connect to:
+        whoever could create it there passed the checks above).
+
+    Raises:
+        UnsafeSocketError: the checks fail; the one-line message names the path and the reason.
+    """
+    given = os.path.abspath(str(path))
+    todo = [c for c in given.split("/") if c]
+    cur = "/"
+    hops = 0
+    while todo:
+        name = todo.pop(0)
+        if name == ".":
+            continue
+        if name == "..":
+            cur = os.path.dirname(cur)
+            continue
+        st = os.stat(cur)
+        if not _trusted(st.st_uid):
+            raise UnsafeSocketError(f"refusing unix socket {given}: directory {cur} is owned by uid {st.st_uid}, "
+                                    f"not by root or this uid {os.getuid()}, so that user could swap the socket; use a socket in a "
+                                    f"directory you own")
+        if stat.S_IMODE(st.st_mode) & 0o022 and not st.st_mode & stat.S_ISVTX:
+            raise UnsafeSocketError(f"refusing unix socket {given}: directory {cur} (mode "
+                                    f"{stat.S_IMODE(st.st_mode):04o}) is writable by group or others without the "
+                                    f"sticky bit, so another user could swap the socket; `chmod go-w {cur}` or use "
+                                    f"another directory")
+        nxt = os.path.join(cur, name)
+        try:
+            lst = os.lstat(nxt)
+        except FileNotFoundError:
+            return False
+        if not _trusted(lst.st_uid):
+            kind = "symlink" if stat.S_ISLNK(lst.st_mode) else ("socket" if not todo else "directory")
+            raise UnsafeSocketError(f"refusing unix socket {given}: {kind} {nxt} is owned by uid {lst.st_uid}, "
+                                    f"not by root or this uid {os.getuid()} (another user's; remove it, or use a "
+                                    f"socket in a directory only you or root can write)")
+        if stat.S_ISLNK(lst.st_mode):
+            hops += 1
+            if hops > _MAX_SYMLINKS:
+                raise UnsafeSocketError(f"refusing unix socket {given}: too many symlinks on the way")
+            target = os.readlink(nxt)
+            if target.startswith("/"):
+                cur = "/"
+            todo = [c for c in target.split("/") if c] + todo
+            continue
+        if todo and not stat.S_ISDIR(lst.st_mode):
+            return False  # not a directory: nothing to connect to (connect names the error)
+        cur = nxt
+    return True

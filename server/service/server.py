@@ -40,7 +40,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvtier.addresses import (
-    UnsafeSocketDirError, default_socket_path, is_loopback, is_unix, prepare_private_dir, resolve_address, socket_path,
+    UnsafeSocketDirError, UnsafeSocketError, check_socket_path, default_socket_path, is_loopback, is_unix, prepare_private_dir, resolve_address, socket_path,
 )
 from kvtier.server.daemon.config import DaemonConfig
 from kvtier.server.daemon.core import Daemon
@@ -95,6 +95,12 @@ def _prepare_unix_socket(path: Path, *, default: bool) -> None:
             raise AddressError(str(e)) from None
     elif not path.parent.is_dir():
         raise AddressError(f"directory {path.parent} of unix socket {path} does not exist")
+    try:
+        # every directory on the way ours or root's, not group/other-writable unless sticky (/tmp); an existing
+        # socket ours: clients check the same before they send a token
+        check_socket_path(path)
+    except UnsafeSocketError as e:
+        raise AddressError(str(e)) from None
     if path.exists() or path.is_symlink():
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
