@@ -32,6 +32,35 @@ def pair():
         yield pre, dec
 
 
+def _hold_the_stream_slot(address: str):
+    """A stalled ReadPages of 40 MB (beyond the flow-control window) that holds the prefill daemon's
+    one stream slot once its first message came; (the call, its channel)."""
+    runs = [transfer_pb2.PageRun(layer_id=x, component=transfer_pb2.PAGE_COMPONENT_LATENT, first_page=1,
+                                 num_pages=120) for x in range(8)]
+    ch = grpc.insecure_channel(address)
+    blocker = transfer_pb2_grpc.TransferServiceStub(ch).ReadPages(
+        transfer_pb2.ReadPagesRequest(pool_id="default", runs=runs), timeout=300)
+    next(blocker)
+    return blocker, ch
+
+
+def _pull_in_background(d: KVTierClient, peer: str, src_pool: str, src, dst):
+    """Start ``d.pull_kv`` (gRPC transport, 120 s deadline) into pool ``default`` on a thread; (the thread, a
+    dict that gets ``result`` or ``error``)."""
+    outcome: dict[str, object] = {}
+
+    def pull() -> None:
+        try:
+            outcome["result"] = d.pull_kv("default", peer, src_pool, src_slots=src, dst_slots=dst, transport="grpc",
+                                          timeout=120)
+        except Exception as e:  # noqa: BLE001 - the test reports it
+            outcome["error"] = e
+
+    t = threading.Thread(target=pull, daemon=True)
+    t.start()
+    return t, outcome
+
+
 def test_a_pull_refused_for_a_full_stream_limit_retries_and_lands(pair):
     """Regression: the peer's RESOURCE_EXHAUSTED "--max-streams" refusal ended the pull ABORTED and
     freed the caller's destination pages. Now the refusal says "changed nothing", the pull retries
@@ -45,23 +74,8 @@ def test_a_pull_refused_for_a_full_stream_limit_retries_and_lands(pair):
         p.write_kv("default", src, latent=latent)
         d.allocate_slots("default", 3 * PS)  # destination page ids differ from the source's
         dst = d.allocate_slots("default", 2 * PS)
-        runs = [transfer_pb2.PageRun(layer_id=x, component=transfer_pb2.PAGE_COMPONENT_LATENT, first_page=1,
-                                     num_pages=120) for x in range(8)]  # 40 MB: beyond the flow-control window
-        ch = grpc.insecure_channel(pre.address)
-        blocker = transfer_pb2_grpc.TransferServiceStub(ch).ReadPages(
-            transfer_pb2.ReadPagesRequest(pool_id="default", runs=runs), timeout=300)
-        next(blocker)  # it holds the one stream slot now
-        outcome: dict[str, object] = {}
-
-        def pull() -> None:
-            try:
-                outcome["result"] = d.pull_kv("default", pre.address, "default", src_slots=src, dst_slots=dst,
-                                              transport="grpc", timeout=120)
-            except Exception as e:  # noqa: BLE001 - the test reports it
-                outcome["error"] = e
-
-        t = threading.Thread(target=pull, daemon=True)
-        t.start()
+        blocker, ch = _hold_the_stream_slot(pre.address)  # it holds the one stream slot now
+        t, outcome = _pull_in_background(d, pre.address, "default", src, dst)
         try:
             while REFUSAL not in pre.log_path.read_text(errors="replace") and t.is_alive():
                 time.sleep(0.05)
@@ -188,18 +202,6 @@ def test_a_pull_whose_source_pages_a_write_claims_mid_pull_retries_and_lands(pai
         d.delete_pool("claimed-src", force=True)
 
 
-def _hold_the_stream_slot(address: str):
-    """A stalled ReadPages of 40 MB (beyond the flow-control window) that holds the prefill daemon's
-    one stream slot once its first message came; (the call, its channel)."""
-    runs = [transfer_pb2.PageRun(layer_id=x, component=transfer_pb2.PAGE_COMPONENT_LATENT, first_page=1,
-                                 num_pages=120) for x in range(8)]
-    ch = grpc.insecure_channel(address)
-    blocker = transfer_pb2_grpc.TransferServiceStub(ch).ReadPages(
-        transfer_pb2.ReadPagesRequest(pool_id="default", runs=runs), timeout=300)
-    next(blocker)
-    return blocker, ch
-
-
 def test_a_pull_with_a_deadline_retries_a_refusal_past_the_no_deadline_bound(pair):
     """Regression (the 30 s cap): a pull with a deadline stopped resending a refused ReadPages once
     the no-deadline bound (``peer_retry_seconds``, 0.5 s here) had passed, and ended ABORTED with its
@@ -216,17 +218,7 @@ def test_a_pull_with_a_deadline_retries_a_refusal_past_the_no_deadline_bound(pai
         dst = d.allocate_slots("default", PS)
         before = pre.log_path.read_text(errors="replace").count(REFUSAL)
         blocker, ch = _hold_the_stream_slot(pre.address)
-        outcome: dict[str, object] = {}
-
-        def pull() -> None:
-            try:
-                outcome["result"] = d.pull_kv("default", pre.address, "default", src_slots=src, dst_slots=dst,
-                                              transport="grpc", timeout=120)
-            except Exception as e:  # noqa: BLE001 - the test reports it
-                outcome["error"] = e
-
-        t = threading.Thread(target=pull, daemon=True)
-        t.start()
+        t, outcome = _pull_in_background(d, pre.address, "default", src, dst)
         try:
             while pre.log_path.read_text(errors="replace").count(REFUSAL) - before < 6 and t.is_alive():
                 time.sleep(0.05)
