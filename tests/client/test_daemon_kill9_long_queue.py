@@ -229,7 +229,8 @@ def test_kill9_with_a_long_write_behind_queue_10_rounds(tmp_path):
 def full_disk_rounds(tmp_path: Path, rounds: int, seed: int) -> list[dict]:
     with small_tmpfs(tmp_path / "fs", "24m") as mounted:
         if not mounted:
-            pytest.skip("mounting a tmpfs is not allowed here")
+            pytest.fail("mounting a 24 MiB tmpfs failed: the full-disk rounds need root (CI runs as root); "
+                        "a missing mount is a failure, not a skip")
         return long_queue_rounds(tmp_path, rounds, seed=seed, full_disk=True)
 
 
