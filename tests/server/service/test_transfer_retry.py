@@ -61,6 +61,20 @@ def _pull_in_background(d: KVTierClient, peer: str, src_pool: str, src, dst):
     return t, outcome
 
 
+def _release_after_refusals(pre, blocker, ch, t: threading.Thread, outcome: dict, refusals: int, before: int) -> None:
+    """Hold the stream slot until ``pre``'s log shows ``refusals`` more ReadPages refusals than ``before``
+    (or the pull ended), then cancel the stalled stream and wait for the pull, which must have landed."""
+    try:
+        while pre.log_path.read_text(errors="replace").count(REFUSAL) - before < refusals and t.is_alive():
+            time.sleep(0.05)
+    finally:
+        blocker.cancel()
+        ch.close()
+    t.join(120)
+    assert not t.is_alive()
+    assert "error" not in outcome, f"the pull failed: {outcome.get('error')}"
+
+
 def test_a_pull_refused_for_a_full_stream_limit_retries_and_lands(pair):
     """Regression: the peer's RESOURCE_EXHAUSTED "--max-streams" refusal ended the pull ABORTED and
     freed the caller's destination pages. Now the refusal says "changed nothing", the pull retries
@@ -76,15 +90,7 @@ def test_a_pull_refused_for_a_full_stream_limit_retries_and_lands(pair):
         dst = d.allocate_slots("default", 2 * PS)
         blocker, ch = _hold_the_stream_slot(pre.address)  # it holds the one stream slot now
         t, outcome = _pull_in_background(d, pre.address, "default", src, dst)
-        try:
-            while REFUSAL not in pre.log_path.read_text(errors="replace") and t.is_alive():
-                time.sleep(0.05)
-        finally:
-            blocker.cancel()
-            ch.close()
-        t.join(120)
-        assert not t.is_alive()
-        assert "error" not in outcome, f"the pull failed: {outcome.get('error')}"
+        _release_after_refusals(pre, blocker, ch, t, outcome, refusals=1, before=0)
         r = outcome["result"]
         assert (r.latent_bytes, r.index_bytes) == (8 * 2 * PS * 656, 4 * 2 * 8448)  # 8 layers; 4 own an indexer
         kv = d.read_kv("default", dst, index_layers=[])
@@ -219,15 +225,7 @@ def test_a_pull_with_a_deadline_retries_a_refusal_past_the_no_deadline_bound(pai
         before = pre.log_path.read_text(errors="replace").count(REFUSAL)
         blocker, ch = _hold_the_stream_slot(pre.address)
         t, outcome = _pull_in_background(d, pre.address, "default", src, dst)
-        try:
-            while pre.log_path.read_text(errors="replace").count(REFUSAL) - before < 6 and t.is_alive():
-                time.sleep(0.05)
-        finally:
-            blocker.cancel()
-            ch.close()
-        t.join(120)
-        assert not t.is_alive()
-        assert "error" not in outcome, f"the pull failed: {outcome.get('error')}"
+        _release_after_refusals(pre, blocker, ch, t, outcome, refusals=6, before=before)
         assert outcome["result"].latent_bytes == 8 * PS * 656
         kv = d.read_kv("default", dst, index_layers=[])
         for x in range(8):
