@@ -227,7 +227,7 @@ class BaseClient:
 
         Raises:
             KVTierError: the last answer's subclass; DeadlineExceededError when the deadline passes
-                between attempts (naming the last answer).
+                between attempts or during a retry (naming the last answer before it).
         """
         deadline = time.monotonic() + (timeout if timeout is not None else self.timeout)
         plain = busy = 0
@@ -240,7 +240,11 @@ class BaseClient:
             try:
                 return fn(left)
             except grpc.RpcError as e:
-                last = self._no_daemon_hint(from_rpc_error(e))
+                err = self._no_daemon_hint(from_rpc_error(e))
+                if err.code == grpc.StatusCode.DEADLINE_EXCEEDED and last is not None:
+                    # the deadline passed during a retry: the answer worth naming is the one retried
+                    raise DeadlineExceededError(f"deadline passed while retrying; the last answer was {last}") from None
+                last = err
             if not self.retries:
                 raise last from None
             if last.unchanged:  # whatever its code (UNAVAILABLE busy, RESOURCE_EXHAUSTED --max-streams)
