@@ -25,7 +25,7 @@ detached at the end of the test::
  Budgets: ``device_pages`` (pool pages), ``host_pages`` and ``disk_pages`` (records of one
 page each; the LMDB map is twice the records' size), ``write_through``, ``num_layers`` (of ``model``),
 ``policy`` (the eviction policy of every tier: ``lru`` unless given, so eviction order is the
-recency order a test can work out by hand; ``default``, ``s3fifo``, ``arc`` or ``hitdensity`` test another).
+recency order a test can work out by hand; ``default``, ``s3fifo``, ``arc``, ``hitdensity`` or ``duel`` test another).
 The daemon is configured by a TOML file in its temp dir (``[tiers]`` table).
 
 ``mooncake_master`` starts a real ``mooncake_master`` with its HTTP metadata server on free ports of

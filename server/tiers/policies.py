@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 
+from kvtier.server.tiers.duel import DuelPolicy
 from kvtier.server.tiers.hit_density import HitDensityPolicy
 from kvtier.server.tiers.policy import CachePolicy, Key, LRUPolicy
 
@@ -218,7 +219,7 @@ class ARCPolicy(CachePolicy):
 
 
 POLICIES: dict[str, type[CachePolicy]] = {"lru": LRUPolicy, "s3fifo": S3FIFOPolicy, "arc": ARCPolicy,
-                                          "hitdensity": HitDensityPolicy}
+                                          "hitdensity": HitDensityPolicy, "duel": DuelPolicy}
 
 
 def policy_names() -> list[str]:

@@ -53,6 +53,11 @@ class ReuseHistory:
             while len(seen) > self.max_keys:
                 seen.popitem(last=False)
 
+    def uses(self, key: Hashable) -> int:
+        """Requests that asked for ``key`` while it was remembered (0: unknown or forgotten)."""
+        got = self._seen.get(key)
+        return 0 if got is None else got[0]
+
     def class_of(self, key: Hashable) -> int:
         """:data:`LEAF`, :data:`INNER`, :data:`REUSED_ONCE` or :data:`REUSED_MORE` (an unknown key: inner)."""
         got = self._seen.get(key)

@@ -41,7 +41,7 @@ def test_first_200_requests_through_the_daemon_equal_the_simulation(tmp_path):
     assert real.requests == 200 and real.tokens == pages * 64 == 354_368
 
 
-@pytest.mark.parametrize("policy", ["hitdensity", pytest.param("lru", marks=pytest.mark.slow),
+@pytest.mark.parametrize("policy", ["hitdensity", "duel", pytest.param("lru", marks=pytest.mark.slow),
                                     pytest.param("s3fifo", marks=pytest.mark.slow),
                                     pytest.param("arc", marks=pytest.mark.slow)])
 def test_each_policy_through_the_daemon_equals_its_simulation(tmp_path, policy):

@@ -102,7 +102,7 @@ def test_registry_names_and_errors():
         make_policy("mru")
 
 
-@pytest.mark.parametrize("name", ["lru", "s3fifo", "arc", "default"])
+@pytest.mark.parametrize("name", ["lru", "s3fifo", "arc", "duel", "default"])
 def test_index_with_each_policy_stays_in_budget_and_evicts_unpinned(name):
     ix = TierIndex(50, make_policy(name))
     for i in range(20):
