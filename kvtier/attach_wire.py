@@ -28,10 +28,14 @@ A message is one JSON object (UTF-8, at most :data:`MAX_MESSAGE_BYTES`), optiona
   prefix cache's LoadPrefix / StorePrefix / ReleasePrefix on the attached pool, in the session (the
   same calls and checks as over gRPC, without HTTP/2: a local worker's control path). Page keys
   travel as hex strings, slots as base64 of little-endian int64 (:func:`encode_slots`). Replies echo
-  ``id``: ``{"id", "lease_id", "slots", "tiers"}``, ``{"id", "stored_pages"}``, ``{"id"}``.
+  ``id`` (an int64 or null; anything else is refused INVALID_ARGUMENT, without an ``id``):
+  ``{"id", "lease_id", "slots", "tiers"}``, ``{"id", "stored_pages"}``, ``{"id"}``.
 
 An error reply is ``{"error": {"code": "NOT_FOUND", "message": "..."}}`` with a gRPC status code
-name; after an error in the first message the daemon closes the connection.
+name (a message of at most :data:`MAX_ERROR_CHARS` characters, whatever the request held); after
+an error in the first message the daemon closes the connection. Later in a session every request
+that is not a valid message (empty, not one JSON object, longer than :data:`MAX_MESSAGE_BYTES`,
+with descriptors) is answered INVALID_ARGUMENT and the session goes on.
 
 gRPC calls made in a session carry ``x-kvtier-session: <session id>`` metadata (:data:`SESSION_METADATA`).
 """
@@ -42,6 +46,7 @@ import base64
 import binascii
 import json
 import re
+import select
 import socket
 import struct
 from collections.abc import Sequence
@@ -53,6 +58,7 @@ ATTACH_SUFFIX = ".attach"
 SESSION_METADATA = "x-kvtier-session"
 MAX_MESSAGE_BYTES = 1 << 20
 MAX_FDS = 16
+MAX_ERROR_CHARS = 1024  # an error reply's message at most: it may quote the request, which may be ~1 MiB
 PREFIX_KINDS = ("load_prefix", "store_prefix", "release_prefix")
 KINDS = ("attach", "storage", "staging", *PREFIX_KINDS)
 _PEERCRED = struct.Struct("3i")
@@ -90,10 +96,13 @@ def recv_message(sock: socket.socket, *, accept_fds: bool = False) -> tuple[dict
 
     Descriptors are received close-on-exec and only with ``accept_fds`` (the daemon never takes any:
     what a client sends along is closed at once). On a :class:`WireError` the descriptors that came
-    are closed before it is raised.
+    are closed before it is raised. A zero-length read is the peer's close only when the socket says
+    the peer has shut down (:func:`peer_closed`); otherwise it was a zero-length message, which is a
+    :class:`WireError` like any other message that is not one JSON object.
 
     Raises:
-        WireError: not one JSON object, cut off (longer than :data:`MAX_MESSAGE_BYTES`), or too many descriptors.
+        WireError: not one JSON object (an empty message included), cut off (longer than
+            :data:`MAX_MESSAGE_BYTES`), or too many descriptors.
         OSError: the socket failed (ECONNRESET when the peer died is reported as None, like a close).
     """
     try:
@@ -106,7 +115,9 @@ def recv_message(sock: socket.socket, *, accept_fds: bool = False) -> tuple[dict
         if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC) or len(data) > MAX_MESSAGE_BYTES:
             raise WireError(f"message longer than {MAX_MESSAGE_BYTES} bytes or with more than {MAX_FDS} descriptors")
         if not data and not fds:
-            return None  # orderly close
+            if peer_closed(sock):
+                return None  # orderly close
+            raise WireError("an empty message: a message must be one JSON object")
         obj = decode_json(data)
         if not isinstance(obj, dict):
             raise WireError("a message must be one JSON object")
@@ -114,6 +125,17 @@ def recv_message(sock: socket.socket, *, accept_fds: bool = False) -> tuple[dict
     except WireError:
         _close_all(fds)
         raise
+
+
+def peer_closed(sock: socket.socket) -> bool:
+    """Whether the peer of ``sock`` has closed the connection or shut down its sending side (or this
+    side shut down its receiving side): ``POLLRDHUP``/``POLLHUP``, asked without waiting. On a
+    ``SOCK_SEQPACKET`` socket a zero-length read is either that or a zero-length message; only this
+    tells them apart."""
+    poller = select.poll()
+    poller.register(sock.fileno(), select.POLLRDHUP)
+    return any(events & (select.POLLRDHUP | select.POLLHUP | select.POLLERR | select.POLLNVAL)
+               for _, events in poller.poll(0))
 
 
 def _no_constant(name: str) -> Any:

@@ -85,8 +85,15 @@ def _layers(_ctx: click.Context, _param: click.Parameter, value: str | None) -> 
                    "only (docs/operations/security.md, PD peers).")
 @click.option("--transfer-host", default=None, metavar="HOST", help="Address the transfer engine publishes to peers [127.0.0.1] (its ports listen on every interface).")
 @click.option("--metrics-port", type=click.IntRange(0, 65535), default=None, metavar="PORT",
-              help="Serve Prometheus metrics on http://HOST:PORT/metrics (0: a free port; kvtier status shows it).")
+              help="Serve Prometheus metrics on http://HOST:PORT/metrics (0: a free port; kvtier status shows it). "
+                   "Needs --metrics-token-file or --metrics-insecure.")
 @click.option("--metrics-host", default=None, metavar="HOST", help="Address the metrics endpoint binds [127.0.0.1].")
+@click.option("--metrics-token-file", type=click.Path(dir_okay=False), default=None, metavar="FILE",
+              help="File holding the bearer token every scrape must send (Prometheus: authorization: "
+                   "credentials_file:), owned by this user, mode 0600, at least 16 characters; else 401.")
+@click.option("--metrics-insecure", is_flag=True, default=None,
+              help="Serve --metrics-port without a token (a WARNING at start): whoever reaches the port reads "
+                   "tenant names, pool ids and per-tenant call counts.")
 @click.option("--log-format", type=click.Choice(["text", "json"]), default=None,
               help="Log lines as text or one JSON object a line [text].")
 @click.option("--pool", "pools", multiple=True, metavar="[ID=]MODEL:TOKENS|BYTES",

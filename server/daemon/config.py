@@ -206,6 +206,13 @@ class DaemonConfig:
     ``kvtier status``); unset: no metrics endpoint and no RPC timing."""
     metrics_host: str = "127.0.0.1"
     """Address the metrics endpoint binds (loopback by default: it names pools)."""
+    metrics_token_file: str = ""
+    """A file holding the bearer token every scrape must send (``Authorization: Bearer <token>``;
+    Prometheus: ``authorization: credentials_file:``): owned by the daemon's user, mode 0600, at least
+    16 characters; anything else is 401. ``metrics_port`` needs it unless ``metrics_insecure``."""
+    metrics_insecure: bool = False
+    """Serve ``metrics_port`` without a token (logged as a WARNING at start): every local user who can
+    reach the port reads tenant names, pool ids and per-tenant call counts."""
     log_format: str = "text"
     """``text`` or ``json`` (one JSON object a line: ts, level, logger, message, thread, exception)."""
 
@@ -256,6 +263,8 @@ class DaemonConfig:
         if self.metrics_port is not None and (isinstance(self.metrics_port, bool) or not isinstance(self.metrics_port, int)
                                               or not 0 <= self.metrics_port <= 65535):
             raise ValueError(f"metrics_port must be 0..65535, got {self.metrics_port!r}")
+        if not isinstance(self.metrics_insecure, bool):
+            raise ValueError(f"metrics_insecure must be true or false, got {self.metrics_insecure!r}")
         if self.log_format not in LOG_FORMATS:
             raise ValueError(f"log_format must be one of {LOG_FORMATS}, got {self.log_format!r}")
         if self.grace_seconds < 0:
@@ -263,6 +272,28 @@ class DaemonConfig:
         ids = [p.pool_id for p in self.pools]
         if len(set(ids)) != len(ids):
             raise ValueError(f"pool ids repeat: {ids}")
+
+    def check_metrics_auth(self) -> None:
+        """Refuse a metrics endpoint nobody decided how to guard (``kvtier serve`` calls it before
+        anything is allocated; the server again before it serves metrics). Not in ``__post_init__``:
+        a config file's ``metrics_port`` may get its ``--metrics-token-file`` from the command line.
+
+        Raises:
+            ValueError: ``metrics_port`` without ``metrics_token_file`` or ``metrics_insecure``, both
+                of them, or either without ``metrics_port``; one line naming the flags to pass.
+        """
+        if self.metrics_port is None:
+            if self.metrics_token_file or self.metrics_insecure:
+                raise ValueError("--metrics-token-file and --metrics-insecure (metrics_token_file, metrics_insecure) "
+                                 "guard the metrics endpoint: give --metrics-port (metrics_port) too")
+            return
+        if self.metrics_token_file and self.metrics_insecure:
+            raise ValueError("--metrics-token-file and --metrics-insecure (metrics_token_file, metrics_insecure) "
+                             "contradict each other: give one")
+        if not self.metrics_token_file and not self.metrics_insecure:
+            raise ValueError("--metrics-port needs --metrics-token-file FILE (metrics_token_file: a file of this "
+                             "user, mode 0600, holding the bearer token every scrape must send) or, to let every "
+                             "local user who reaches the port read tenant names and pool ids, --metrics-insecure")
 
     @property
     def stream_slots(self) -> int:

@@ -35,7 +35,8 @@ from kvtier.server.daemon.config import MAX_ATTACH_SESSIONS, DaemonConfig
 from kvtier.server.daemon.offload_store import OffloadStore
 from kvtier.server.daemon.pools import PoolEntry, PoolRegistry, PoolRequest
 from kvtier.server.daemon.sessions import AttachSession, SessionRegistry
-from kvtier.server.daemon.tenants import Caller, TokenTable
+from kvtier.server.daemon.private_files import read_token_file
+from kvtier.server.daemon.tenants import MIN_TOKEN_CHARS, Caller, TokenTable
 from kvtier.server.daemon.tier_runtime import TierRuntime
 from kvtier.server.daemon.transfer import TransferState
 from kvtier.server.daemon.unit_settings import UnitSettings
@@ -120,17 +121,20 @@ class Daemon:
             (README "Local attach"). attach_socket: the attach channel's socket path once it
             listens ("" without one: a TCP daemon).
         metrics: the Prometheus metrics (``DaemonMetrics``) when ``metrics_port`` is set, else None;
-            ``metrics_address`` is their URL once served ("" before or without).
+            ``metrics_address`` is their URL once served ("" before or without); ``metrics_token``
+            the bearer token scrapes must send (from ``metrics_token_file``; None: none).
 
     Raises:
         ValueError: bad config values (device, ``[tiers]``); AuthConfigError (a ValueError) for an
-            unusable tokens file.
+            unusable tokens file or metrics token file.
         TransferEngineUnavailable: ``transfer_engine = "mooncake"`` but the engine cannot start.
     """
 
     def __init__(self, config: DaemonConfig | None = None) -> None:
         self.config = config or DaemonConfig()
         self.tokens: TokenTable | None = TokenTable.from_file(self.config.auth_tokens) if self.config.auth_tokens else None
+        self.metrics_token: str | None = (read_token_file(self.config.metrics_token_file, "--metrics-token-file",
+                                                          MIN_TOKEN_CHARS) if self.config.metrics_token_file else None)
         self.device = str(resolve_device(self.config.device))
         self.pools = PoolRegistry(self.config.device, self.config.pool_memory_bytes, self.config.quotas)
         self.counters = Counters()

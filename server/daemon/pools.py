@@ -111,7 +111,8 @@ class PoolEntry:
         page_allocated: ``(num_pages + 1,)`` bool, True on pages handed out (page 0 never).
         cache_owned: ``(num_pages + 1,)`` bool, True on pages the prefix cache holds (cached pages
             and the fresh pages of its leases). Clients read and write them through a lease, but
-            ``FreeSlots``, ``Offload(free_slots)`` and ``PullKV`` never free them: only the cache does.
+            ``FreeSlots`` and ``Offload(free_slots)`` never free them: only the cache does (a failed
+            ``PullKV`` into a lease's fresh pages has the cache take them out of the lease).
         page_owner: ``(num_pages + 1,)`` int64, the number of the attach session that allocated each
             page (0: none). Changed under the exclusive lock only.
         lease_owner: lease id -> number of the attach session that took it (LoadPrefix in a

@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import os
 import re
-import stat
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -33,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvtier.server.daemon.config_keys import check_known_keys
 from kvtier.server.daemon.errors import Unauthenticated
+from kvtier.server.daemon.private_files import AuthConfigError, read_private_file
 
 if TYPE_CHECKING:
     from kvtier.server.daemon.sessions import AttachSession
@@ -41,10 +40,6 @@ DEFAULT_TENANT = "default"
 TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 MIN_TOKEN_CHARS = 16
 _KEY_TAG = b"t"
-
-
-class AuthConfigError(ValueError):
-    """The tokens file cannot be used (permissions, owner, format); the message is one line."""
 
 
 def check_tenant_name(name: str) -> str:
@@ -221,25 +216,10 @@ class TokenTable:
             AuthConfigError: a one-line reason (missing, owner, mode, not TOML, bad table).
         """
         try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-        except OSError as e:
-            raise AuthConfigError(f"--auth-tokens {path}: cannot open it ({e.strerror}); it must be a regular "
-                                  f"file, not a symlink") from None
-        with os.fdopen(fd, "rb") as f:
-            st = os.fstat(f.fileno())
-            if not stat.S_ISREG(st.st_mode):
-                raise AuthConfigError(f"--auth-tokens {path}: not a regular file")
-            if st.st_uid != os.getuid():
-                raise AuthConfigError(f"--auth-tokens {path}: owned by uid {st.st_uid}, not by the daemon's user "
-                                      f"(uid {os.getuid()}); chown it to that user")
-            mode = stat.S_IMODE(st.st_mode)
-            if mode & 0o077:
-                raise AuthConfigError(f"--auth-tokens {path}: mode {mode:04o} lets other users read the tokens; "
-                                      f"run chmod 600 {path}")
-            try:
-                data = tomllib.load(f)
-            except tomllib.TOMLDecodeError as e:
-                raise AuthConfigError(f"--auth-tokens {path}: not valid TOML ({e})") from None
+            data = tomllib.loads(read_private_file(path, "--auth-tokens").decode())
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise AuthConfigError(f"--auth-tokens {path}: not valid TOML ({first})") from None
         unknown = set(data) - {"tokens"}
         if unknown:  # not named: a misplaced key may be a token
             raise AuthConfigError(f"--auth-tokens {path}: {len(unknown)} unknown tables/keys outside [tokens]; the file "

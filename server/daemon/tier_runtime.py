@@ -52,8 +52,8 @@ log = logging.getLogger("kvtier.daemon")
 
 class EntryAllocator:
     """A pool entry's page allocator as the prefix cache sees it: pages it takes are marked
-    allocated (so ReadKV/WriteKV accept their slots) and cache-owned (so FreeSlots, Offload and
-    PullKV refuse to free them) in the entry, and unmarked when the cache frees them."""
+    allocated (so ReadKV/WriteKV accept their slots) and cache-owned (so FreeSlots and Offload
+    refuse to free them) in the entry, and unmarked when the cache frees them."""
 
     def __init__(self, entry: PoolEntry) -> None:
         self.entry = entry

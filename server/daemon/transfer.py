@@ -38,6 +38,9 @@ networked peers tokens (docs/operations/security.md, "PD peers").
 Failure contract of PullKV: validation (mapping, destination pages allocated, layouts) happens
 before any byte moves and leaves everything as it was. A failure while moving bytes frees the
 destination pages -- they are never presented as valid -- and raises :class:`TransferError`.
+Destination pages pass :meth:`PoolEntry.check_writable` like every write: the caller's own pages or
+fresh pages of its own prefix lease (a decode side receiving the pages its LoadPrefix did not
+find); after a failure the latter leave the lease, freed, and the lease stays open.
 """
 
 from __future__ import annotations
@@ -135,6 +138,21 @@ def _check_allocated(entry: PoolEntry, pages: np.ndarray, what: str) -> None:
     if bad.size:
         raise InvalidArgument(f"{what} contains page {int(bad[0])}, which is not allocated in pool {entry.pool_id!r}")
     entry.check_unclaimed(torch.from_numpy(pages), what)  # a write in place is landing there: Busy
+
+
+def _free_destination(entry: PoolEntry, dst: np.ndarray, owner: int) -> int:
+    """Free a failed pull's destination pages (pool lock held exclusive; they passed
+    :meth:`PoolEntry.check_writable` as ``owner``): the caller's own pages through the pool, fresh
+    pages of its prefix leases through the cache, which takes them out of the lease (so StorePrefix
+    can never hand their half-moved bytes to the cache). Returns the pages freed."""
+    pages = torch.from_numpy(dst)
+    leased = entry.cache_owned[pages]
+    freed = 0
+    if bool((~leased).any()):
+        freed += entry.free(slots_of_pages(pages[~leased], entry.page_size), owner)
+    if bool(leased.any()) and entry.prefix_cache is not None:
+        freed += entry.prefix_cache.drop_fresh(pages[leased].tolist())
+    return freed
 
 
 class PeerLink(Protocol):
@@ -343,9 +361,9 @@ class TransferState:
                 raise FailedPrecondition(f"peer {address} runs without a transfer engine; use transport 'grpc'")
             with self.pools.locked(caller, spec.pool_id, exclusive=True) as entry:
                 _check_allocated(entry, dst, "destination pages")
-                # a failed pull frees its destination pages: they must be the caller's to free
-                entry.check_client_owned(dst, "destination pages")
                 owner = entry.owner_of(caller)
+                # the caller's own pages, or fresh pages of its own prefix lease (a decode side that
+                # leased its prompt's pages and receives the missing ones): freed if the pull fails
                 entry.check_writable(dst, owner, "destination pages")
                 local = self.layout(entry)
                 if local.latent[0] == remote.latent[0]:
@@ -363,10 +381,11 @@ class TransferState:
                 try:
                     stats = pull_pages(transport, remote, plan)
                 except Exception as e:
-                    freed = entry.free(slots_of_pages(torch.from_numpy(dst), entry.page_size), owner)
+                    freed = _free_destination(entry, dst, owner)
                     self.counters.add(caller, "pulls_failed")
                     raise TransferError(f"pull from {address} pool {spec.peer_pool_id!r} failed; the {freed} destination "
-                                        f"pages {dst.tolist()[:16]} were freed: {e}") from e
+                                        f"pages {dst.tolist()[:16]} were freed (a prefix lease's fresh pages among "
+                                        f"them left the lease): {e}") from e
                 seconds = time.perf_counter() - start
         self.counters.add(caller, "pulls")
         self.counters.add(caller, "pull_bytes", stats.total_bytes)

@@ -1,5 +1,5 @@
 """Prometheus metrics: one collector that reads a snapshot at scrape time, an RPC latency histogram,
-and the HTTP endpoint (prometheus-client's own server).
+and the HTTP endpoint (prometheus-client's own WSGI app, behind a bearer-token check).
 
 The data path pays nothing for the metrics it already counts: :class:`SnapshotCollector` calls a
 snapshot function when Prometheus scrapes and turns its rows into metric families. Only the RPC
@@ -10,12 +10,18 @@ change in the one place that builds the rows (:mod:`kvtier.server.observe.daemon
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
+import socket
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Histogram, make_wsgi_app
+from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -95,28 +101,86 @@ class RpcMetrics:
         self.histogram.labels(**labels).observe(seconds)
 
 
+#: Seconds a scrape connection may sit idle (a request never finished) before it is closed.
+SCRAPE_IDLE_SECONDS = 10.0
+
+
+class BearerAuth:
+    """A WSGI app that passes a request to ``app`` only with ``Authorization: Bearer <token>``;
+    anything else is answered 401 with ``WWW-Authenticate: Bearer`` and an empty body.
+
+    The token is compared in constant time (SHA-256 digests, :func:`hmac.compare_digest`), so the
+    time an answer takes says nothing about it. The token is never logged or repeated.
+    """
+
+    def __init__(self, app: Callable[..., Iterable[bytes]], token: str) -> None:
+        if not token:
+            raise ValueError("a bearer token is needed")
+        self.app = app
+        self._digest = hashlib.sha256(token.encode()).digest()
+
+    def allows(self, header: str | None) -> bool:
+        """Whether an ``Authorization`` header value carries the token."""
+        scheme, _, given = (header or "").strip().partition(" ")
+        probe = hashlib.sha256(given.strip().encode("utf-8", "surrogateescape")).digest()
+        return hmac.compare_digest(probe, self._digest) and scheme.lower() == "bearer"
+
+    def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        if self.allows(environ.get("HTTP_AUTHORIZATION")):
+            return self.app(environ, start_response)
+        start_response("401 Unauthorized", [("WWW-Authenticate", 'Bearer realm="kvtier metrics"'),
+                                            ("Content-Type", "text/plain; charset=utf-8"), ("Content-Length", "0")])
+        return [b""]
+
+
+class _QuietHandler(WSGIRequestHandler):
+    """Logs no request (a scrape every few seconds) and closes a connection idle past
+    :data:`SCRAPE_IDLE_SECONDS`."""
+
+    timeout = SCRAPE_IDLE_SECONDS
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
+        pass
+
+
 class MetricsEndpoint:
-    """``/metrics`` over HTTP on ``host:port`` (port 0: a free one) for ``registry``.
+    """``/metrics`` over HTTP on ``host:port`` (port 0: a free one) for ``registry``: prometheus-client's
+    WSGI app (:func:`~prometheus_client.make_wsgi_app`) on its threading WSGI server, behind
+    :class:`BearerAuth` when ``token`` is given (None: open to whoever reaches the port).
 
     Attributes:
         address: ``http://HOST:PORT/metrics`` once started.
     """
 
-    def __init__(self, registry: CollectorRegistry, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(self, registry: CollectorRegistry, host: str = "127.0.0.1", port: int = 0,
+                 token: str | None = None) -> None:
         self.registry = registry
         self.host = host
         self.port = port
         self.address = ""
-        self._server = None
+        self._token = token
+        self._server: ThreadingWSGIServer | None = None
         self._thread: threading.Thread | None = None
+
+    def __repr__(self) -> str:
+        return f"MetricsEndpoint({self.address or f'{self.host}:{self.port}'}, token={'yes' if self._token else 'no'})"
 
     def start(self) -> str:
         """Start serving; returns :attr:`address`. Raises OSError if the port cannot be bound."""
-        self._server, self._thread = start_http_server(self.port, addr=self.host, registry=self.registry)
+        app = make_wsgi_app(self.registry)
+        if self._token:
+            app = BearerAuth(app, self._token)
+
+        class Server(ThreadingWSGIServer):
+            address_family = socket.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM)[0][0]
+
+        self._server = make_server(self.host, self.port, app, Server, handler_class=_QuietHandler)
+        self._thread = threading.Thread(target=self._server.serve_forever, name="kvtier-metrics", daemon=True)
+        self._thread.start()
         port = self._server.server_port
         host = f"[{self.host}]" if ":" in self.host else self.host
         self.address = f"http://{host}:{port}/metrics"
-        log.info("metrics on %s", self.address)
+        log.info("metrics on %s (%s)", self.address, "bearer token required" if self._token else "no token")
         return self.address
 
     def stop(self) -> None:

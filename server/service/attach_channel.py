@@ -50,7 +50,9 @@ from typing import Any
 
 import grpc
 
-from kvtier.attach_wire import PREFIX_KINDS, WireError, peer_credentials, recv_message, send_message
+from kvtier.attach_wire import (
+    MAX_ERROR_CHARS, PREFIX_KINDS, WireError, peer_credentials, recv_message, send_message,
+)
 from kvtier.server.daemon.config import MAX_ATTACH_SESSIONS
 from kvtier.server.daemon.core import Daemon
 from kvtier.server.daemon.errors import InvalidArgument, ResourceExhausted
@@ -98,6 +100,11 @@ def _message_waiting(sock: socket.socket) -> bool:
     except OSError:
         return True  # failed: a worker will see its end
     return True
+
+
+def _valid_id(value: object) -> bool:
+    """Whether a prefix call's ``id`` may be echoed: an int64 (not a bool) or None."""
+    return value is None or (type(value) is int and -(1 << 63) <= value < 1 << 63)
 
 
 class _SessionEnds:
@@ -161,7 +168,10 @@ def error_reply(exc: BaseException) -> dict[str, Any]:
     if code == grpc.StatusCode.INTERNAL:
         log.error("attach: internal error", exc_info=exc)
         return {"error": {"code": "INTERNAL", "message": f"internal error: {type(exc).__name__}"}}
-    error: dict[str, Any] = {"code": code.name, "message": str(exc)}
+    message = str(exc)
+    if len(message) > MAX_ERROR_CHARS:  # it may quote the request: the reply must fit in one message
+        message = message[:MAX_ERROR_CHARS - 25] + f"... ({len(message)} characters)"
+    error: dict[str, Any] = {"code": code.name, "message": message}
     if getattr(exc, "unchanged", False):
         error["unchanged"] = True  # changed nothing: the client may retry (as gRPC's kvtier-retry: unchanged)
     return {"error": error}
@@ -397,6 +407,10 @@ class AttachChannel:
             return
         if kind in PREFIX_KINDS:
             start = time.perf_counter()
+            if not _valid_id(request.get("id")):  # echoed in the reply: never one that would not fit
+                self._answer(conn, error_reply(InvalidArgument("id must be an integer (int64) or null")))
+                self._observe(kind, "INVALID_ARGUMENT", conn.session, start)
+                return
             with conn.lock:
                 busy, conn.calling = conn.calling, True
             if busy:

@@ -103,7 +103,8 @@ class DaemonMetrics:
             tiers.stack, tiers.caches, lambda: [pool_view(e) for e in state.pools.list()])))
         self.rpc = RpcMetrics(self.registry)
         self.interceptor = RpcMetricsInterceptor(self.rpc)
-        self.endpoint = MetricsEndpoint(self.registry, config.metrics_host, config.metrics_port or 0)
+        self.endpoint = MetricsEndpoint(self.registry, config.metrics_host, config.metrics_port or 0,
+                                        token=state.metrics_token)
 
     def start(self) -> str:
         """Serve ``/metrics``; returns its address."""
@@ -114,5 +115,13 @@ class DaemonMetrics:
 
 
 def build_metrics(config: DaemonConfig, state: Daemon) -> DaemonMetrics | None:
-    """The daemon's metrics when ``config.metrics_port`` is set (else None: no interceptor, no cost)."""
+    """The daemon's metrics when ``config.metrics_port`` is set (else None: no interceptor, no cost).
+
+    Raises:
+        ValueError: the endpoint would be neither guarded by a token nor opened on purpose
+            (:meth:`~kvtier.server.daemon.config.DaemonConfig.check_metrics_auth`).
+    """
+    config.check_metrics_auth()
+    if config.metrics_token_file and not state.metrics_token:
+        raise ValueError("metrics_token_file is set but the daemon holds no metrics token")
     return DaemonMetrics(config, state) if config.metrics_port is not None else None

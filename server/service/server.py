@@ -324,6 +324,7 @@ def serve(config: DaemonConfig) -> int:
     configure_logging(config.log_level, config.log_format)
     for name in fault_hooks_in_env():  # tests only: never on by accident without a line saying so
         log.warning("%s is set: a test-only fault hook of the disk tier is on; unset it outside tests", name)
+    config.check_metrics_auth()  # before anything is allocated: metrics nobody decided how to guard
     check_listen_address(config)  # before any pool or tier is allocated: a bad address is one line
     if config.transfer_engine == "mooncake":
         check_engine_available()  # likewise a missing library
@@ -367,6 +368,9 @@ def serve(config: DaemonConfig) -> int:
             built.streams.close()
             state.close()
             raise AddressError(f"could not serve metrics on {config.metrics_host}:{config.metrics_port}: {e}") from None
+        if config.metrics_insecure:
+            log.warning("metrics are served on %s without a token (--metrics-insecure): whoever reaches the port "
+                        "reads tenant names, pool ids and per-tenant call counts", state.metrics_address)
         if not is_loopback(f"{config.metrics_host}:0"):
             log.warning("metrics are served beyond loopback (%s): they name pools and tiers", state.metrics_address)
     if config.ready_file:

@@ -475,6 +475,21 @@ class PrefixCache:
                 self.allocator.free_pages_by_id(lease.fresh)
             self.counters["releases"] += 1
 
+    def drop_fresh(self, pages: Sequence[int]) -> int:
+        """Take ``pages`` out of the open leases whose fresh pages they are and free them (a failed
+        PullKV's destination: half-moved bytes are never stored under a key); the leases stay open.
+        Pages that are no lease's fresh page are left alone. Returns the pages freed."""
+        with self._lock:
+            wanted = set(pages)
+            dropped: list[int] = []
+            for lease in self._leases.values():
+                if wanted.intersection(lease.fresh):
+                    dropped += [p for p in lease.fresh if p in wanted]
+                    lease.fresh = [p for p in lease.fresh if p not in wanted]
+            if dropped:
+                self.allocator.free_pages_by_id(dropped)
+            return len(dropped)
+
     def fresh_leases(self, pages: Sequence[int]) -> list[str | None]:
         """For each of ``pages``, the open lease whose fresh page it is (the caller fills it before
         :meth:`store`), or None: a cached page (served under its key), or no page of this cache."""

@@ -180,3 +180,47 @@ def test_pool_layers_without_a_pool_is_refused():
     r = kvtier("serve", "--device", "cpu", "--pool-layers", "20:40", timeout=60)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "--pool-layers sets the layers of --pool pools: give --pool too" in r.stderr
+
+
+# ----- the metrics endpoint ----------------------------------------------------------------------------
+METRICS_TOKEN = "metrics-scrape-token-0123456789abcdef"
+
+
+def test_metrics_without_a_token_or_an_explicit_opt_in_are_refused(tmp_path):
+    """Scenario (security pass, D8): ``--metrics-port`` served tenant names, pool ids and per-tenant call
+    counts to every local user, without a word. Now it starts only with ``--metrics-token-file`` or the
+    explicit ``--metrics-insecure``: alone it stops at once in one line naming both (no daemon serves)."""
+    line = one_line_error(serve(tmp_path, "--metrics-port", "0", timeout=60))
+    assert "--metrics-port needs --metrics-token-file FILE" in line and "--metrics-insecure" in line
+    assert not (tmp_path / "kv.sock").exists()
+    token = tmp_path / "metrics.token"
+    token.write_text(METRICS_TOKEN)
+    os.chmod(token, 0o600)
+    line = one_line_error(serve(tmp_path, "--metrics-port", "0", "--metrics-insecure", "--metrics-token-file",
+                                str(token), timeout=60))
+    assert "contradict each other: give one" in line
+    line = one_line_error(serve(tmp_path, "--metrics-token-file", str(token), timeout=60))
+    assert "give --metrics-port" in line
+
+
+@pytest.mark.parametrize("problem", ["mode-0644", "other-owner", "symlink", "short", "two-words"])
+def test_a_metrics_token_file_others_could_read_or_that_holds_no_token_is_refused(tmp_path, problem):
+    """``--metrics-token-file`` is checked like ``--auth-tokens``: a regular file of the daemon's user
+    with no group or other permission, not a symlink, holding one token of at least 16 visible
+    characters. Anything else stops the daemon before a pool is allocated, in one line saying what to
+    fix and never showing the token."""
+    token = tmp_path / "metrics.token"
+    token.write_text({"short": "short-token", "two-words": f"{METRICS_TOKEN} {METRICS_TOKEN}"}.get(problem, METRICS_TOKEN))
+    os.chmod(token, 0o644 if problem == "mode-0644" else 0o600)
+    given = token
+    if problem == "other-owner":
+        os.chown(token, 65534, 65534)  # tests run as root: hand the file to "nobody"
+    elif problem == "symlink":
+        given = tmp_path / "link.token"
+        given.symlink_to(token)
+    line = one_line_error(serve(tmp_path, "--metrics-port", "0", "--metrics-token-file", str(given), timeout=60))
+    expected = {"mode-0644": f"mode 0644 lets other users read the tokens; run chmod 600 {token}",
+                "other-owner": "owned by uid 65534, not by the daemon's user", "symlink": "not a symlink",
+                "short": "shorter than 16 characters", "two-words": "one word of visible ASCII"}[problem]
+    assert line.startswith(f"Error: --metrics-token-file {given}: ") and expected in line, line
+    assert METRICS_TOKEN not in line and "short-token" not in line

@@ -8,6 +8,7 @@ a behaviour (the connection is closed, the answer is RESOURCE_EXHAUSTED); none m
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.attach_wire import PROTOCOL_VERSION, recv_message, send_message
+from kvtier.attach_wire import MAX_FDS, MAX_MESSAGE_BYTES, PROTOCOL_VERSION, recv_message, send_message
 from kvtier.client import KVTierClient, NotFoundError, ResourceExhaustedError, UnavailableError
 from kvtier.client.spawn import DaemonProcess
 
@@ -388,5 +389,100 @@ def test_an_attach_message_that_does_not_decode_is_invalid_argument_and_the_sess
         reply, _ = recv_message(s, accept_fds=True)
         assert reply["error"]["code"] == "FAILED_PRECONDITION", reply
         assert reply["id"] == 2
+    finally:
+        s.close()
+
+
+MAX_ERROR_CHARS = 1024  # docs/guides/attach.md, Limits: an error reply's message at most
+BIG = MAX_MESSAGE_BYTES - 200  # a message that fits, but whose every byte an error reply would repeat
+SO_SNDBUFFORCE = 32  # Linux: past net.core.wmem_max (needs CAP_NET_ADMIN)
+
+
+def send_big(s: socket.socket, data: bytes) -> None:
+    """Send ``data`` (up to just past :data:`MAX_MESSAGE_BYTES`) as one message: a SOCK_SEQPACKET message
+    must fit the sender's buffer, which any user may raise to net.core.wmem_max (4 MiB on many hosts)."""
+    for opt in (socket.SO_SNDBUF, SO_SNDBUFFORCE):
+        with contextlib.suppress(PermissionError):
+            s.setsockopt(socket.SOL_SOCKET, opt, 4 * len(data))
+        if s.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) > 2 * len(data):
+            break
+    else:
+        pytest.skip("this host lets no process send a message this large (net.core.wmem_max)")
+    s.send(data)
+
+
+def send_fds_along(s: socket.socket, data: bytes, n: int) -> None:
+    r, w = os.pipe()
+    try:
+        socket.send_fds(s, [data], [r] * n)
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+MALFORMED = {
+    "empty": lambda s: s.send(b""),
+    "a descriptor and no bytes": lambda s: send_fds_along(s, b"", 1),
+    "a descriptor with a request": lambda s: send_fds_along(
+        s, b'{"kind":"release_prefix","id":1,"pool_id":"p","lease_id":"x"}', 1),
+    "more descriptors than allowed": lambda s: send_fds_along(s, b"{}", MAX_FDS + 1),
+    "longer than allowed": lambda s: send_big(s, b" " * (MAX_MESSAGE_BYTES + 1)),
+    "an unknown kind the error would quote": lambda s: send_big(s, json.dumps({"kind": "k" * BIG}).encode()),
+    "a staging size the error would quote": lambda s: send_big(s, json.dumps({"kind": "staging",
+                                                                              "nbytes": "n" * BIG}).encode()),
+    "an id too large to echo": lambda s: send_big(s, json.dumps({"kind": "release_prefix", "id": "i" * BIG,
+                                                                 "lease_id": "0" * 32}).encode()),
+    "an id that is not an integer": lambda s: send_message(s, {"kind": "release_prefix", "id": [1],
+                                                               "lease_id": "0" * 32}),
+}
+
+
+@pytest.fixture(scope="module")
+def one_daemon():
+    """One daemon for the rows of a table (each row opens a session of its own)."""
+    with DaemonProcess(extra_args=DAEMON_ARGS) as d:
+        yield d
+
+
+@pytest.mark.parametrize("name", sorted(MALFORMED))
+def test_an_empty_or_oversized_attach_message_is_invalid_argument_and_the_session_lives(one_daemon, name):
+    """Scenario (security pass: a zero-length datagram): a session sent a message of zero bytes, which
+    the daemon took for the connection's close: it answered nothing and ended the session. Its
+    siblings: a message of only a descriptor, descriptors along a request, more than 16 descriptors,
+    more than 1 MiB, and messages of almost 1 MiB whose error reply quoted them (an unknown kind, a
+    bad staging size) or echoed them (a prefix call's id), so the reply did not fit in one message and
+    the session ended without one. Each is answered INVALID_ARGUMENT in one line of at most 1,024
+    characters, and the same session's next call is answered as usual (a prefix call in a storage
+    session: FAILED_PRECONDITION)."""
+    with KVTierClient(one_daemon.address) as c:
+        path = c.attach_socket()
+    s = raw_session(path)
+    try:
+        MALFORMED[name](s)
+        reply, fds = recv_message(s, accept_fds=True)
+        assert reply["error"]["code"] == "INVALID_ARGUMENT" and not fds, reply
+        message = reply["error"]["message"]
+        assert "\n" not in message and len(message) <= MAX_ERROR_CHARS, message[:200]
+        assert "id" not in reply or reply["id"] is None
+        send_message(s, {"kind": "release_prefix", "id": 2, "pool_id": "p", "lease_id": "0" * 32})
+        reply, _ = recv_message(s, accept_fds=True)
+        assert reply["error"]["code"] == "FAILED_PRECONDITION", reply
+        assert reply["id"] == 2
+    finally:
+        s.close()
+
+
+def test_an_empty_first_message_is_invalid_argument_and_the_connection_closes(daemon):
+    """The first message of a connection must be an attach or storage request: an empty one is
+    answered INVALID_ARGUMENT and the connection closed (as every bad first message), not closed
+    without a word; a peer that closes without sending anything is still seen as gone at once."""
+    with KVTierClient(daemon.address) as c:
+        path = c.attach_socket()
+    s = raw_connect(path)
+    try:
+        s.send(b"")
+        reply, _ = recv_message(s, accept_fds=True)
+        assert reply["error"]["code"] == "INVALID_ARGUMENT", reply
+        assert closed_by_daemon(s, 5.0)
     finally:
         s.close()

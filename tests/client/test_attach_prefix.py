@@ -158,11 +158,11 @@ def test_a_second_prefix_call_while_the_first_runs_is_refused_and_the_first_comp
     from kvtier.attach_wire import PROTOCOL_VERSION
     from kvtier.client.attach import open_channel
     from kvtier.client.spawn import DaemonProcess
-    from metrics_kit import scrape, value
+    from metrics_kit import metrics_flags, scrape, value
 
     disk = tmp_path / "disk"
     args = ["--device", "cpu", "--pool", "glm-5.2:512", "--pool-layers", "4", "--host-memory", "4KiB",
-            "--disk-path", str(disk), "--disk-size", "64MiB", "--no-disk-write-behind", "--metrics-port", "0"]
+            "--disk-path", str(disk), "--disk-size", "64MiB", "--no-disk-write-behind", *metrics_flags(tmp_path)]
     keys = keys_of(7, 9)
     with DaemonProcess(extra_args=args) as d, KVTierClient(d.address, timeout=60) as c:
         cached = c.load_prefix("default", keys[:8])

@@ -1,6 +1,7 @@
-"""``--metrics-port``: a real daemon's /metrics, scraped over 127.0.0.1 and parsed with
-prometheus-client's own parser, holds what the test did: pages missed and hit per tier, records moved
-between tiers, evictions, tier usage in bytes, free pool pages and one latency sample per RPC.
+"""``--metrics-port``: a real daemon's /metrics, scraped over 127.0.0.1 with its bearer token
+(``--metrics-token-file``) and parsed with prometheus-client's own parser, holds what the test did:
+pages missed and hit per tier, records moved between tiers, evictions, tier usage in bytes, free pool
+pages and one latency sample per RPC. A scrape without the token gets 401 and nothing else.
 
 Expected values are worked out here from the scenario and the record layout (a GLM-5.2 page record of
 the first 4 layers is 194,048 bytes, README "Replay"; LMDB charges whole 4 KiB overflow pages plus
@@ -17,7 +18,7 @@ import resource
 import pytest
 
 from kv_helpers import PAGE_SIZE, put_prefix_pages
-from metrics_kit import scrape, value
+from metrics_kit import METRICS_TOKEN, get, metrics_flags, scrape, value
 
 from kvtier.client import KVTierClient
 from kvtier.client.errors import NotFoundError, UnauthenticatedError
@@ -38,7 +39,7 @@ def test_metrics_hold_what_the_test_did(tmp_path):
     2 and spills k0, k1 to disk; E. keys [k2, k3]: 2 host hits; the pool evicts k4, k5, and since the
     host tier's 2 records are pinned by this load they go straight to disk.
     """
-    args = ["--device", "cpu", "--pool", "default=glm-5.2:512", "--pool-layers", "4", "--metrics-port", "0",
+    args = ["--device", "cpu", "--pool", "default=glm-5.2:512", "--pool-layers", "4", *metrics_flags(tmp_path),
             "--host-memory", str(2 * RECORD + 1000), "--disk-path", str(tmp_path / "disk"), "--disk-size", "64MiB"]
     with DaemonProcess(extra_args=args) as d, KVTierClient(d.address, timeout=60) as c:
         address = c.stats().metrics_address
@@ -93,14 +94,14 @@ def test_metrics_hold_what_the_test_did(tmp_path):
                            "kvtier_rpc_duration_seconds_bucket"}, with_tenant
 
 
-def test_prefix_calls_on_the_attach_connection_are_timed_like_rpcs():
+def test_prefix_calls_on_the_attach_connection_are_timed_like_rpcs(tmp_path):
     """A worker attached to an 8-page pool makes its prefix calls on the attach connection: a load
     of 3 new keys (a miss: 3 fresh pages), their store with release, the same load again (3 hits),
     its release, then a second release and a store of that released lease (both NOT_FOUND). The RPC
     histogram must count them under ``kvtier.attach/<Method>`` with each reply's code and the
     session's tenant -- 2 loads OK, 1 store OK and 1 NOT_FOUND, 1 release OK and 1 NOT_FOUND -- and
     none under the gRPC method names (the calls never went over gRPC; before, they were not timed)."""
-    args = ["--device", "cpu", "--pool", "default=glm-5.2:512", "--pool-layers", "4", "--metrics-port", "0",
+    args = ["--device", "cpu", "--pool", "default=glm-5.2:512", "--pool-layers", "4", *metrics_flags(tmp_path),
             "--host-memory", "16MiB"]
     keys = page_keys(list(range(3 * PAGE_SIZE)), PAGE_SIZE)
     with DaemonProcess(extra_args=args) as d, KVTierClient(d.address, timeout=60) as c:
@@ -140,7 +141,7 @@ def test_tenant_label_on_pools_prefix_caches_and_calls(tmp_path):
     tokens = tmp_path / "tokens.toml"
     tokens.write_text(f'[tokens]\n"{TOKEN_A}" = "team-a"\n"{TOKEN_B}" = "team-b"\n')
     os.chmod(tokens, 0o600)
-    args = ["--device", "cpu", "--auth-tokens", str(tokens), "--metrics-port", "0", "--host-memory", "16MiB"]
+    args = ["--device", "cpu", "--auth-tokens", str(tokens), *metrics_flags(tmp_path), "--host-memory", "16MiB"]
     keys = page_keys(list(range(4 * PAGE_SIZE)), PAGE_SIZE)
     with DaemonProcess(extra_args=args) as d, KVTierClient(d.address, token=TOKEN_A, timeout=60) as a, \
             KVTierClient(d.address, token=TOKEN_B, timeout=60) as b:
@@ -166,6 +167,45 @@ def test_tenant_label_on_pools_prefix_caches_and_calls(tmp_path):
     assert value(m, rpc, method="kvtier.v1.PoolService/CreatePool", code="OK", tenant="team-b") == 1
     assert value(m, rpc, method="kvtier.v1.PoolService/ListPools", code="UNAUTHENTICATED", tenant="") == 1
     assert not [k for k in m if k[0] == rpc and dict(k[1]).get("tenant") == "default"]  # no such tenant here
+
+
+def test_a_scrape_without_the_token_is_401_and_reads_nothing(tmp_path):
+    """Scenario (security pass, D8): /metrics was plain HTTP without authentication, so every local user
+    read tenant names, pool ids and per-tenant call counts. Now, with ``--metrics-token-file``, only
+    ``Authorization: Bearer <the file's token>`` is answered 200; no header, another token, the token
+    with a letter changed or cut short, or the right token under another scheme are each 401 with
+    ``WWW-Authenticate: Bearer`` and an empty body (no tenant, pool or metric name)."""
+    tokens = tmp_path / "tokens.toml"
+    tokens.write_text(f'[tokens]\n"{TOKEN_A}" = "team-a"\n')
+    os.chmod(tokens, 0o600)
+    args = ["--device", "cpu", "--auth-tokens", str(tokens), *metrics_flags(tmp_path), "--host-memory", "16MiB"]
+    with DaemonProcess(extra_args=args) as d, KVTierClient(d.address, token=TOKEN_A, timeout=60) as a:
+        a.create_pool("glm-5.2", num_layers=4, size_tokens=8 * PAGE_SIZE, pool_id="secret-pool")
+        address = a.stats().metrics_address
+        refused = [get(address, None), get(address, TOKEN_A), get(address, METRICS_TOKEN[:-1]),
+                   get(address, METRICS_TOKEN[:-1] + "X"), get(address, METRICS_TOKEN, scheme="Basic"),
+                   get(address, METRICS_TOKEN + " extra"), get(address, "")]
+        status, _, body = get(address, METRICS_TOKEN)
+        lower_scheme = get(address, METRICS_TOKEN, scheme="bearer")[0]
+    for code, headers, data in refused:
+        assert (code, data) == (401, b""), (code, data[:200])
+        assert headers.get("WWW-Authenticate", "").startswith("Bearer"), headers
+    assert status == 200 and lower_scheme == 200  # the scheme is case-insensitive (RFC 7235)
+    text = body.decode()
+    assert 'pool="secret-pool"' in text and 'tenant="team-a"' in text
+
+
+def test_insecure_metrics_are_served_without_a_token_and_say_so(tmp_path):
+    """``--metrics-insecure`` is the explicit opt-out: /metrics answers without a token, and the daemon
+    logs one WARNING at start saying who can read what."""
+    args = ["--device", "cpu", "--pool", "default=glm-5.2:512", "--pool-layers", "4", "--metrics-port", "0",
+            "--metrics-insecure", "--host-memory", "16MiB"]
+    with DaemonProcess(extra_args=args) as d, KVTierClient(d.address, timeout=60) as c:
+        m = scrape(c.stats().metrics_address, token=None)
+        log = d.log_path.read_text()
+    assert value(m, "kvtier_pool_free_pages", pool="default", tenant="default") == 8
+    warning = [line for line in log.splitlines() if "without a token (--metrics-insecure)" in line]
+    assert len(warning) == 1 and "WARNING" in warning[0] and "tenant names, pool ids" in warning[0], log
 
 
 def test_json_logs_and_no_secret_in_them(capsys):

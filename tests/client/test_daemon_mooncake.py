@@ -20,7 +20,7 @@ from kvtier.client.spawn import DaemonProcess
 from kvtier.page_keys import page_keys
 
 from kv_helpers import INDEX_PAGE_BYTES, LIVE_LAYERS, NUM_LAYERS, PAGE_SIZE, ROW_BYTES, put_prefix_pages, random_kv, verify_kv
-from metrics_kit import scrape, value
+from metrics_kit import metrics_flags, scrape, value
 
 TIER_SERVICE = "kvtier.tier.mooncake"
 RECORD = 194_048  # a page record of GLM-5.2's first 4 layers: 4 x 64 x 656 latent + 3 live layers x 8448 indexer + header and slots
@@ -209,7 +209,7 @@ def test_the_mooncake_tier_in_the_metrics(mooncake_master, tmp_path):
     why, and 2 new pages stored meanwhile are counted device->mooncake(unhealthy) (0 bytes), never
     gone."""
     args = ["--device", "cpu", "--log-level", "WARNING", "--pool", "default=glm-5.2:512", "--pool-layers", "4",
-            "--metrics-port", "0", "--host-memory", "4MiB", "--tiers", "host,mooncake",
+            *metrics_flags(tmp_path), "--host-memory", "4MiB", "--tiers", "host,mooncake",
             "--mooncake-master", mooncake_master.master, "--mooncake-metadata", mooncake_master.metadata,
             "--mooncake-segment-size", "64MiB"]
     keys = page_keys(list(range(50_000, 50_000 + 5 * PAGE_SIZE)), PAGE_SIZE)

@@ -17,8 +17,10 @@ lease), ``fresh_own`` (a fresh page of the writer's own lease, which it fills be
 Expected outcomes, worked out from the rules (README "Local attach" and issue 23), not read off the code:
 a page not allocated is INVALID_ARGUMENT; another session's page, a cached page (pinned or not) and
 another lease's fresh page are FAILED_PRECONDITION; the writer's own page and its own lease's fresh
-page are written. PullKV frees its destination when it fails, so it refuses every page the prefix
-cache holds, its own lease's fresh pages too. A refused write leaves the page's bytes as they were.
+page are written, by every call: PullKV too (a decode side that leased its prompt's pages receives the
+missing ones from prefill into the fresh pages, then stores them). A refused write leaves the page's
+bytes as they were. A failed PullKV frees its destination: a fresh page of the caller's lease leaves
+the lease (it can no longer be stored), the lease stays open.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import pytest
 import torch
 from kv_helpers import PAGE_SIZE, random_kv
 
-from kvtier.client import FailedPreconditionError, InvalidArgumentError, KVTierClient
+from kvtier.client import FailedPreconditionError, InvalidArgumentError, KVTierClient, KVTierError
 from kvtier.client.spawn import DaemonProcess
 
 ARGS = ["--device", "cpu", "--host-memory", "4MiB", "--pool-memory", "64MiB", "--log-level", "WARNING"]
@@ -41,7 +43,7 @@ EXPECTED = {
     "write_kv": (IA, OK, FP, FP, FP, FP, OK),
     "move_kv": (IA, OK, FP, FP, FP, FP, OK),
     "restore": (IA, OK, FP, FP, FP, FP, OK),
-    "pull_kv": (IA, OK, FP, FP, FP, FP, FP),
+    "pull_kv": (IA, OK, FP, FP, FP, FP, OK),
 }
 OLD, NEW = 70, 71  # seeds: the bytes a page holds before, the bytes the write carries
 
@@ -179,3 +181,36 @@ def test_every_write_against_every_kind_of_page(own_daemon, peer, call, kind):
                 assert torch.equal(scene.served_by_prefix_cache(), want)
         finally:
             scene.close()
+
+
+def test_a_failed_pull_into_its_own_leases_fresh_page_frees_it_and_caches_nothing(peer):
+    """Scenario (security pass, D11): PullKV refused the fresh pages of the caller's own lease (a decode
+    side receiving the pages its LoadPrefix did not find), although every other write may fill them.
+    Now such a pull is allowed (the table above); when it fails after its first batch moved (a daemon
+    that fails batch 2 of every transfer, one item a batch), it is ABORTED and the half-written page
+    is freed and taken out of the lease: StorePrefix of it is INVALID_ARGUMENT, the lease itself stays
+    open and is released, the pool has every page free again and the key is cached nowhere."""
+    import grpc
+
+    d, src_page = peer
+    with DaemonProcess(extra_args=ARGS, env={"KVTIER_TRANSFER_FAIL_BATCH": "2"}) as failing, \
+            KVTierClient(failing.address, timeout=30.0) as c:
+        c.create_pool("glm-5.2", num_layers=2, size_tokens=1024, pool_id="p")
+        free_before = c.describe_pool("p").free_pages
+        key = uuid.uuid4().bytes
+        lease = c.load_prefix("p", [key])
+        assert lease.loaded_pages == 0 and lease.slots.numel() == PAGE_SIZE
+        with pytest.raises(KVTierError) as e:
+            c.pull_kv("p", d.address, "src", src_pages=[int(src_page)], dst_pages=[int(lease.slots[0]) // PAGE_SIZE],
+                      transport="grpc", max_batch_items=1)
+        assert e.value.code == grpc.StatusCode.ABORTED and "injected failure in batch 2" in e.value.details
+        assert "were freed" in e.value.details
+        assert c.describe_pool("p").free_pages == free_before
+        with pytest.raises(InvalidArgumentError, match="not allocated"):
+            c.read_kv("p", lease.slots)
+        with pytest.raises(InvalidArgumentError, match="fresh pages of this lease"):
+            c.store_prefix(lease, [key], lease.slots)
+        c.release_prefix(lease)
+        again = c.load_prefix("p", [key])
+        assert again.loaded_pages == 0 and again.tiers == []
+        c.release_prefix(again)

@@ -1,0 +1,64 @@
+"""Secrets the daemon reads from files only its own user may read: the ``--auth-tokens`` table
+(:class:`~kvtier.server.daemon.tenants.TokenTable`) and the ``--metrics-token-file`` bearer token.
+
+One check for both (:func:`read_private_file`): a regular file, not a symlink (opened with
+``O_NOFOLLOW``), owned by the daemon's uid, with no permission bit for group or others (0600 or
+0400). Anyone who can read such a file can act with its tokens, so a file that fails the check is
+refused at start with one line saying what to fix; the line never holds the file's contents.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+
+class AuthConfigError(ValueError):
+    """A secret file cannot be used (permissions, owner, format); the message is one line."""
+
+
+def read_private_file(path: str | Path, flag: str) -> bytes:
+    """The bytes of ``path`` once it passed the module's check (``flag`` names the option in errors).
+
+    Raises:
+        AuthConfigError: a one-line reason (missing, a symlink, not a regular file, owner, mode).
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError as e:
+        raise AuthConfigError(f"{flag} {path}: cannot open it ({e.strerror}); it must be a regular "
+                              f"file, not a symlink") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise AuthConfigError(f"{flag} {path}: not a regular file")
+        if st.st_uid != os.getuid():
+            raise AuthConfigError(f"{flag} {path}: owned by uid {st.st_uid}, not by the daemon's user "
+                                  f"(uid {os.getuid()}); chown it to that user")
+        mode = stat.S_IMODE(st.st_mode)
+        if mode & 0o077:
+            raise AuthConfigError(f"{flag} {path}: mode {mode:04o} lets other users read the tokens; "
+                                  f"run chmod 600 {path}")
+        return f.read()
+
+
+def read_token_file(path: str | Path, flag: str, min_chars: int) -> str:
+    """One bearer token from ``path`` (checked by :func:`read_private_file`): the file's text with
+    surrounding whitespace removed, as Prometheus reads ``authorization: credentials_file:``.
+
+    Raises:
+        AuthConfigError: the file's check failed, or the token is shorter than ``min_chars`` or holds
+            anything but visible ASCII (an HTTP header value without spaces).
+    """
+    raw = read_private_file(path, flag).strip()
+    if not raw:
+        raise AuthConfigError(f"{flag} {path}: the file is empty; write one long random token into it "
+                              f"(e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))'`)")
+    if not all(0x21 <= b <= 0x7E for b in raw):
+        raise AuthConfigError(f"{flag} {path}: the token must be one word of visible ASCII characters "
+                              f"(no spaces or line breaks inside)")
+    if len(raw) < min_chars:
+        raise AuthConfigError(f"{flag} {path}: the token is shorter than {min_chars} characters; use a long random "
+                              f"secret (e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))'`)")
+    return raw.decode("ascii")
