@@ -4,7 +4,7 @@ Interceptors of the daemon, outermost first (``create_server``): ``monitoring.Mo
 (which thread pool a call runs on), ``arrival.RequestArrival`` (the request message's arrival
 deadline), :class:`CallTracker` (calls in flight, for a bounded shutdown), ``auth.AuthInterceptor``
 (who the caller is), the RPC timer (with metrics), ``errors.DomainErrorInterceptor`` (domain errors ->
-status codes).
+status codes), ``open_streams.OpenStreams`` (slots of the health Watch and reflection streams).
 """
 
 from __future__ import annotations

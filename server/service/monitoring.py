@@ -23,7 +23,7 @@ gRPC runs. If a gRPC release dropped that hook, the calls would fall back to the
 
 Not on the monitor pool: the health service's ``Watch`` (a stream that lives as long as its
 watcher: a few watchers would take every monitor thread) and server reflection (a stream); both
-stay on the workers, as before.
+stay on the workers, under a few slots of their own (``open_streams.py``).
 """
 
 from __future__ import annotations

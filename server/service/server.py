@@ -15,7 +15,8 @@ check, ListPools, GetStats, GetTierStats, GetUnitStats), which run on threads of
 (``kvtier-monitor``, :mod:`~kvtier.server.service.monitoring`) so a data path holding every worker
 cannot stop them. A call whose request message has not arrived ``config.request_arrival_seconds``
 after it started is cancelled, and calls still waiting for theirs hold a bounded share of each pool
-(:mod:`~kvtier.server.service.arrival`).
+(:mod:`~kvtier.server.service.arrival`). Health ``Watch`` and reflection streams hold a few slots
+of their own (:mod:`~kvtier.server.service.open_streams`).
 
 Besides the daemon's services it serves one health service per tier (``kvtier.tier.<name>``, kept in
 step by the tier monitor thread, which :func:`serve` starts once serving) and, with
@@ -57,6 +58,7 @@ from kvtier.server.service.errors import DomainErrorInterceptor
 from kvtier.server.service.interceptors import CallTracker
 from kvtier.server.service.monitoring import MONITOR_POOL, WORKER_POOL, MonitoringDispatch, pool_of
 from kvtier.server.service.observability import build_metrics
+from kvtier.server.service.open_streams import OpenStreams, open_stream_guard
 from kvtier.server.service.registry import SERVICES, ServiceEntry
 from kvtier.server.service.streams import StreamGuard
 from kvtier.server.transfer.engine import check_engine_available
@@ -243,6 +245,8 @@ def create_server(
     state.metrics = build_metrics(config, state)  # None unless metrics_port is set; served by serve()
     calls = CallTracker()
     streams = StreamGuard(config.stream_slots, config.stream_idle_seconds)
+    open_streams = open_stream_guard(config.workers, config.stream_idle_seconds)  # health Watch, reflection
+    state.add_shutdown_hook(open_streams.close)
     rpc_timer = state.metrics.interceptor if state.metrics else None
     # the RPC timer sits inside auth, so it sees the authenticated caller's tenant; auth times its own
     # refusals through it (UNAUTHENTICATED, no tenant)
@@ -258,7 +262,9 @@ def create_server(
     state.add_shutdown_hook(arrival.close)
     interceptors = [monitoring, arrival, calls, AuthInterceptor(state.tokens, timer=rpc_timer, sessions=state.sessions),
                     *([rpc_timer] if rpc_timer else []),
-                    DomainErrorInterceptor()]
+                    # innermost: health Watch and reflection streams hold slots of their own (open_streams.py);
+                    # its refusal is a domain error, mapped by the interceptor around it
+                    DomainErrorInterceptor(), OpenStreams(open_streams)]
     server = grpc.server(
         ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix=WORKER_POOL),
         interceptors=interceptors,
