@@ -73,6 +73,8 @@ def _layers(_ctx: click.Context, _param: click.Parameter, value: str | None) -> 
               help="KV streams in flight at once; more are refused [half of --workers].")
 @click.option("--stream-idle-seconds", type=click.FloatRange(min=0.1), default=None,
               help="Cancel a KV stream that moves no message this long [30].")
+@click.option("--request-arrival-seconds", type=click.FloatRange(min=0.1), default=None,
+              help="Cancel a call whose request message has not arrived this long after its headers [5].")
 @click.option("--peer-retry-seconds", type=click.FloatRange(min=0.1), default=None,
               help="A PullKV without a deadline resends a ReadPages its peer refused as 'retry' this long [30].")
 @click.option("--close-seconds", type=click.FloatRange(min=0.1), default=None,

@@ -130,6 +130,10 @@ class DaemonConfig:
     stream_idle_seconds: float = 30.0
     """A stream that moves no message for this long (a stalled sender or a reader that stopped
     reading) is cancelled, freeing its worker thread and stream slot."""
+    request_arrival_seconds: float = 5.0
+    """A call whose request message has not arrived this long after the call started (a client that
+    sent the call's headers and then nothing) is cancelled, freeing its thread
+    (``kvtier.server.service.arrival``). Unary stubs send the message with the headers."""
     peer_retry_seconds: float = 30.0
     """A PullKV without a deadline resends a ReadPages its peer refused as "changed nothing" (every
     stream slot taken, source pages a write is landing on) for at most this long after the first
@@ -242,6 +246,8 @@ class DaemonConfig:
             raise ValueError(f"max_streams must be >= 0, got {self.max_streams}")
         if self.stream_idle_seconds <= 0:
             raise ValueError(f"stream_idle_seconds must be > 0, got {self.stream_idle_seconds}")
+        if self.request_arrival_seconds <= 0:
+            raise ValueError(f"request_arrival_seconds must be > 0, got {self.request_arrival_seconds}")
         if self.peer_retry_seconds <= 0:
             raise ValueError(f"peer_retry_seconds must be > 0, got {self.peer_retry_seconds}")
         if self.close_seconds <= 0:

@@ -36,7 +36,8 @@ class ResourceExhausted(KVTierError):
 
 
 class StreamsFull(ResourceExhausted):
-    """Every KV stream slot (``--max-streams``) is taken: refused before anything of the call ran; a
+    """Every KV stream slot (``--max-streams``) is taken, or every slot of the open streams (health
+    ``Watch`` and reflection, ``open_streams.py``): refused before anything of the call ran; a
     slot comes back when a stream ends (RESOURCE_EXHAUSTED, with :data:`RETRY_UNCHANGED` in the
     trailing metadata). A PullKV whose peer answers this to a ReadPages retries it within its deadline."""
 

@@ -1,8 +1,10 @@
 """Small pieces the server's interceptors share: re-wrapping a method handler, and counting calls in flight.
 
-Interceptors of the daemon, outermost first (``create_server``): :class:`CallTracker` (calls in
-flight, for a bounded shutdown), ``auth.AuthInterceptor`` (who the caller is),
-``errors.DomainErrorInterceptor`` (domain errors -> status codes).
+Interceptors of the daemon, outermost first (``create_server``): ``monitoring.MonitoringDispatch``
+(which thread pool a call runs on), ``arrival.RequestArrival`` (the request message's arrival
+deadline), :class:`CallTracker` (calls in flight, for a bounded shutdown), ``auth.AuthInterceptor``
+(who the caller is), the RPC timer (with metrics), ``errors.DomainErrorInterceptor`` (domain errors ->
+status codes), ``open_streams.OpenStreams`` (slots of the health Watch and reflection streams).
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ gRPC runs. If a gRPC release dropped that hook, the calls would fall back to the
 
 Not on the monitor pool: the health service's ``Watch`` (a stream that lives as long as its
 watcher: a few watchers would take every monitor thread) and server reflection (a stream); both
-stay on the workers, as before.
+stay on the workers, under a few slots of their own (``open_streams.py``).
 """
 
 from __future__ import annotations
@@ -50,6 +50,15 @@ MONITORING_METHODS: frozenset[str] = frozenset({
 """Full method names of the calls that only read counters and metadata (never a pool, cache, store
 or index lock); they run on the monitor threads."""
 
+MONITOR_POOL = "kvtier-monitor"
+WORKER_POOL = "kvtier-rpc"
+"""Names of the two thread pools a call may run on (their threads' name prefixes)."""
+
+
+def pool_of(method: str) -> str:
+    """The thread pool the calls of ``method`` (a full method name) run on."""
+    return MONITOR_POOL if method in MONITORING_METHODS else WORKER_POOL
+
 
 class MonitoringDispatch(grpc.ServerInterceptor):
     """Routes the calls of :data:`MONITORING_METHODS` to a thread pool of their own (module docstring).
@@ -67,7 +76,8 @@ class MonitoringDispatch(grpc.ServerInterceptor):
     def __init__(self, workers: int = MONITOR_WORKERS) -> None:
         if workers < 1:
             raise ValueError(f"need at least 1 monitoring thread, got {workers}")
-        self.executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvtier-monitor")
+        self.workers = workers
+        self.executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=MONITOR_POOL)
 
     def intercept_service(self, continuation: Callable[..., Any], handler_call_details: Any) -> Any:
         handler = continuation(handler_call_details)

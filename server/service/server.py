@@ -13,7 +13,10 @@ clear). ``tls_client_ca`` makes TLS mutual (clients must present a certificate t
 Calls run on ``config.workers`` threads (``kvtier-rpc``), except the monitoring calls (health
 check, ListPools, GetStats, GetTierStats, GetUnitStats), which run on threads of their own
 (``kvtier-monitor``, :mod:`~kvtier.server.service.monitoring`) so a data path holding every worker
-cannot stop them.
+cannot stop them. A call whose request message has not arrived ``config.request_arrival_seconds``
+after it started is cancelled, and calls still waiting for theirs hold a bounded share of each pool
+(:mod:`~kvtier.server.service.arrival`). Health ``Watch`` and reflection streams hold a few slots
+of their own (:mod:`~kvtier.server.service.open_streams`).
 
 Besides the daemon's services it serves one health service per tier (``kvtier.tier.<name>``, kept in
 step by the tier monitor thread, which :func:`serve` starts once serving) and, with
@@ -48,12 +51,14 @@ from kvtier.server.observe.logs import configure_logging
 from kvtier.server.hostmem.malloc import keep_freed_memory
 from kvtier.server.tiers.disk_faults import fault_hooks_in_env
 from kvtier.attach_wire import attach_socket_path
+from kvtier.server.service.arrival import RequestArrival, waiting_cap
 from kvtier.server.service.attach_channel import AttachChannel
 from kvtier.server.service.auth import AuthInterceptor
 from kvtier.server.service.errors import DomainErrorInterceptor
 from kvtier.server.service.interceptors import CallTracker
-from kvtier.server.service.monitoring import MonitoringDispatch
+from kvtier.server.service.monitoring import MONITOR_POOL, WORKER_POOL, MonitoringDispatch, pool_of
 from kvtier.server.service.observability import build_metrics
+from kvtier.server.service.open_streams import OpenStreams, open_stream_guard
 from kvtier.server.service.registry import SERVICES, ServiceEntry
 from kvtier.server.service.streams import StreamGuard
 from kvtier.server.transfer.engine import check_engine_available
@@ -240,6 +245,8 @@ def create_server(
     state.metrics = build_metrics(config, state)  # None unless metrics_port is set; served by serve()
     calls = CallTracker()
     streams = StreamGuard(config.stream_slots, config.stream_idle_seconds)
+    open_streams = open_stream_guard(config.workers, config.stream_idle_seconds)  # health Watch, reflection
+    state.add_shutdown_hook(open_streams.close)
     rpc_timer = state.metrics.interceptor if state.metrics else None
     # the RPC timer sits inside auth, so it sees the authenticated caller's tenant; auth times its own
     # refusals through it (UNAUTHENTICATED, no tenant)
@@ -247,11 +254,19 @@ def create_server(
     # takes (monitoring.py); every other call on the --workers threads
     monitoring = MonitoringDispatch()
     state.add_shutdown_hook(monitoring.close)
-    interceptors = [monitoring, calls, AuthInterceptor(state.tokens, timer=rpc_timer, sessions=state.sessions),
+    # next: a call whose request message does not arrive in time is cancelled, and late ones hold a
+    # bounded share of each pool (arrival.py); it reads the message before any other interceptor runs
+    arrival = RequestArrival(config.request_arrival_seconds,
+                             {MONITOR_POOL: waiting_cap(monitoring.workers), WORKER_POOL: waiting_cap(config.workers)},
+                             pool_of)
+    state.add_shutdown_hook(arrival.close)
+    interceptors = [monitoring, arrival, calls, AuthInterceptor(state.tokens, timer=rpc_timer, sessions=state.sessions),
                     *([rpc_timer] if rpc_timer else []),
-                    DomainErrorInterceptor()]
+                    # innermost: health Watch and reflection streams hold slots of their own (open_streams.py);
+                    # its refusal is a domain error, mapped by the interceptor around it
+                    DomainErrorInterceptor(), OpenStreams(open_streams)]
     server = grpc.server(
-        ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="kvtier-rpc"),
+        ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix=WORKER_POOL),
         interceptors=interceptors,
         # gRPC sets SO_REUSEPORT by default: a second daemon on the same TCP port would start and the
         # kernel would share connections between the two. One daemon a port: the second one's bind fails.

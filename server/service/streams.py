@@ -13,6 +13,9 @@ call. :class:`StreamGuard` keeps threads for control calls:
   ``RpcContext.cancel``): the blocked receive or send ends, the thread and the slot come back. Its
   client sees CANCELLED; a WriteKV cancelled this way has written nothing.
 
+A second guard, with slots of its own, bounds the health ``Watch`` and reflection streams
+(``open_streams.py``; a ``Watch`` is held with ``idle_bound=False``).
+
 Lock order: the guard's lock is a leaf (a dict update or a scan of plain values; ``cancel`` and
 logging happen after it is released).
 """
@@ -38,6 +41,7 @@ class _Stream:
     method: str
     context: Any
     last: float
+    idle_bound: bool = True
     cancelled: bool = False
 
 
@@ -48,13 +52,18 @@ class StreamGuard:
         max_streams: streams allowed in flight at once (>= 1).
         idle_seconds: a stream with no message moved for this long is cancelled.
         clock: monotonic seconds (tests may pass their own).
+        kind: what the streams are, for the refusal's message.
+        limit: where the limit comes from, for the refusal's message.
     """
 
-    def __init__(self, max_streams: int, idle_seconds: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, max_streams: int, idle_seconds: float, clock: Callable[[], float] = time.monotonic, *,
+                 kind: str = "KV streams", limit: str = "--max-streams") -> None:
         if max_streams < 1 or idle_seconds <= 0:
             raise ValueError(f"need max_streams >= 1 and idle_seconds > 0, got {max_streams}, {idle_seconds}")
         self.max_streams = max_streams
         self.idle_seconds = idle_seconds
+        self.kind = kind
+        self.limit = limit
         self._clock = clock
         self._lock = threading.Lock()  # leaf
         self._streams: dict[int, _Stream] = {}
@@ -71,8 +80,9 @@ class StreamGuard:
         return len(self._streams)
 
     @contextmanager
-    def stream(self, context: Any, method: str) -> Iterator[Callable[[], None]]:
+    def stream(self, context: Any, method: str, *, idle_bound: bool = True) -> Iterator[Callable[[], None]]:
         """Hold a stream slot for the ``with`` block; yields ``touch()``, to call whenever a message moved.
+        ``idle_bound=False``: the stream is never cancelled for being idle (it only holds a slot).
 
         Raises:
             StreamsFull: every slot is taken (nothing of the call ran; RESOURCE_EXHAUSTED marked
@@ -84,11 +94,11 @@ class StreamGuard:
                 self.refused += 1
             else:
                 sid = next(self._ids)
-                entry = _Stream(method, context, self._clock())
+                entry = _Stream(method, context, self._clock(), idle_bound)
                 self._streams[sid] = entry
         if full:
-            raise StreamsFull(f"{self.max_streams} KV streams are in flight, the daemon's limit (--max-streams); "
-                                    f"retry when one has finished")
+            raise StreamsFull(f"{self.max_streams} {self.kind} are in flight, the daemon's limit ({self.limit}); "
+                              f"retry when one has finished")
 
         def touch() -> None:
             entry.last = self._clock()  # a plain store: no lock on the data path
@@ -102,7 +112,8 @@ class StreamGuard:
     def _idle(self) -> list[_Stream]:
         now = self._clock()
         with self._lock:
-            stale = [s for s in self._streams.values() if not s.cancelled and now - s.last > self.idle_seconds]
+            stale = [s for s in self._streams.values()
+                     if s.idle_bound and not s.cancelled and now - s.last > self.idle_seconds]
             for s in stale:
                 s.cancelled = True
             self.cancelled_idle += len(stale)

@@ -36,17 +36,18 @@ def test_pool_spec_parse():
 
 def test_bad_values_are_refused():
     for kwargs in ({"device": "tpu"}, {"workers": 0}, {"chunk_bytes": 4 << 20}, {"tls_cert": "c.pem"},
-                   {"max_message_bytes": 1000}, {"log_level": "LOUD"}):
+                   {"max_message_bytes": 1000}, {"log_level": "LOUD"}, {"request_arrival_seconds": 0}):
         with pytest.raises(ValueError):
             DaemonConfig(**kwargs)
 
 
 def test_toml(tmp_path):
     p = tmp_path / "c.toml"
-    p.write_text('listen = "127.0.0.1:0"\nmax_message_bytes = "8MiB"\nchunk_bytes = "2MiB"\n'
+    p.write_text('listen = "127.0.0.1:0"\nmax_message_bytes = "8MiB"\nchunk_bytes = "2MiB"\nrequest_arrival_seconds = 2.5\n'
                  '[[pools]]\nmodel = "glm-5.2"\ntokens = 128\n')
     c = DaemonConfig.from_toml(p)
     assert (c.listen, c.max_message_bytes, c.chunk_bytes) == ("127.0.0.1:0", 8 << 20, 2 << 20)
+    assert (c.request_arrival_seconds, DaemonConfig().request_arrival_seconds) == (2.5, 5.0)
     assert c.pools == (PoolSpec(model="glm-5.2", tokens=128),)
     assert c.replace(listen=None, workers=2).listen == "127.0.0.1:0"
     p.write_text('[[pools]]\nmodel = "glm-5.2"\ntokens = 128\nsize = 3\n')

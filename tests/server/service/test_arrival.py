@@ -1,0 +1,233 @@
+"""Calls whose request message never arrives cannot hold the daemon's threads (``arrival.py``).
+
+Regression (docs "Known limit: calls whose request never arrives"): gRPC Python starts a unary call
+on a pool thread before its request message has arrived and waited for it with no time limit, so a
+client that sent a call's headers and never its message held one thread a call: 4 such health
+checks held every ``kvtier-monitor`` thread, ``--workers`` such data calls every worker.
+
+The daemon tests are structural, not timed: the stalled calls are raw HTTP/2 calls of a unary method
+whose request iterator never yields (headers sent, no message), more of them than threads. Before
+the fix the monitoring and data calls behind them ran out of their 20 s deadline and the stalled
+calls ran to their own; now the arrival deadline (1 s here) cancels the stalled ones (CANCELLED,
+never UNKNOWN or INTERNAL) and the calls behind them answer. The watchdog's decisions are checked
+on a clock of the test's own.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+
+from kvtier.client import KVTierClient
+from kvtier.client.spawn import DaemonProcess
+from kvtier.server.service.arrival import RequestArrival, late_seconds, waiting_cap
+from kvtier.server.service.monitoring import MONITOR_WORKERS
+from kvtier.v1 import pool_pb2
+
+WORKERS = 4
+ARGS = ["--device", "cpu", "--workers", str(WORKERS), "--max-streams", "2", "--request-arrival-seconds", "1",
+        "--stream-idle-seconds", "600", "--pool", "glm-5.2:8192", "--pool-layers", "8", "--log-level", "WARNING"]
+CHECK = "/grpc.health.v1.Health/Check"
+LIST_POOLS = "/kvtier.v1.PoolService/ListPools"
+DESCRIBE_POOL = "/kvtier.v1.PoolService/DescribePool"
+ALLOCATE_SLOTS = "/kvtier.v1.PoolService/AllocateSlots"
+READ_KV = "/kvtier.v1.PoolService/ReadKV"
+
+
+@pytest.fixture(scope="module")
+def d():
+    with DaemonProcess(extra_args=ARGS) as dp:
+        yield dp
+
+
+class StalledCalls:
+    """``n`` calls of unary ``method`` that send their headers and never their request message (a
+    request iterator that blocks until :meth:`close`), each on a channel of its own."""
+
+    def __init__(self, address: str, method: str, n: int) -> None:
+        self.release = threading.Event()
+        self.channels = [grpc.insecure_channel(address) for _ in range(n)]
+        self.calls = []
+        for ch in self.channels:
+            call = ch.stream_stream(method, request_serializer=bytes, response_deserializer=bytes)
+            self.calls.append(call(self._never(), timeout=120))
+
+    def _never(self):
+        self.release.wait(120)
+        return
+        yield b""  # a generator that yields nothing until released
+
+    def codes(self) -> list[grpc.StatusCode]:
+        """How each call ended (waits for each: the daemon must end them, the client never does)."""
+        return [call.code() for call in self.calls]
+
+    def close(self) -> None:
+        self.release.set()
+        for call in self.calls:
+            call.cancel()
+        for ch in self.channels:
+            ch.close()
+
+
+def verify_cancelled(stalled: StalledCalls) -> None:
+    codes = stalled.codes()
+    assert set(codes) == {grpc.StatusCode.CANCELLED}, codes
+
+
+def test_monitoring_answers_after_body_less_calls_take_every_monitor_thread(d):
+    """Twice as many body-less health checks and ListPools as there are monitor threads: health and
+    ListPools still answer (within 20 s: before the fix they queued behind the stalled calls for
+    120 s), every stalled call ends CANCELLED, and a normal client is unaffected."""
+    stalled = [StalledCalls(d.address, CHECK, MONITOR_WORKERS + 2), StalledCalls(d.address, LIST_POOLS, MONITOR_WORKERS)]
+    try:
+        time.sleep(0.2)  # the stalled calls reach the daemon first
+        with KVTierClient(d.address, timeout=20, retries=0) as c:
+            assert c.health() == "SERVING"
+            assert [p.pool_id for p in c.list_pools()] == ["default"]
+        for s in stalled:
+            verify_cancelled(s)
+    finally:
+        for s in stalled:
+            s.close()
+
+
+def test_data_calls_answer_after_body_less_calls_take_every_worker(d):
+    """Twice as many body-less unary and server-streaming data calls as there are workers:
+    DescribePool still answers and every stalled call ends CANCELLED."""
+    stalled = [StalledCalls(d.address, m, WORKERS) for m in (DESCRIBE_POOL, ALLOCATE_SLOTS, READ_KV)]
+    try:
+        time.sleep(0.2)
+        with KVTierClient(d.address, timeout=20, retries=0) as c:
+            assert c.describe_pool("default").pool_id == "default"
+        for s in stalled:
+            verify_cancelled(s)
+    finally:
+        for s in stalled:
+            s.close()
+
+
+def test_a_request_sent_after_the_headers_but_in_time_is_served(d):
+    """A client that sends its request message 0.1 s after the call's headers (the deadline is 1 s)
+    gets its answer; one that half-closes without a message is UNIMPLEMENTED, as gRPC answers it."""
+    with grpc.insecure_channel(d.address) as ch:
+        call = ch.stream_stream(DESCRIBE_POOL, request_serializer=pool_pb2.DescribePoolRequest.SerializeToString,
+                                response_deserializer=pool_pb2.PoolInfo.FromString)
+
+        def slow():
+            time.sleep(0.1)
+            yield pool_pb2.DescribePoolRequest(pool_id="default")
+        assert [info.pool_id for info in call(slow(), timeout=20)] == ["default"]
+        with pytest.raises(grpc.RpcError) as e:
+            list(call(iter(()), timeout=20))
+        assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED, e.value.details()
+
+
+# -- the watchdog's decisions, on the test's clock ---------------------------------------------------
+
+class Aborted(Exception):
+    pass
+
+
+class FakeContext:
+    """What the watchdog and the reader use of a servicer context: ``cancel`` and ``abort``."""
+
+    def __init__(self) -> None:
+        self.cancelled = threading.Event()
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    def abort(self, code: grpc.StatusCode, details: str) -> None:
+        raise Aborted(code, details)
+
+
+class NeverArrives:
+    """A request stream whose message never comes: ``next`` waits until the call is cancelled, then
+    raises ``grpc.RpcError``, as gRPC's request iterator does."""
+
+    def __init__(self, context: FakeContext) -> None:
+        self.context = context
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        assert self.context.cancelled.wait(30), "never cancelled"
+        raise grpc.RpcError()
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _guard(seconds: float, cap: int, clock: Clock) -> RequestArrival:
+    guard = RequestArrival(seconds, {"pool": cap}, lambda _m: "pool", clock=clock)
+    guard.close()  # no watchdog thread: the test calls check_now itself
+    return guard
+
+
+def _echo_handler(guard: RequestArrival):
+    handler = grpc.unary_unary_rpc_method_handler(lambda request, _context: f"answer to {request}")
+    details = type("Details", (), {"method": "/test.Service/Echo", "invocation_metadata": ()})()
+    served = guard.intercept_service(lambda _d: handler, details)
+    assert served.request_streaming and not served.response_streaming  # read by the guard, not by gRPC
+    return served.stream_unary
+
+
+def _start_stalled(call, n: int) -> tuple[list[FakeContext], list[threading.Thread]]:
+    contexts, threads = [], []
+    for _ in range(n):
+        ctx = FakeContext()
+        t = threading.Thread(target=lambda c=ctx: pytest.raises(grpc.RpcError, call, NeverArrives(c), c), daemon=True)
+        t.start()
+        contexts.append(ctx)
+        threads.append(t)
+    return contexts, threads
+
+
+def _wait_waiting(guard: RequestArrival, n: int) -> None:
+    end = time.monotonic() + 30
+    while guard.waiting != n:
+        assert time.monotonic() < end, f"{guard.waiting} waiting, expected {n}"
+        time.sleep(0.01)
+
+
+def test_late_calls_beyond_the_cap_go_at_once_the_rest_at_the_deadline():
+    """3 calls wait for a message that never comes, the cap is 1: nothing is cancelled before they
+    are late; once late, the 2 oldest are cancelled (the pool keeps its share); the last one at the
+    arrival deadline. A request that is there is read and answered, and a stream that ends without
+    a message is UNIMPLEMENTED."""
+    clock = Clock()
+    guard = _guard(10.0, 1, clock)
+    call = _echo_handler(guard)
+    assert call(iter(["ping"]), FakeContext()) == "answer to ping"
+    with pytest.raises(Aborted, match="UNIMPLEMENTED"):
+        call(iter(()), FakeContext())
+    contexts, threads = [], []
+    for _ in range(3):  # one at a time: the watchlist is oldest first
+        c, t = _start_stalled(call, 1)
+        contexts += c
+        threads += t
+        _wait_waiting(guard, len(contexts))
+    clock.now = late_seconds(10.0) - 0.01
+    assert guard.check_now() == 0
+    clock.now = late_seconds(10.0) + 0.01
+    assert guard.check_now() == 2
+    assert [c.cancelled.is_set() for c in contexts] == [True, True, False]
+    clock.now = 10.01
+    assert guard.check_now() == 1 and contexts[2].cancelled.is_set()
+    for t in threads:
+        t.join(30)
+    assert guard.waiting == 0 and guard.cancelled == {"deadline": 1, "late": 2}
+
+
+def test_the_cap_is_a_quarter_of_a_pool_and_late_is_at_most_half_the_deadline():
+    assert [waiting_cap(n) for n in (1, 4, 16, 64)] == [1, 1, 4, 16]
+    assert late_seconds(5.0) == 0.5 and late_seconds(0.4) == 0.2
