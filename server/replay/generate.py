@@ -8,7 +8,9 @@ prefix's ids followed by its own), so ``kvtier replay --simulate`` and the polic
 * ``long_documents``: long documents (64-200 blocks) each read once, none shared (a scan);
 * ``chats``: multi-turn conversations with think times: each turn repeats the conversation so far and
   adds 1-6 blocks plus a partial leaf block, interleaved with other conversations;
-* ``mix``: the three interleaved in arrival order.
+* ``rereads``: documents (4-40 blocks) re-read whole with Zipf-like popularity, so a request's last
+  page comes back as often as its others;
+* ``mix``: shared prompts, long documents and chats interleaved in arrival order.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import random
 
 from kvtier.server.replay.trace import TRACE_BLOCK_TOKENS, TraceRequest
 
-SHAPES = ("shared_prompts", "long_documents", "chats", "mix")
+SHAPES = ("shared_prompts", "long_documents", "chats", "rereads", "mix")
 
 
 class _Ids:
@@ -63,6 +65,14 @@ def _chats(rng: random.Random, ids: _Ids, n: int) -> list[tuple[int, list[int]]]
     return out[:n]
 
 
+def _rereads(rng: random.Random, ids: _Ids, n: int) -> list[tuple[int, list[int]]]:
+    """Documents of 4-40 blocks re-read whole, with Zipf-like popularity: unlike a chat, a request's
+    last page is asked for again as often as its others (a policy that bets on leaves being cold loses)."""
+    docs = [ids.take(rng.randint(4, 40)) for _ in range(max(n // 4, 1))]
+    weights = [1.0 / (k + 1) ** 0.8 for k in range(len(docs))]
+    return [(rng.randint(0, 3_600_000), list(rng.choices(docs, weights)[0])) for _ in range(n)]
+
+
 def generate(shape: str, n: int, seed: int = 0) -> list[TraceRequest]:
     """``n`` requests of ``shape`` (one of :data:`SHAPES`), the same for the same seed.
 
@@ -77,5 +87,6 @@ def generate(shape: str, n: int, seed: int = 0) -> list[TraceRequest]:
     if shape == "mix":
         k = n // 3
         return _requests(_shared_prompts(rng, ids, k) + _long_documents(rng, ids, k // 4) + _chats(rng, ids, n - k - k // 4))
-    make = {"shared_prompts": _shared_prompts, "long_documents": _long_documents, "chats": _chats}[shape]
+    make = {"shared_prompts": _shared_prompts, "long_documents": _long_documents, "chats": _chats,
+            "rereads": _rereads}[shape]
     return _requests(make(rng, ids, n))

@@ -244,8 +244,7 @@ def make_policy(name: str) -> CachePolicy:
     return POLICIES[resolve_policy(name)]()
 
 
-#: What ``default`` means (``kvtier serve`` and ``kvtier replay`` use it unless told otherwise). Still
-#: ``lru``: no candidate has yet beaten LRU at every capacity of the policy lab (``hitdensity`` gains at
-#: 1e6 and 3e6 tokens and writes 0.4x LRU's disk bytes, but loses 2-5 points from 1e7 on; see
-#: docs/concepts/eviction.md). Point it at a policy only once the lab says so.
-DEFAULT_POLICY = "lru"
+#: What ``default`` means (``kvtier serve`` and ``kvtier replay`` use it unless told otherwise):
+#: ``duel``, kvtier's own, at or above LRU at every capacity of the policy lab on the conversation
+#: trace and on every generated trace shape (docs/concepts/eviction.md).
+DEFAULT_POLICY = "duel"

@@ -38,6 +38,7 @@ class ReuseHistory:
         self.max_keys = max_keys
         self._seen: OrderedDict[Hashable, tuple[int, bool]] = OrderedDict()
         self._lock = threading.Lock()
+        self.referee = None  # a ShadowReferee the stack attaches, told every request after the history
 
     def __len__(self) -> int:
         return len(self._seen)
@@ -52,6 +53,11 @@ class ReuseHistory:
                 seen[k] = (1, i == last) if old is None else (old[0] + 1, old[1])
             while len(seen) > self.max_keys:
                 seen.popitem(last=False)
+            referee = self.referee
+            if referee is not None:
+                facts = [(k, *seen[k]) if k in seen else (k, 1, False) for k in keys]
+        if referee is not None:
+            referee.observe((k, uses, leaf and uses <= 1) for k, uses, leaf in facts)  # leaf: class LEAF
 
     def uses(self, key: Hashable) -> int:
         """Requests that asked for ``key`` while it was remembered (0: unknown or forgotten)."""

@@ -36,6 +36,7 @@ from kvtier.server.tiers.errors import TierFullError, TierUnavailableError
 from kvtier.server.tiers.host import HostTier, HostTierConfig
 from kvtier.server.tiers.mooncake_config import MooncakeStoreTierConfig
 from kvtier.server.tiers.mooncake_store import MooncakeStoreTier
+from kvtier.server.tiers.referee import ShadowReferee
 from kvtier.server.tiers.reuse import ReuseHistory
 from kvtier.server.tiers.sim import SimTier, SimTierConfig
 
@@ -115,6 +116,7 @@ class TierStack:
             if self._history is None:
                 pages = device_pages + sum(t.index.capacity for t in self.cascade) // max(page_record_bytes, 1)
                 self._history = ReuseHistory(max(4 * pages, 1024))
+                self._history.referee = ShadowReferee(max(pages, 1))
                 for t in self.cascade:
                     t.index.policy.use_history(self._history)
             return self._history

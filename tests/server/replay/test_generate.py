@@ -40,6 +40,19 @@ def test_a_chat_turn_extends_the_previous_turn_without_its_leaf():
     assert all(r.hash_ids[-1] not in q.hash_ids[:-1] for r in reqs for q in reqs)
 
 
+def test_rereads_ask_for_whole_documents_again_leaves_included():
+    reqs = generate("rereads", 400, seed=1)
+    assert all(4 <= len(r.hash_ids) <= 40 for r in reqs)
+    docs = {r.hash_ids for r in reqs}
+    assert len(docs) < len(reqs)  # popular documents come back whole
+    leaves = [r.hash_ids[-1] for r in reqs]
+    assert len(set(leaves)) < len(leaves)  # and with them their last page
+    firsts = {}
+    for d in docs:  # documents share no block: a block belongs to one document
+        for b in d:
+            assert firsts.setdefault(b, d) == d
+
+
 def test_unknown_shape_is_a_clear_error():
     with pytest.raises(ValueError, match="unknown trace shape 'scan'; known: shared_prompts"):
         generate("scan", 5)

@@ -1,109 +1,145 @@
-"""The ``duel`` policy (recency against frequency, refereed by regret) against hand-worked sequences."""
+"""``duel``: its ranked orders, its shadow referee and the policy, against hand-worked sequences."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 
-from kvtier.server.tiers.duel import FREQUENCY, RECENCY, DuelPolicy
+from kvtier.server.tiers.duel import DuelPolicy
+from kvtier.server.tiers.ranked import RankedLRU
+from kvtier.server.tiers.referee import FREQUENCY, LEAVES_FIRST, ONCE_FIRST, RECENCY, ShadowReferee, rank
 from kvtier.server.tiers.reuse import ReuseHistory
 
 
-def duel(capacity: int = 3, history: ReuseHistory | None = None) -> DuelPolicy:
+def test_ranked_lru_takes_the_oldest_of_the_lowest_rank():
+    r = RankedLRU()
+    assert r.put("a", 1) is False and r.put("b", 0) is False and r.put("c", 1) is False
+    assert list(r) == ["b", "a", "c"] and r.lowest_rank() == 0
+    assert r.put("a", 1) is True  # refiled: the newest of rank 1
+    assert list(r) == ["b", "c", "a"]
+    assert r.pop_oldest() == "b" and r.lowest_rank() == 1 and len(r) == 2
+    r.discard("c")
+    r.discard("missing")
+    assert list(r) == ["a"] and "a" in r and "c" not in r
+    r.pop_oldest()
+    assert r.lowest_rank() is None
+    with pytest.raises(KeyError):
+        r.pop_oldest()
+
+
+def test_ranks_of_each_order():
+    # (uses, leaf) -> rank, per order: the table in kvtier.server.tiers.referee
+    cases = {(1, True): (0, 0, 0, 0), (1, False): (0, 1, 1, 1), (2, False): (0, 1, 2, 2),
+             (3, False): (0, 1, 2, 2), (4, False): (0, 1, 2, 3), (9, False): (0, 1, 2, 4)}
+    for (uses, leaf), want in cases.items():
+        assert tuple(rank(o, uses, leaf) for o in (RECENCY, LEAVES_FIRST, ONCE_FIRST, FREQUENCY)) == want
+
+
+def test_referee_names_the_order_that_kept_a_leaf_out():
+    ref = ShadowReferee(2)
+    assert ref.leader == RECENCY  # cold: every score 0, the first order wins the tie
+    ref.observe([("p", 1, False)])
+    ref.observe([("q", 1, True)])  # q: a leaf
+    ref.observe([("r", 1, False)])  # 3 keys, room for 2: recency drops p, every other order drops q
+    ref.observe([("p", 2, False)])  # p hit in all but recency
+    assert ref.scores == [0.0, 1.0, 1.0, 1.0] and ref.leader == LEAVES_FIRST
+
+
+def test_referee_names_frequency_when_the_often_asked_page_comes_back():
+    ref = ShadowReferee(2)
+    ref.observe([("a", 4, False)])
+    ref.observe([("b", 2, False)])
+    ref.observe([("c", 2, False)])  # frequency drops b (rank 2 < a's 3); the others drop a, the oldest
+    ref.observe([("a", 5, False)])
+    assert ref.scores == [0.0, 0.0, 0.0, 1.0] and ref.leader == FREQUENCY
+    ref.observe([("z", 1, False)])  # a miss everywhere: the scores decay, half-life 2 page requests
+    assert ref.scores[FREQUENCY] == pytest.approx(0.5 ** 0.5)
+
+
+def test_referee_counts_prefix_hits_only():
+    ref = ShadowReferee(4)
+    ref.observe([("a", 1, False), ("b", 1, False)])
+    ref.observe([("x", 1, False), ("b", 2, False)])  # b is held, but the request missed x before it
+    assert ref.scores == [0.0] * 4
+    with pytest.raises(ValueError, match="pages must be a positive integer"):
+        ShadowReferee(0)
+
+
+def stack_policy(history: ReuseHistory, leader: int) -> DuelPolicy:
     p = DuelPolicy()
-    p.bind(capacity)
-    if history is not None:
-        p.use_history(history)
+    p.bind(100)
+    p.use_history(history)
+    history.referee.leader = leader  # the referee's choice is tested above; here: what each choice does
     return p
 
 
-def test_cold_duel_evicts_by_recency_and_a_regretted_eviction_hands_the_lead_to_frequency():
-    p = duel()
+def test_each_leader_orders_the_held_entries_its_way():
+    h = ReuseHistory(max_keys=100)
+    h.referee = ShadowReferee(8)
+    h.observe(["x", "z"])  # z, y, w: each the last page of the one request that asked for it (leaves)
+    h.observe(["x", "y"])
+    h.observe(["x", "w"])  # x: asked for by 3 requests
+    p = stack_policy(h, RECENCY)
+    for k in ("x", "y", "z", "w"):
+        p.insert(k, 1)
+    h.observe(["v", "u"])  # v: asked for once, not a leaf
+    p.insert("v", 1)
+    assert p.referee is h.referee
+    expected = {RECENCY: ["x", "y", "z", "w", "v"],
+                LEAVES_FIRST: ["y", "z", "w", "x", "v"],
+                ONCE_FIRST: ["y", "z", "w", "v", "x"],
+                FREQUENCY: ["y", "z", "w", "v", "x"]}
+    for leader, order in expected.items():
+        h.referee.leader = leader
+        assert p.order() == order, ORDER_NAMES[leader]
+        assert p.victims(2, lambda k: True) == p.victims(2, lambda k: True) == order[:2]  # looking changes nothing
+    h.referee.leader = RECENCY
+    p.touch("x")
+    assert p.order() == ["y", "z", "w", "v", "x"]
+
+
+ORDER_NAMES = {RECENCY: "recency", LEAVES_FIRST: "leaves first", ONCE_FIRST: "once first", FREQUENCY: "frequency"}
+
+
+def test_admission_refuses_a_page_below_every_rank_held():
+    h = ReuseHistory(max_keys=100)
+    h.referee = ShadowReferee(8)
+    for _ in range(2):
+        h.observe(["a", "b"])  # a: 2 requests; b: 2 requests (a leaf no more)
+    p = stack_policy(h, FREQUENCY)
+    assert p.admit("new", 1)  # empty: everything is admitted
+    p.insert("a", 1)
+    assert not p.admit("once", 1)  # 1 request: rank 1, below a's rank 2
+    h.observe(["twice"])
+    h.observe(["twice"])
+    assert p.admit("twice", 1)
+    h.referee.leader = RECENCY
+    assert p.admit("once", 1)  # recency admits everything, as LRU does
+    h.observe(["c", "leaf"])
+    h.referee.leader = LEAVES_FIRST
+    assert not p.admit("leaf", 1) and p.admit("c", 1)
+
+
+def test_without_a_history_the_policy_referees_its_own_stream():
+    p = DuelPolicy()
+    p.bind(3)
     for k in "abc":
         p.insert(k, 1)
     p.touch("a")
-    p.touch("a")  # a: 3 uses (bucket 2); b, c: 1 use (bucket 1); recency order b, c, a
+    p.touch("a")  # own counts: a asked for 3 times
     assert p.leader == RECENCY and p.order() == ["b", "c", "a"]
-    assert p.victims(1, lambda k: True) == p.victims(1, lambda k: True) == ["b"]  # looking changes nothing
-    assert p.evict(1) == ["b"]
-    p.insert("b", 1)  # b is back: recency's mistake, made 0 evictions ago (discount**0 = 1)
-    w_rec = 0.5 * math.exp(-0.45)
-    assert p.weights == pytest.approx([w_rec / (w_rec + 0.5), 0.5 / (w_rec + 0.5)])
-    assert p.leader == FREQUENCY
-    # frequency order: bucket 1 (c, then b: b is newer), then bucket 2 (a)
-    assert p.order() == ["c", "b", "a"] and p.evict(1) == ["c"]
-    assert "c" in p.ghosts[FREQUENCY] and "c" not in p.ghosts[RECENCY]
-
-
-def test_an_old_mistake_costs_less_than_a_new_one():
-    p = duel(capacity=10)
-    for k in "abcdefgh":
-        p.insert(k, 1)
-    assert p.evict(1) == ["a"]  # eviction 1, by recency
-    for _ in range(3):  # three more evictions before a returns
-        p.evict(1)
-    p.insert("a", 1)  # 4 entries held: discount = 0.005 ** (1/4); a left 3 evictions ago
-    r = (0.005 ** (1 / 4)) ** 3
-    w_rec = 0.5 * math.exp(-0.45 * r)
-    assert p.weights[RECENCY] == pytest.approx(w_rec / (w_rec + 0.5))
-    assert 0.5 * math.exp(-0.45) < w_rec < 0.5
-
-
-def test_frequency_comes_from_the_request_history_when_there_is_one():
-    h = ReuseHistory(max_keys=100)
-    h.observe(["x", "y"])
-    h.observe(["x"])
-    h.observe(["x"])  # x asked for by 3 requests, y by 1, z never (counts as 1)
-    p = duel(history=h)
-    for k in "xyz":
-        p.insert(k, 1)
-    p.weights = [0.4, 0.6]  # frequency leads
-    assert p.order() == ["y", "z", "x"] and p.bucket == {"x": 2, "y": 1, "z": 1}
-    h.observe(["y"])
-    h.observe(["y"])
-    h.observe(["y"])  # y now asked for 4 times: a touch refiles it (bucket 3)
-    p.touch("y")
-    assert p.order() == ["z", "x", "y"]
+    assert p.evict(1) == ["b"] and p.referee.pages == 3
+    p.insert("d", 1)
+    assert p.evict(1) == ["c"]  # all shadows hit a twice: a tie, recency leads
 
 
 def test_pinned_entries_are_skipped_and_an_impossible_eviction_changes_nothing():
-    p = duel(capacity=10)
+    p = DuelPolicy()
+    p.bind(10)
     for k in "abc":
         p.insert(k, 2)
     assert p.victims(3, lambda k: k != "a") == ["b", "c"]
     assert p.evict(7) is None and p.order() == ["a", "b", "c"]
-    p.remove("b")  # an explicit removal leaves no ghost
-    assert p.order() == ["a", "c"] and not p.ghosts[RECENCY] and not p.ghosts[FREQUENCY]
-
-
-def test_admission_takes_pages_asked_for_as_often_as_the_least_asked_held_and_ghosts():
-    h = ReuseHistory(max_keys=100)
-    for _ in range(2):
-        h.observe(["a", "b"])  # a, b: 2 requests (bucket 2)
-    p = duel(capacity=10, history=h)
-    assert p.admit("new", 1)  # empty: everything is admitted
-    p.insert("a", 1)
-    p.insert("b", 1)
-    assert not p.admit("once", 1)  # 1 request (bucket 1) below the least asked held (bucket 2)
-    h.observe(["twice"])
-    h.observe(["twice"])
-    assert p.admit("twice", 1)
-    p.evict(1)  # a leaves as recency's ghost
     p.remove("b")
-    p.insert("c", 1)
-    h.observe(["c"] * 1)
-    for _ in range(3):
-        h.observe(["c"])
-    p.touch("c")  # c: bucket 3, the least asked held
-    assert p.admit("a", 1)  # a ghost: it came back once already
-    assert not p.admit("twice", 1)
-
-
-def test_ghosts_are_bounded_by_the_budget():
-    p = duel(capacity=4)
-    for i in range(10):
-        p.insert(i, 2)
-        if i >= 2:
-            p.evict(2)
-    assert p.ghost_bytes[RECENCY] <= 4 and list(p.ghosts[RECENCY]) == [6, 7]
+    assert p.order() == ["a", "c"] and all("b" not in o for o in p.orders)
+    with pytest.raises(KeyError):
+        p.insert("a", 1)
