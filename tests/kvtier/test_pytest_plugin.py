@@ -66,6 +66,8 @@ def test_factory_takes_a_policy_and_get_stats_names_it(kvtier_daemon_factory):
     GetStats says so per tier (the device tier too)."""
     pinned = kvtier_daemon_factory()
     assert {t.tier: t.policy for t in pinned.client.stats().tiers} == {"device": "lru", "host": "lru", "disk": "lru"}
+    default = kvtier_daemon_factory(policy="default")  # what kvtier serve runs unless told: duel
+    assert {t.tier: t.policy for t in default.client.stats().tiers} == {"device": "duel", "host": "duel", "disk": "duel"}
     d = kvtier_daemon_factory(device_pages=4, host_pages=1, disk_pages=2, policy="s3fifo")
     assert {t.tier: t.policy for t in d.client.stats().tiers} == {"device": "s3fifo", "host": "s3fifo", "disk": "s3fifo"}
     keys = d.page_keys(8)
