@@ -47,6 +47,7 @@ from kvtier.addresses import (
 )
 from kvtier.server.daemon.config import DaemonConfig
 from kvtier.server.daemon.core import Daemon
+from kvtier.server.daemon.tier_runtime import check_disk_path_free
 from kvtier.server.observe.logs import configure_logging
 from kvtier.server.hostmem.malloc import keep_freed_memory
 from kvtier.server.tiers.disk_faults import fault_hooks_in_env
@@ -341,6 +342,7 @@ def serve(config: DaemonConfig) -> int:
         log.warning("%s is set: a test-only fault hook of the disk tier is on; unset it outside tests", name)
     config.check_metrics_auth()  # before anything is allocated: metrics nobody decided how to guard
     check_listen_address(config)  # before any pool or tier is allocated: a bad address is one line
+    check_disk_path_free(config)  # likewise a --disk-path another daemon holds (the disk tier's lock decides)
     if config.transfer_engine == "mooncake":
         check_engine_available()  # likewise a missing library
     import torch
