@@ -314,6 +314,28 @@ def test_another_users_tmp_file_in_a_sticky_directory_cannot_stop_a_daemon(tmp_p
         shutil.rmtree(sockdir, ignore_errors=True)
 
 
+def test_another_users_ready_file_in_a_sticky_directory_is_refused_at_start(tmp_path):
+    """A ready file path that another uid already took in a sticky directory cannot be replaced by the
+    daemon (rename over it is EPERM there): a daemon of uid ``nobody`` stops before its pool is
+    allocated, in one line naming the owner and what to do."""
+    assert os.getuid() == 0, "this test starts the daemon as another user"
+    shared = Path(tempfile.mkdtemp(prefix="kvtier-sticky-"))
+    sockdir = Path(tempfile.mkdtemp(prefix="kvtier-nobody-"))
+    try:
+        os.chmod(shared, 0o1777)
+        os.chown(sockdir, 65534, 65534)
+        (shared / "ready").write_text("")  # root's
+        r = kvtier("serve", "--listen", f"unix://{sockdir}/kv.sock", *huge_pool(), "--ready-file", str(shared / "ready"),
+                   prefix=["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--"])
+        line = one_line_error(r)
+        assert line == (f"Error: --ready-file {shared / 'ready'} belongs to uid 0 in the sticky directory {shared}, so "
+                        f"this user cannot replace it; remove it or give another path"), line
+        assert os.listdir(sockdir) == []
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
+        shutil.rmtree(sockdir, ignore_errors=True)
+
+
 _FAIL_READY_WRITE = """
 import sys
 import kvtier.server.service.server as server
