@@ -6,6 +6,8 @@ Everything kvtier writes (the daemon's ready file and disk directory, ``kvtier b
 
 * :func:`private_dirs`: a directory and its missing parents, each made 0700; an existing one is left
   as it is (kvtier never changes the mode of something it did not just create).
+* :func:`save_private_figure`: a matplotlib figure through :func:`write_private_file` (``savefig``
+  to a path would create it with the umask's mode).
 * :func:`write_private_file`: a file written atomically, mode 0600: the bytes go to a temporary file
   of a random name beside it (``mkstemp``: ``O_EXCL|O_NOFOLLOW``, 0600), which is then renamed over
   the path. The random name matters in a shared sticky directory (``/tmp``): a fixed ``FILE.tmp``
@@ -16,9 +18,11 @@ Everything kvtier writes (the daemon's ready file and disk directory, ``kvtier b
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
 
 DIR_MODE = 0o700
 FILE_MODE = 0o600
@@ -69,3 +73,11 @@ def write_private_file(path: str | Path, data: str | bytes) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def save_private_figure(fig: Any, path: str | Path, **savefig_kwargs: Any) -> None:
+    """Save a matplotlib figure to ``path`` (format from its suffix, default PNG) with
+    :func:`write_private_file`: mode 0600, atomically."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format=Path(path).suffix.lstrip(".") or "png", **savefig_kwargs)
+    write_private_file(path, buf.getvalue())
