@@ -237,6 +237,27 @@ def test_closing_the_tier_releases_the_directory_for_the_next_process(tmp_path, 
     again.close()
 
 
+@pytest.mark.parametrize("problem", ["mode-0644", "other-owner", "symlink"])
+def test_a_lock_file_another_user_could_touch_is_refused(tmp_path, problem):
+    """``kvtier.lock`` is checked like the LMDB files beside it: a regular file of the daemon's uid with
+    no group or other bit; a symlink is never followed."""
+    from kvtier.server.tiers import DiskPathError
+
+    lock = tmp_path / LOCK_NAME
+    if problem == "symlink":
+        (tmp_path / "elsewhere").write_text("")
+        lock.symlink_to(tmp_path / "elsewhere")
+    else:
+        lock.write_text("")
+        os.chmod(lock, 0o644 if problem == "mode-0644" else 0o600)
+        if problem == "other-owner":
+            os.chown(lock, 65534, 65534)  # the tests run as root
+    with pytest.raises(DiskPathError, match={"mode-0644": "is mode 0644; run chmod 600",
+                                             "other-owner": "is owned by uid 65534",
+                                             "symlink": "cannot be opened"}[problem]):
+        disk_at(tmp_path).open()
+
+
 def _child_writes(disk: DiskTier, key: bytes, rec: torch.Tensor, q) -> None:
     try:
         disk.write([(key, rec)])
