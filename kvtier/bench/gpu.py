@@ -30,6 +30,7 @@ import torch
 
 from kvtier.bench.case import Comparison, Figure, interleaved, throughput
 from kvtier.bench.copies import fill_random, scattered_pages
+from kvtier.private_writes import private_dirs, write_private_file
 from kvtier.server.model_config import DSAModelConfig
 from kvtier.server.pool import create_pool, slots_of_pages
 from kvtier.server.pool_configurator import exact_pool_bytes, max_total_num_tokens
@@ -243,8 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     checks["planned_pool"] = planned_pool(a.device, budget)
     checks["served_planned_pool"] = served_planned_pool(a.device, budget)
     doc = gpu_document(a.device, copies=copies, checks=checks, tests=tests, started=started)
-    a.out.mkdir(parents=True, exist_ok=True)
-    (a.out / "results.json").write_text(json.dumps(doc, indent=1, default=str) + "\n")
+    private_dirs(a.out)
+    write_private_file(a.out / "results.json", json.dumps(doc, indent=1, default=str) + "\n")
     for c in doc["comparisons"]:
         print(f"{c['key']}: kvtier {c['kvtier']['value']:.2f} GB/s, link {c['baseline']['value']:.2f} GB/s, "
               f"ratio {c['ratio']:.2f}x (target {c['target']:g}x)")

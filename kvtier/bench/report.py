@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier import __version__
+from kvtier.private_writes import private_dirs, save_private_figure, write_private_file
 from kvtier.bench.case import CaseResult, Comparison
 
 PACKAGES = ("torch", "numpy", "grpcio", "protobuf", "lmdb", "xxhash", "mooncake-transfer-engine-non-cuda", "matplotlib")
@@ -88,7 +89,7 @@ def write_plot(cmp: Comparison, path: Path) -> None:
     medians = f"{'medians' if ratios else 'values'}: kvtier {_fmt(cmp.kvtier.value)} vs baseline {_fmt(cmp.baseline.value)} {cmp.unit}"
     ax.set_title(f"{_wrap(cmp.title, 90)}\n{medians}", fontsize=8)
     fig.tight_layout()
-    fig.savefig(path)
+    save_private_figure(fig, path)  # 0600, like every file kvtier writes
     plt.close(fig)
 
 
@@ -112,8 +113,9 @@ def _fmt(v: float) -> str:
 
 
 def write_outputs(doc: dict[str, Any], cases: list[CaseResult], out: Path) -> list[Path]:
-    """Write ``out/results.json`` and the plots; returns the paths written."""
-    out.mkdir(parents=True, exist_ok=True)
+    """Write ``out/results.json`` and the plots, this user's alone whatever the umask (a directory made
+    here 0700, the files 0600); returns the paths written."""
+    private_dirs(out)
     written = []
     for case in cases:
         for cmp in case.comparisons:
@@ -121,7 +123,7 @@ def write_outputs(doc: dict[str, Any], cases: list[CaseResult], out: Path) -> li
             write_plot(cmp, p)
             written.append(p)
     rp = out / "results.json"
-    rp.write_text(json.dumps(doc, indent=1, default=_json_default) + "\n")
+    write_private_file(rp, json.dumps(doc, indent=1, default=_json_default) + "\n")
     return [rp, *written]
 
 

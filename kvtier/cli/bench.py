@@ -12,6 +12,8 @@ from pathlib import Path
 
 import click
 
+from kvtier.private_writes import private_dirs
+
 
 def _case_names() -> list[str]:
     return ["capacity", "copies", "disk", "daemon", "attach", "pd", "mooncake", "replay", "policy", "storage"]
@@ -66,7 +68,7 @@ def bench(quick: bool, out: Path, as_json: bool, only: tuple[str, ...], sglang_p
     if only:
         cases = [c for c in cases if c.name in only]
     try:
-        out.mkdir(parents=True, exist_ok=True)
+        private_dirs(out)  # 0700 (and any parent it makes): the results are this user's alone, whatever the umask
     except OSError as e:
         raise click.ClickException(f"cannot create --out directory {out}: {e.strerror}; pass another --out DIR") from None
     console = Console(stderr=True) if as_json else Console(width=None if sys.stdout.isatty() else 160)

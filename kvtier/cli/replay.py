@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from kvtier.private_writes import private_dirs, write_private_file
 from kvtier.sizes import parse_bytes
 
 if TYPE_CHECKING:  # the replay's modules (and torch) load when a replay runs, not for --help or a usage error
@@ -286,8 +287,8 @@ def replay(trace_path: str, model: str, n_requests: int | None, server: str | No
     click.echo(f"trace: {Path(trace_path).resolve()} ({len(requests):,} requests)")
     _print_report(res, bound, wall)
     if json_path:
-        Path(json_path).write_text(json.dumps({**res.to_dict(), "wall_seconds": wall, "trace": str(Path(trace_path).resolve())},
-                                              indent=1) + "\n")
+        write_private_file(json_path, json.dumps({**res.to_dict(), "wall_seconds": wall,
+                                                  "trace": str(Path(trace_path).resolve())}, indent=1) + "\n")
     if res.verify_failures:
         raise SystemExit(1)
 
@@ -343,9 +344,9 @@ def _lab(requests: list[Any], scale: ReplayScale, policies: list[str], capacitie
                   f"{r.input_token_hit_rate:.2%}", _fmt_bytes(r.bytes_written.get("disk", 0)))
     Console().print(t)
     if json_path:
-        Path(json_path).write_text(json.dumps({"sweep": [r.to_dict() for r in rows]}, indent=1) + "\n")
+        write_private_file(json_path, json.dumps({"sweep": [r.to_dict() for r in rows]}, indent=1) + "\n")
     if plot_dir:
-        Path(plot_dir).mkdir(parents=True, exist_ok=True)
+        private_dirs(plot_dir)
         plot_sweep(rows, str(Path(plot_dir) / "policy-sweep.png"))
         click.echo(f"plot: {Path(plot_dir) / 'policy-sweep.png'}")
 

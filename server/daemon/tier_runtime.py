@@ -25,6 +25,7 @@ Monitoring (:meth:`TierRuntime.stats`) takes no pool, cache or index lock.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -42,6 +43,7 @@ from kvtier.server.tiers import (
     TierFullError, TierStack, TierUnavailableError,
 )
 from kvtier.server.tiers.disk_faults import fault_file_from_env, slow_file_from_env
+from kvtier.server.tiers.disk_lock import check_directory_free
 from kvtier.server.tiers.monitor import TierMonitor
 
 if TYPE_CHECKING:
@@ -132,6 +134,15 @@ def build_stack(host_bytes: int, settings: TierSettings, device: str = "cpu") ->
         "mooncake": lambda: settings.mooncake,
     }
     return TierStack.from_configs([configs[name]() for name in settings.tier_names])
+
+
+def check_disk_path_free(config: Any) -> None:
+    """Raise :class:`~kvtier.server.tiers.errors.DiskPathInUseError` when another daemon holds the disk
+    directory of ``config`` (a :class:`~kvtier.server.daemon.config.DaemonConfig`) now: ``serve`` asks
+    before it allocates anything. The disk tier's own lock still decides when it opens."""
+    settings = TierSettings.coerce(getattr(config, "tiers", None))
+    if "disk" in settings.tier_names:
+        check_directory_free(os.path.realpath(settings.disk_path))  # where open_environment locks it
 
 
 class TierRuntime:

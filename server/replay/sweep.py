@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvtier.private_writes import save_private_figure
 from kvtier.server.replay.belady import belady_hits
 from kvtier.server.replay.driver import InProcessBackend, ReplayResult, replay
 from kvtier.server.replay.scale import ReplayScale
@@ -152,7 +153,7 @@ def run_sweep(requests: Sequence[TraceRequest], base: ReplayScale, policies: Seq
 
 
 def plot_sweep(rows: Sequence[SweepRow], path: str) -> None:
-    """Hit rate vs capacity (log x) to a PNG at ``path``: one line per policy, plus Belady."""
+    """Hit rate vs capacity (log x) to a PNG at ``path`` (mode 0600): one line per policy, plus Belady."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -170,5 +171,5 @@ def plot_sweep(rows: Sequence[SweepRow], path: str) -> None:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_private_figure(fig, path, dpi=120)  # 0600, like every file kvtier writes
     plt.close(fig)

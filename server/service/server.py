@@ -31,7 +31,9 @@ import logging
 import os
 import signal
 import socket
+import stat
 import sys
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -47,6 +49,8 @@ from kvtier.addresses import (
 )
 from kvtier.server.daemon.config import DaemonConfig
 from kvtier.server.daemon.core import Daemon
+from kvtier.server.daemon.tier_runtime import check_disk_path_free
+from kvtier.private_writes import write_private_file
 from kvtier.server.observe.logs import configure_logging
 from kvtier.server.hostmem.malloc import keep_freed_memory
 from kvtier.server.tiers.disk_faults import fault_hooks_in_env
@@ -71,6 +75,11 @@ STREAMS_SETTLE_SECONDS = 1.0  # after the stream watchdog cancels the KV streams
 
 class AddressError(ValueError):
     """The listen address cannot be used (not loopback without TLS and tokens, in use, bad path)."""
+
+
+class ReadyFileError(ValueError):
+    """The ``--ready-file`` cannot be written (a missing or unwritable directory, a directory at the path);
+    the message is one line."""
 
 
 @dataclass
@@ -308,39 +317,69 @@ def _exit_now(code: int) -> None:
     os._exit(code)
 
 
-def write_private_file(path: str | Path, text: str) -> None:
-    """Write ``text`` to ``path`` atomically (a ``.tmp`` beside it, then a rename), mode 0600 whatever the
-    umask: every file the daemon creates is its user's alone (README, Security).
-
-    Raises:
-        OSError: the file cannot be written.
-    """
-    tmp = Path(str(path) + ".tmp")
-    with contextlib.suppress(FileNotFoundError):
-        tmp.unlink()  # a stale one (another mode, another owner) is replaced, never written through
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+def check_ready_file(path: str | Path) -> None:
+    """Raise :class:`ReadyFileError` unless the daemon can write its ready file at ``path``: its directory
+    exists and takes a new file (a temporary one is made and removed), ``path`` is not a directory, and a
+    file already there can be replaced (not another user's in a sticky directory such as ``/tmp``).
+    ``serve`` runs it before allocating anything; the ready file is written only once serving."""
+    p = Path(path)
+    parent = p.parent
+    if not parent.is_dir():
+        raise ReadyFileError(f"--ready-file {p}: its directory {parent} does not exist; create it or give another path")
+    if p.is_dir() and not p.is_symlink():
+        raise ReadyFileError(f"--ready-file {p} is a directory; give the path of a file")
     try:
-        os.fchmod(fd, 0o600)
-        os.write(fd, text.encode())
-    finally:
+        fd, tmp = tempfile.mkstemp(dir=parent, prefix=f".{p.name}.", suffix=".tmp")
         os.close(fd)
-    tmp.replace(path)
+        os.unlink(tmp)
+    except OSError as e:
+        raise ReadyFileError(f"--ready-file {p}: cannot write in {parent} ({e.strerror or e}); give a path in a "
+                             f"directory this user may write") from None
+    if os.path.lexists(p) and os.geteuid() != 0:
+        owner, d = os.lstat(p).st_uid, os.stat(parent)
+        if d.st_mode & stat.S_ISVTX and os.geteuid() not in (owner, d.st_uid):
+            raise ReadyFileError(f"--ready-file {p} belongs to uid {owner} in the sticky directory {parent}, so this "
+                                 f"user cannot replace it; remove it or give another path")
+
+
+def _stop_started(built: DaemonServer, attach: AttachChannel | None) -> None:
+    """Undo a start that cannot go on (the metrics port taken, the ready file unwritable): stop serving
+    at once, end the attach channel, close the daemon and remove the gRPC socket."""
+    built.server.stop(0)
+    if attach is not None:
+        attach.stop()  # removes the attach socket
+    built.streams.close()
+    if built.state.metrics is not None:
+        built.state.metrics.stop()
+    built.state.close()
+    if is_unix(built.address):
+        with contextlib.suppress(FileNotFoundError):
+            Path(socket_path(built.address)).unlink()
 
 
 def serve(config: DaemonConfig) -> int:
     """Run the daemon until SIGTERM/SIGINT; returns the exit code (0 after a clean stop).
 
     Creates ``config.pools`` before serving, writes the bound address to ``config.ready_file``
-    once serving, and on a signal: health NOT_SERVING, no new calls, in-flight calls get
-    ``grace_seconds`` (then they are cancelled), the shutdown hooks get ``close_seconds``, the unix
-    socket and ready file are removed. Never waits forever: with a call still stuck in a worker
-    after all that, it logs it and exits at once (0 if the shutdown hooks finished, else 1).
+    once serving (mode 0600: :func:`~kvtier.private_writes.write_private_file`), and on a signal:
+    health NOT_SERVING, no new calls, in-flight calls get ``grace_seconds`` (then they are
+    cancelled), the shutdown hooks get ``close_seconds``, the unix sockets are removed (the ready file
+    stays). Never waits forever: with a call still stuck in a worker after all that, it logs it and
+    exits at once (0 if the shutdown hooks finished, else 1).
+
+    Raises:
+        AddressError, ReadyFileError, ValueError, KVTierError: the daemon cannot start (one line); a
+            failure after serving began (the metrics port taken, the ready file unwritable after all)
+            first stops what was started and removes the sockets.
     """
     configure_logging(config.log_level, config.log_format)
     for name in fault_hooks_in_env():  # tests only: never on by accident without a line saying so
         log.warning("%s is set: a test-only fault hook of the disk tier is on; unset it outside tests", name)
     config.check_metrics_auth()  # before anything is allocated: metrics nobody decided how to guard
     check_listen_address(config)  # before any pool or tier is allocated: a bad address is one line
+    check_disk_path_free(config)  # likewise a --disk-path another daemon holds (the disk tier's lock decides)
+    if config.ready_file:
+        check_ready_file(config.ready_file)  # and a ready file that could not be written once serving
     if config.transfer_engine == "mooncake":
         check_engine_available()  # likewise a missing library
     import torch
@@ -379,9 +418,7 @@ def serve(config: DaemonConfig) -> int:
         try:
             state.metrics_address = state.metrics.start()
         except OSError as e:
-            server.stop(0)
-            built.streams.close()
-            state.close()
+            _stop_started(built, attach)
             raise AddressError(f"could not serve metrics on {config.metrics_host}:{config.metrics_port}: {e}") from None
         if config.metrics_insecure:
             log.warning("metrics are served on %s without a token (--metrics-insecure): whoever reaches the port "
@@ -389,7 +426,12 @@ def serve(config: DaemonConfig) -> int:
         if not is_loopback(f"{config.metrics_host}:0"):
             log.warning("metrics are served beyond loopback (%s): they name pools and tiers", state.metrics_address)
     if config.ready_file:
-        write_private_file(config.ready_file, address)
+        try:
+            write_private_file(config.ready_file, address)
+        except OSError as e:  # checked at start; changed since (removed, filled up, made read-only)
+            _stop_started(built, attach)
+            raise ReadyFileError(f"could not write --ready-file {config.ready_file} ({e.strerror or e}); "
+                                 f"stopped") from None
     n_tenants = len(state.tokens.tenants) if state.tokens else 1
     n_pools = len(state.pools.list())
     mode = f"{n_tenants} tenant{'' if n_tenants == 1 else 's'}" + ("" if state.tokens else ", no --auth-tokens")

@@ -7,13 +7,15 @@ Modules: ``errors`` (typed errors), ``record`` (the self-checking record format)
 ``mooncake_client``, ``staging``), ``sim`` (size-only tier for simulation), ``stack`` (the cascade
 and publishing to shared tiers), ``prefix`` (chained-key prefix cache with its device-tier index),
 ``health`` (healthy/unhealthy with backoff), ``disk_faults`` (unusable paths, storage faults,
-injected faults), ``monitor`` (the thread that probes unhealthy tiers). No grpc here.
+injected faults), ``disk_lock`` (one daemon a disk directory), ``monitor`` (the thread that probes
+unhealthy tiers). No grpc here.
 """
 
 from kvtier.server.tiers.base import Tier, TierConfig, TierStats
 from kvtier.server.tiers.disk import DiskTier, DiskTierConfig, disk_charge
 from kvtier.server.tiers.errors import (
-    DiskPathError, EnvironmentInUseError, LeaseError, RecordError, TierError, TierFullError, TierUnavailableError,
+    DiskPathError, DiskPathInUseError, EnvironmentInUseError, LeaseError, RecordError, TierError, TierFullError,
+    TierUnavailableError,
 )
 from kvtier.server.tiers.host import HostTier, HostTierConfig
 from kvtier.server.tiers.mooncake_config import MooncakeStoreTierConfig
@@ -25,7 +27,8 @@ from kvtier.server.tiers.sim import SimTier, SimTierConfig
 from kvtier.server.tiers.stack import TierStack, build_tier
 
 __all__ = [
-    "CachePolicy", "DiskPathError", "DiskTier", "DiskTierConfig", "EnvironmentInUseError", "HostTier", "HostTierConfig",
+    "CachePolicy", "DiskPathError", "DiskPathInUseError", "DiskTier", "DiskTierConfig", "EnvironmentInUseError",
+    "HostTier", "HostTierConfig",
     "LRUPolicy", "LeaseError", "MooncakeStoreTier", "MooncakeStoreTierConfig", "PrefixCache", "PrefixLoad",
     "PrefixLookup", "RecordCodec", "RecordError",
     "SimTier", "SimTierConfig", "Tier", "TierConfig", "TierError", "TierFullError", "TierIndex", "TierStack",

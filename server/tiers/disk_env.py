@@ -1,7 +1,9 @@
 """The LMDB environment the disk tier owns, its settings and what a record is charged.
 
 * :func:`open_environment` / :func:`close_environment`: one ``Environment`` per file and process; a
-  second one, or one that crossed ``fork()``, is refused (LMDB forbids both).
+  second one, or one that crossed ``fork()``, is refused (LMDB forbids both); and one process per
+  directory: the environment is opened only under the directory's exclusive lock, held until it is
+  closed (:mod:`~kvtier.server.tiers.disk_lock`), so a second daemon on the same ``--disk-path`` is refused.
 * :class:`DiskTierConfig`: the disk tier's typed settings (``map_size`` is ``capacity_bytes``).
 * :func:`disk_charge`: bytes of the map a record takes (whole overflow pages plus index entries); the
   simulator charges the same, so a simulation evicts exactly what a real run evicts.
@@ -19,6 +21,7 @@ from typing import ClassVar
 import lmdb
 
 from kvtier.server.tiers.base import TierConfig
+from kvtier.server.tiers.disk_lock import lock_directory, unlock_directory
 from kvtier.server.tiers.disk_private import LMDB_FILE_MODE, check_private, private_dir
 from kvtier.server.tiers.errors import EnvironmentInUseError
 
@@ -28,7 +31,7 @@ _INDEX_OVERHEAD = 256  # leaf nodes of the record and its seq/order entries, cha
 MAX_KEY_BYTES = 511
 
 
-_envs: dict[str, tuple[int, lmdb.Environment]] = {}
+_envs: dict[str, tuple[int, lmdb.Environment, int]] = {}  # real path -> (pid, environment, lock descriptor)
 _envs_lock = threading.Lock()
 
 
@@ -36,9 +39,13 @@ def open_environment(path: str | Path, **kwargs: object) -> lmdb.Environment:
     """Open the process's only LMDB environment for ``path`` (a directory, created 0700 if missing; its
     files are created 0600; one another user could read is refused: :mod:`~kvtier.server.tiers.disk_private`).
 
+    The directory's exclusive lock is taken first and held until :func:`close_environment`: another
+    process (a second daemon) holding it is refused before LMDB opens anything.
+
     Raises:
         DiskPathError: ``path`` or an LMDB file in it has a group/other mode bit or another owner, or
             is not a plain directory/file.
+        DiskPathInUseError: another process holds the directory's lock (names its pid).
         EnvironmentInUseError: this process already has an environment open for ``path``.
     """
     real = os.path.realpath(path)
@@ -51,19 +58,27 @@ def open_environment(path: str | Path, **kwargs: object) -> lmdb.Environment:
                                         f"fork(); environments must not cross fork(): open tiers after forking")
         private_dir(real)
         check_private(real)
-        env = lmdb.open(real, mode=LMDB_FILE_MODE, **kwargs)  # 0600 minus the umask, never looser
-        _envs[real] = (os.getpid(), env)
+        lock = lock_directory(real)  # one daemon a directory: a second one is refused here
+        try:
+            env = lmdb.open(real, mode=LMDB_FILE_MODE, **kwargs)  # 0600 minus the umask, never looser
+        except BaseException:
+            unlock_directory(lock)
+            raise
+        _envs[real] = (os.getpid(), env, lock)
         return env
 
 
 def close_environment(path: str | Path, env: lmdb.Environment) -> None:
-    """Close ``env`` and forget it (only if this process opened it)."""
+    """Close ``env``, forget it and release the directory's lock (only if this process opened it)."""
     real = os.path.realpath(path)
     with _envs_lock:
         held = _envs.get(real)
         if held is not None and held[1] is env and held[0] == os.getpid():
             del _envs[real]
-            env.close()
+            try:
+                env.close()
+            finally:
+                unlock_directory(held[2])  # after LMDB let go of its files: the next daemon may open them
 
 
 def disk_charge(record_nbytes: int) -> int:

@@ -5,7 +5,7 @@ another uid must not be able to read it (the gRPC socket is 0600 for the same re
 default umask 022, ``mkdir`` made the directory 0755 and py-lmdb's default ``mode`` made the files
 0644 (issue 23, defect 2). Here:
 
-* :func:`private_dir`: every directory the daemon creates for ``--disk-path`` (the path and any
+* :func:`private_dir` (:func:`kvtier.private_writes.private_dirs`): every directory the daemon creates for ``--disk-path`` (the path and any
   missing parents) is made 0700; LMDB creates ``data.mdb``/``lock.mdb`` with :data:`LMDB_FILE_MODE`
   (0600 minus the umask: never looser).
 * :func:`check_private`: an existing directory or LMDB file with any group or other bit, owned by
@@ -22,39 +22,15 @@ import os
 import stat
 from pathlib import Path
 
+from kvtier.private_writes import DIR_MODE
+from kvtier.private_writes import private_dirs as private_dir  # noqa: F401 - the disk path's 0700 directories
 from kvtier.server.tiers.errors import DiskPathError
 
 #: The mode LMDB is asked to create ``data.mdb`` and ``lock.mdb`` with (py-lmdb's ``mode``; its default 0755
 #: left them 0644 under umask 022).
 LMDB_FILE_MODE = 0o600
-DIR_MODE = 0o700
 LMDB_FILES = ("data.mdb", "lock.mdb")
 _WHAT_TO_DO = "pass a --disk-path this user owns (kvtier creates a missing one mode 0700)"
-
-
-def private_dir(path: str | Path) -> Path:
-    """Create ``path`` and its missing parents, each mode 0700 whatever the umask (an existing
-    directory is left as it is: :func:`check_private` judges it).
-
-    Returns:
-        The directory, absolute.
-
-    Raises:
-        OSError: a directory cannot be created (a file in the way, read-only filesystem, no permission).
-    """
-    p = Path(os.path.abspath(os.path.expanduser(str(path))))
-    missing: list[Path] = []
-    q = p
-    while not os.path.lexists(q) and q != q.parent:
-        missing.append(q)
-        q = q.parent
-    for d in reversed(missing):  # the parents first; each one ours alone from the start
-        try:
-            os.mkdir(d, DIR_MODE)
-        except FileExistsError:
-            continue  # made meanwhile by someone else: not ours to chmod (check_private judges the path)
-        os.chmod(d, DIR_MODE)  # mkdir's mode passes through the umask; chmod does not
-    return p
 
 
 def check_private(directory: str | Path) -> None:

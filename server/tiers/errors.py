@@ -42,6 +42,11 @@ class DiskPathError(TierError, ValueError):
     filesystem, not writable). Raised when the daemon starts; the message says what to do."""
 
 
+class DiskPathInUseError(DiskPathError):
+    """Another process (another kvtier daemon) holds the disk directory's lock: one daemon a
+    ``--disk-path`` (:mod:`~kvtier.server.tiers.disk_lock`). The message names its pid."""
+
+
 class TierUnavailableError(TierError):
     """The tier is unhealthy (its storage failed: ENOSPC, EIO, a store whose master went away) and
     bypassed until a probe succeeds; the tier marked itself unhealthy before raising. Nothing of the

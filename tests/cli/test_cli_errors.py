@@ -11,8 +11,13 @@ directory owned by another user, or a symlink, was accepted and chmod'ed.
 from __future__ import annotations
 
 import os
+import shutil
+import signal
+import socket
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -224,3 +229,147 @@ def test_a_metrics_token_file_others_could_read_or_that_holds_no_token_is_refuse
                 "short": "shorter than 16 characters", "two-words": "one word of visible ASCII"}[problem]
     assert line.startswith(f"Error: --metrics-token-file {given}: ") and expected in line, line
     assert METRICS_TOKEN not in line and "short-token" not in line
+
+
+# ----- the ready file ----------------------------------------------------------------------------------
+# Regression (attack pass F2): the ready file was written only after the daemon served, through a fixed
+# FILE.tmp; an unwritable one (a missing directory, FILE.tmp a directory, another user's FILE.tmp in a
+# sticky directory: EPERM) ended a serving daemon with a traceback and left its sockets behind.
+def huge_pool() -> list[str]:
+    """A pool far larger than memory: only a refusal that comes before any pool is allocated names something else."""
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return ["--device", "cpu", "--pool", f"glm-5.2:{4 * total // (1 << 30) + 64}GiB"]
+
+
+def no_sockets_left(tmp_path: Path) -> None:
+    assert not (tmp_path / "kv.sock").exists() and not (tmp_path / "kv.sock.attach").exists(), os.listdir(tmp_path)
+
+
+@pytest.mark.parametrize("problem", ["missing-directory", "a-directory", "read-only-directory"])
+def test_a_ready_file_that_cannot_be_written_is_refused_before_anything_is_allocated(tmp_path, problem):
+    """A ready file in a missing directory, naming a directory (``ready_file`` in the config file: the
+    ``--ready-file`` flag refuses a directory itself), or in a directory this user cannot write (a
+    read-only filesystem here: the tests run as root) stops ``kvtier serve`` in one line naming the
+    path, before the pool is allocated; nothing is served, no socket is left."""
+    ready = {"missing-directory": tmp_path / "nowhere" / "ready", "a-directory": tmp_path / "ready.d",
+             "read-only-directory": tmp_path / "ro" / "ready"}[problem]
+    given = ["--ready-file", str(ready)]
+    if problem == "a-directory":
+        ready.mkdir()
+        (tmp_path / "kvtier.toml").write_text(f'ready_file = "{ready}"\n')
+        given = ["--config", str(tmp_path / "kvtier.toml")]
+    with small_tmpfs(tmp_path / "ro", "1m", options="ro") as mounted:
+        if problem == "read-only-directory" and not mounted:
+            pytest.skip("no tmpfs mount allowed here")
+        r = kvtier("serve", "--listen", f"unix://{tmp_path}/kv.sock", *huge_pool(), *given)
+        line = one_line_error(r)
+    expected = {"missing-directory": f"--ready-file {ready}: its directory {ready.parent} does not exist",
+                "a-directory": f"--ready-file {ready} is a directory; give the path of a file",
+                "read-only-directory": f"--ready-file {ready}: cannot write in {ready.parent} (Read-only file system)"}
+    assert line.startswith(f"Error: {expected[problem]}"), line
+    no_sockets_left(tmp_path)
+
+
+def test_a_directory_named_like_the_old_temporary_file_is_not_in_the_way():
+    """``FILE.tmp`` beside the ready file (a directory here, left by anyone) no longer matters: the ready
+    file is written through a temporary file of a random name, mode 0600, and ``FILE.tmp`` is left as it was."""
+    d = DaemonProcess(extra_args=SMALL_POOL)
+    stale = d.log_path.parent / "ready.tmp"
+    stale.mkdir()
+    with d:
+        ready = d.log_path.parent / "ready"
+        assert ready.read_text() == d.address and ready.stat().st_mode & 0o777 == 0o600
+        assert stale.is_dir() and sorted(p.name for p in d.log_path.parent.iterdir() if "ready" in p.name) == \
+            ["ready", "ready.tmp"]
+
+
+def test_another_users_tmp_file_in_a_sticky_directory_cannot_stop_a_daemon(tmp_path):
+    """A daemon of uid ``nobody`` with its ready file in a shared sticky directory (``/tmp``-like) where
+    root made ``ready.tmp`` first: it used to fail to remove it (EPERM) and exit with a traceback after
+    it had started serving. Now it serves and writes its ready file (0600, its own)."""
+    assert os.getuid() == 0, "this test starts the daemon as another user"
+    shared = Path(tempfile.mkdtemp(prefix="kvtier-sticky-"))
+    sockdir = Path(tempfile.mkdtemp(prefix="kvtier-nobody-"))
+    try:
+        os.chmod(shared, 0o1777)
+        os.chown(sockdir, 65534, 65534)
+        (shared / "ready.tmp").write_text("")  # root's: nobody may neither remove nor write it
+        cmd = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--", sys.executable, "-m", "kvtier.cli",
+               "serve", "--listen", f"unix://{sockdir}/kv.sock", *SMALL_POOL, "--ready-file", str(shared / "ready")]
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            deadline = time.monotonic() + 120
+            while not (shared / "ready").exists() and p.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert (shared / "ready").exists(), p.poll()
+        finally:
+            p.send_signal(signal.SIGTERM)
+            out = p.communicate(timeout=60)[0]
+        assert p.returncode == 0 and "Traceback" not in out, out
+        st = (shared / "ready").stat()
+        assert (st.st_uid, st.st_mode & 0o777) == (65534, 0o600)
+        assert (shared / "ready").read_text() == f"unix://{sockdir}/kv.sock"
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
+        shutil.rmtree(sockdir, ignore_errors=True)
+
+
+def test_another_users_ready_file_in_a_sticky_directory_is_refused_at_start(tmp_path):
+    """A ready file path that another uid already took in a sticky directory cannot be replaced by the
+    daemon (rename over it is EPERM there): a daemon of uid ``nobody`` stops before its pool is
+    allocated, in one line naming the owner and what to do."""
+    assert os.getuid() == 0, "this test starts the daemon as another user"
+    shared = Path(tempfile.mkdtemp(prefix="kvtier-sticky-"))
+    sockdir = Path(tempfile.mkdtemp(prefix="kvtier-nobody-"))
+    try:
+        os.chmod(shared, 0o1777)
+        os.chown(sockdir, 65534, 65534)
+        (shared / "ready").write_text("")  # root's
+        r = kvtier("serve", "--listen", f"unix://{sockdir}/kv.sock", *huge_pool(), "--ready-file", str(shared / "ready"),
+                   prefix=["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--"])
+        line = one_line_error(r)
+        assert line == (f"Error: --ready-file {shared / 'ready'} belongs to uid 0 in the sticky directory {shared}, so "
+                        f"this user cannot replace it; remove it or give another path"), line
+        assert os.listdir(sockdir) == []
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
+        shutil.rmtree(sockdir, ignore_errors=True)
+
+
+_FAIL_READY_WRITE = """
+import sys
+import kvtier.server.service.server as server
+def refuse(path, text):
+    raise PermissionError(13, "Permission denied", path)
+server.write_private_file = refuse  # checked at start, then unwritable once serving (e.g. the directory was changed)
+from kvtier.cli import main
+sys.argv[0] = "kvtier"
+main()
+"""
+
+
+def test_a_ready_file_that_fails_once_serving_stops_the_daemon_cleanly(tmp_path):
+    """Should the ready file fail after the check (its directory changed while the daemon started), the
+    daemon stops what it started, removes its gRPC and attach sockets and says so in one line (exit 1),
+    without a traceback."""
+    r = subprocess.run([sys.executable, "-c", _FAIL_READY_WRITE, "serve", "--listen", f"unix://{tmp_path}/kv.sock",
+                        *SMALL_POOL, "--log-level", "WARNING", "--ready-file", str(tmp_path / "ready")],
+                       capture_output=True, text=True,
+                       timeout=120)
+    line = one_line_error(r)
+    assert line == f"Error: could not write --ready-file {tmp_path / 'ready'} (Permission denied); stopped", line
+    no_sockets_left(tmp_path)
+
+
+def test_a_metrics_port_in_use_stops_the_daemon_without_leaving_its_sockets(tmp_path):
+    """Sibling: the metrics endpoint starts after the gRPC server and the attach channel; a port taken
+    by another process stops the daemon in one line, and both sockets go with it (the attach socket
+    used to stay behind)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        line = one_line_error(serve(tmp_path, "--metrics-port", str(port), "--metrics-insecure", "--log-level", "WARNING",
+                                    timeout=120))
+    assert f"could not serve metrics on 127.0.0.1:{port}" in line
+    no_sockets_left(tmp_path)

@@ -4,6 +4,8 @@ table and PNG, and its usage errors."""
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
 
 from click.testing import CliRunner
@@ -39,6 +41,27 @@ def test_lab_writes_json_table_and_png(tmp_path):
         assert set(x) >= {"input_token_hit_rate", "bytes_written", "capacity_pages", "not_admitted"}
     assert (tmp_path / "plots" / "policy-sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "policy lab" in r.output
+
+
+def test_lab_and_replay_outputs_are_this_users_alone_under_umask_022(tmp_path):
+    """Regression (attack pass F1): ``--json`` and ``--plot`` were written with the umask's modes
+    (0644 files, 0755 directories). Under umask 022 in a 0755 parent they are 0600 and 0700 now."""
+    os.chmod(tmp_path, 0o755)
+    old = os.umask(0o022)
+    try:
+        r = CliRunner().invoke(main, ["replay", "--trace", str(TRACE), "--requests", "30", "--simulate", "--policy",
+                                      "lru,arc", "--sweep", "2e5", "--json", str(tmp_path / "lab.json"), "--plot",
+                                      str(tmp_path / "plots" / "lab")])
+        assert r.exit_code == 0, r.output
+        r = CliRunner().invoke(main, ["replay", "--trace", str(TRACE), "--requests", "30", "--simulate", "--json",
+                                      str(tmp_path / "run.json")])
+        assert r.exit_code == 0, r.output
+    finally:
+        os.umask(old)
+    modes = {p.relative_to(tmp_path).as_posix(): stat.S_IMODE(p.stat().st_mode) for p in tmp_path.rglob("*")}
+    assert modes == {"lab.json": 0o600, "run.json": 0o600, "plots": 0o700, "plots/lab": 0o700,
+                     "plots/lab/policy-sweep.png": 0o600}, modes
+    assert stat.S_IMODE(tmp_path.stat().st_mode) == 0o755
 
 
 def test_lab_usage_errors_are_one_line_and_run_nothing():

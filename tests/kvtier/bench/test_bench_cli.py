@@ -100,3 +100,20 @@ def test_an_sglang_python_that_is_not_an_interpreter_is_a_usage_error_before_any
         assert r.returncode == 2, (r.returncode, r.stderr)
         assert "Traceback" not in r.stderr and f"{bad} is not an executable file" in r.stderr
         assert not out.exists()
+
+
+def test_bench_output_is_this_users_alone_under_umask_022(tmp_path):
+    """Regression (attack pass F1): under umask 022 ``kvtier bench --out`` made its directory (and the
+    parents it created) 0755 and ``results.json`` and every plot 0644, readable by every local user.
+    Now, in a 0755 parent, the directories it makes are 0700 and its files 0600; the parent is left as it was."""
+    parent = tmp_path / "open"
+    parent.mkdir()
+    os.chmod(parent, 0o755)
+    out = parent / "new" / "out"
+    r = subprocess.run(["sh", "-c", 'umask 022; exec "$0" -m kvtier.cli bench --quick --case capacity --out "$1"',
+                        sys.executable, str(out)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    modes = {p.relative_to(parent).as_posix(): p.stat().st_mode & 0o777 for p in [parent, *parent.rglob("*")]}
+    files = [name for name in modes if name.endswith((".json", ".png"))]
+    assert "new/out/results.json" in files and any(name.endswith(".png") for name in files)
+    assert modes == {".": 0o755, "new": 0o700, "new/out": 0o700, **{name: 0o600 for name in files}}, modes

@@ -1,15 +1,23 @@
 """LMDB disk tier on a real environment in a temp dir: budget, LRU order that survives a restart,
-startup scrub, damaged records, map-full writes that leave nothing behind, one env per process, fork."""
+startup scrub, damaged records, map-full writes that leave nothing behind, one env per process, fork,
+one process per directory."""
 
 from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
+import subprocess
+import sys
+
 import lmdb
 import pytest
 import torch
 
-from kvtier.server.tiers import DiskTier, DiskTierConfig, EnvironmentInUseError, TierFullError, disk_charge
+from kvtier.server.tiers import (
+    DiskPathInUseError, DiskTier, DiskTierConfig, EnvironmentInUseError, TierFullError, disk_charge,
+)
+from kvtier.server.tiers.disk_lock import LOCK_NAME
 from kvtier.server.tiers.errors import TierUnavailableError
 from kvtier.server.tiers import disk as disk_module
 from tierkit import record_of
@@ -185,6 +193,69 @@ def test_only_one_environment_per_file_per_process(tmp_path, records):
     disk.close()
     other.open()
     other.close()
+
+
+_HOLD_OPEN = """
+import sys, time
+from kvtier.server.tiers import DiskTier, DiskTierConfig
+DiskTier(DiskTierConfig(path=sys.argv[1], capacity_bytes=8 << 20)).open()
+print("open", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_directory_another_process_holds_is_refused_until_it_exits_even_by_kill9(tmp_path):
+    """Regression (attack pass F3): two processes on one directory each kept their own index over one
+    LMDB environment and served each other's records. A second process is refused naming the holder's
+    pid; once the holder is killed with SIGKILL the kernel has released the lock and the tier opens."""
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD_OPEN, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "open"
+        with pytest.raises(DiskPathInUseError, match=rf"disk path {tmp_path} is in use by another kvtier daemon "
+                                                     rf"\(pid {holder.pid}\); stop it or give another --disk-path"):
+            disk_at(tmp_path).open()
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(60)
+    disk = disk_at(tmp_path)
+    disk.open()
+    assert os.stat(tmp_path / LOCK_NAME).st_mode & 0o777 == 0o600
+    disk.close()
+
+
+def test_closing_the_tier_releases_the_directory_for_the_next_process(tmp_path, records):
+    """The lock lasts as long as the environment: closed, another process opens the directory (and this
+    process may open it again)."""
+    disk = disk_at(tmp_path)
+    disk.open()
+    disk.close()
+    r = subprocess.run([sys.executable, "-c", _HOLD_OPEN.replace("time.sleep(600)", ""), str(tmp_path)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "open", r.stderr
+    again = disk_at(tmp_path)
+    again.open()
+    again.close()
+
+
+@pytest.mark.parametrize("problem", ["mode-0644", "other-owner", "symlink"])
+def test_a_lock_file_another_user_could_touch_is_refused(tmp_path, problem):
+    """``kvtier.lock`` is checked like the LMDB files beside it: a regular file of the daemon's uid with
+    no group or other bit; a symlink is never followed."""
+    from kvtier.server.tiers import DiskPathError
+
+    lock = tmp_path / LOCK_NAME
+    if problem == "symlink":
+        (tmp_path / "elsewhere").write_text("")
+        lock.symlink_to(tmp_path / "elsewhere")
+    else:
+        lock.write_text("")
+        os.chmod(lock, 0o644 if problem == "mode-0644" else 0o600)
+        if problem == "other-owner":
+            os.chown(lock, 65534, 65534)  # the tests run as root
+    with pytest.raises(DiskPathError, match={"mode-0644": "is mode 0644; run chmod 600",
+                                             "other-owner": "is owned by uid 65534",
+                                             "symlink": "cannot be opened"}[problem]):
+        disk_at(tmp_path).open()
 
 
 def _child_writes(disk: DiskTier, key: bytes, rec: torch.Tensor, q) -> None:
