@@ -247,6 +247,10 @@ def replay(trace_path: str, model: str, n_requests: int | None, server: str | No
             raise ValueError("--sweep runs the policy lab on the simulator: add --simulate")
         if plot_dir is not None and capacities is None:
             raise ValueError("--plot draws a --sweep")
+        if json_path is not None:  # checked before the replay, not after it
+            parent = os.path.dirname(os.path.abspath(json_path))
+            if not os.path.isdir(parent):
+                raise ValueError(f"--json {json_path}: the directory {parent} does not exist; create it or give another path")
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     scale = ReplayScale(model=model, num_layers=num_layers, tokens_per_block=tokens_per_block,

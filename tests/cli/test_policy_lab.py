@@ -69,6 +69,7 @@ def test_lab_usage_errors_are_one_line_and_run_nothing():
                         (["--sweep", "1e6"], "add --simulate"),
                         (["--simulate", "--policy", "mru"], "unknown eviction policy 'mru'"),
                         (["--simulate", "--sweep", "1e6,big"], "comma list of token counts"),
-                        (["--simulate", "--sweep", "-5"], "positive token counts")]:
+                        (["--simulate", "--sweep", "-5"], "positive token counts"),
+                        (["--simulate", "--json", "/nonexistent-kvtier/x.json"], "/nonexistent-kvtier does not exist")]:
         r = CliRunner().invoke(main, ["replay", "--trace", str(TRACE), "--requests", "5", *args])
         assert r.exit_code == 2 and words in r.output, (args, r.output)
