@@ -244,7 +244,9 @@ def create_server(
     services = SERVICES if services is None else services
     state.metrics = build_metrics(config, state)  # None unless metrics_port is set; served by serve()
     calls = CallTracker()
-    streams = StreamGuard(config.stream_slots, config.stream_idle_seconds)
+    tenants = len(state.tokens.tenants) if state.tokens else 1
+    streams = StreamGuard(config.stream_slots, config.stream_idle_seconds,
+                          tenant_slots=config.tenant_stream_slots(tenants))  # a share each when tenants share it
     open_streams = open_stream_guard(config.workers, config.stream_idle_seconds)  # health Watch, reflection
     state.add_shutdown_hook(open_streams.close)
     rpc_timer = state.metrics.interceptor if state.metrics else None
