@@ -185,7 +185,7 @@ def _pull(address: str, token: str, pool_id: str, peer: str, slots, timeout: flo
 def test_pulls_to_a_peer_that_never_answers_hold_only_the_tenants_share(d):
     """F6: A's 2 pulls wait on the stalling peer (it holds both); A's third is refused for its share
     at once, before asking the peer, and marked "changed nothing"; B's AllocateSlots and LoadPrefix
-    are served without a retry, and B's own pull gets a slot (the peer holds it too)."""
+    are served without a retry, and B's own pull, without a retry, gets a slot (the peer holds it too)."""
     peer = StallingPeer()
     with KVTierClient(d.address, token=TOKEN_A, timeout=60) as a:
         slots = a.allocate_slots("pa", PS)
@@ -207,7 +207,7 @@ def test_pulls_to_a_peer_that_never_answers_hold_only_the_tenants_share(d):
             b.free_slots("pb", got)
             mine = b.allocate_slots("pb", PS)
         threads.append(threading.Thread(target=lambda: ends.append(_catch(_pull, d.address, TOKEN_B, "pb", peer.address,
-                                                                          mine)), daemon=True))
+                                                                          mine, HANG_GUARD_S, 0)), daemon=True))
         threads[-1].start()
         peer.wait_held(SHARE + 1)  # B's pull reached the peer: it had a slot
     finally:
