@@ -10,12 +10,18 @@ Both sides also check the way to any unix socket (:func:`check_socket_path`): ev
 is owned by root or this process's uid and not writable by group or others unless sticky (``/tmp``),
 and the socket is owned by root or this uid. Another local user could otherwise swap or squat the
 socket and receive the clients' bearer tokens.
+
+Before it binds, the daemon makes way at each of its socket paths with :func:`clear_stale_socket`:
+only a socket of its own uid that nobody answers on (left by a daemon that is gone) is removed;
+anything else there is refused in one line.
 """
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import os
+import socket
 import stat
 import tempfile
 from pathlib import Path
@@ -220,3 +226,65 @@ def check_socket_path(path: str | Path) -> bool:
             return False  # not a directory: nothing to connect to (connect names the error)
         cur = nxt
     return True
+
+
+class SocketPathInUseError(ValueError):
+    """Something the daemon may not remove lies at a path it would listen on (the message says what and
+    what to do)."""
+
+
+_ELSEWHERE = "or pass --listen unix:///another/path.sock"
+
+
+def _kind_of(mode: int) -> str:
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    if stat.S_ISREG(mode):
+        return "a regular file"
+    if stat.S_ISLNK(mode):
+        return "a symlink"
+    return "not a socket"
+
+
+def clear_stale_socket(path: str | Path, kind: int = socket.SOCK_STREAM) -> None:
+    """Make way for a listening socket of type ``kind`` at ``path``: nothing there is fine; a socket of
+    this uid that nobody answers on (a daemon that is gone left it) is removed. Anything else is left
+    alone and refused: a file, a directory or a symlink; a socket of another uid (root's included); a
+    socket somebody listens on, of any type (``connect`` answers it, or refuses the type: EPROTOTYPE).
+    Run it after :func:`check_socket_path`, whose checks keep others from swapping the entry meanwhile.
+
+    Raises:
+        SocketPathInUseError: one line naming the path, what lies there and what to do.
+    """
+    p = str(path)
+    try:
+        st = os.lstat(p)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise SocketPathInUseError(f"{p} is {_kind_of(st.st_mode)}, not a socket, and kvtier replaces only a stale "
+                                   f"socket of its own: remove it if nothing needs it, {_ELSEWHERE}")
+    if st.st_uid != os.getuid():
+        raise SocketPathInUseError(f"{p} is a socket of uid {st.st_uid}, not of this daemon's uid {os.getuid()}: "
+                                   f"leaving it alone; have its owner remove it, {_ELSEWHERE}")
+    probe = socket.socket(socket.AF_UNIX, kind)
+    try:
+        probe.connect(p)
+    except ConnectionRefusedError:  # a socket file nobody listens on: stale
+        pass
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        if e.errno == errno.EPROTOTYPE:
+            raise SocketPathInUseError(f"{p} is in use by a running process (a socket of another type, such as "
+                                       f"another daemon's attach socket): stop it, {_ELSEWHERE}") from None
+        raise SocketPathInUseError(f"{p} could not be checked ({e.strerror}): remove it if it is stale, "
+                                   f"{_ELSEWHERE}") from None
+    else:
+        raise SocketPathInUseError(f"{p} is in use by a running daemon (stop it, {_ELSEWHERE})")
+    finally:
+        probe.close()
+    try:
+        os.unlink(p)
+    except FileNotFoundError:
+        pass

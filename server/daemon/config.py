@@ -125,8 +125,14 @@ class DaemonConfig:
     workers: int = 16
     """gRPC worker threads (each in-flight call, streams included, holds one)."""
     max_streams: int = 0
-    """KV streams (WriteKV, ReadKV, ReadPages) in flight at once; one more is refused at once with
-    RESOURCE_EXHAUSTED. 0: half the workers (at least 1), so the other half always serve control calls."""
+    """KV streams (WriteKV, ReadKV, ReadPages, PutUnits, GetUnits, and PullKVs that ask a peer) in
+    flight at once; one more is refused at once with RESOURCE_EXHAUSTED. 0: half the workers (at
+    least 1), so the other half always serve control calls."""
+    max_streams_per_tenant: int = 0
+    """KV streams (as counted by ``max_streams``) one tenant may hold at once; one more of that tenant
+    is refused at once with RESOURCE_EXHAUSTED, so one tenant cannot take the data path from the
+    others. 0: every slot on a daemon with one tenant (no ``auth_tokens``, or a tokens file naming one
+    tenant), half of them, rounded up, with more. Above ``max_streams``: ``max_streams``."""
     stream_idle_seconds: float = 30.0
     """A stream that moves no message for this long (a stalled sender or a reader that stopped
     reading) is cancelled, freeing its worker thread and stream slot."""
@@ -244,6 +250,8 @@ class DaemonConfig:
             raise ValueError("tls_client_ca (mutual TLS) needs tls_cert and tls_key")
         if self.max_streams < 0:
             raise ValueError(f"max_streams must be >= 0, got {self.max_streams}")
+        if self.max_streams_per_tenant < 0:
+            raise ValueError(f"max_streams_per_tenant must be >= 0, got {self.max_streams_per_tenant}")
         if self.stream_idle_seconds <= 0:
             raise ValueError(f"stream_idle_seconds must be > 0, got {self.stream_idle_seconds}")
         if self.request_arrival_seconds <= 0:
@@ -305,6 +313,13 @@ class DaemonConfig:
     def stream_slots(self) -> int:
         """KV streams allowed in flight at once (``max_streams``, or half the workers)."""
         return self.max_streams or max(1, self.workers // 2)
+
+    def tenant_stream_slots(self, tenants: int) -> int:
+        """KV streams one tenant may hold at once on a daemon serving ``tenants`` tenants
+        (``max_streams_per_tenant``; by default every slot with one tenant, half of them, rounded up, with more)."""
+        if self.max_streams_per_tenant:
+            return min(self.max_streams_per_tenant, self.stream_slots)
+        return self.stream_slots if tenants <= 1 else -(-self.stream_slots // 2)
 
     @property
     def max_chunk_bytes(self) -> int:

@@ -36,8 +36,9 @@ class ResourceExhausted(KVTierError):
 
 
 class StreamsFull(ResourceExhausted):
-    """Every KV stream slot (``--max-streams``) is taken, or every slot of the open streams (health
-    ``Watch`` and reflection, ``open_streams.py``): refused before anything of the call ran; a
+    """Every KV stream slot (``--max-streams``) is taken, or the caller's tenant holds its share of them
+    (``--max-streams-per-tenant``), or every slot of the open streams (health ``Watch`` and
+    reflection, ``open_streams.py``) is: refused before anything of the call ran; a
     slot comes back when a stream ends (RESOURCE_EXHAUSTED, with :data:`RETRY_UNCHANGED` in the
     trailing metadata). A PullKV whose peer answers this to a ReadPages retries it within its deadline."""
 

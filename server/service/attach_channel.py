@@ -50,6 +50,7 @@ from typing import Any
 
 import grpc
 
+from kvtier.addresses import clear_stale_socket
 from kvtier.attach_wire import (
     MAX_ERROR_CHARS, PREFIX_KINDS, WireError, peer_credentials, recv_message, send_message,
 )
@@ -182,25 +183,18 @@ class AttachChannel:
 
     Args:
         daemon: the daemon domain.
-        path: where to listen (``<grpc socket>.attach``); a stale socket there is replaced, a live one refused.
+        path: where to listen (``<grpc socket>.attach``); only a stale socket of this uid there is
+            replaced (:func:`~kvtier.addresses.clear_stale_socket`), anything else refused.
 
     Raises:
+        SocketPathInUseError: something else lies at ``path``.
         OSError: the socket cannot be bound.
     """
 
     def __init__(self, daemon: Daemon, path: str | Path) -> None:
         self.daemon = daemon
         self.path = Path(path)
-        if self.path.exists() or self.path.is_symlink():
-            probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-            try:
-                probe.connect(str(self.path))
-            except OSError:
-                self.path.unlink()
-            else:
-                raise OSError(f"{self.path} is in use by a running daemon")
-            finally:
-                probe.close()
+        clear_stale_socket(self.path, socket.SOCK_SEQPACKET)  # ``serve`` checked it before allocating anything
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         old = os.umask(0o177)
         try:

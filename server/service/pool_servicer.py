@@ -84,7 +84,7 @@ class PoolServicer(pool_pb2_grpc.PoolServiceServicer):
     # ----- KV data ------------------------------------------------------------------------------
     def WriteKV(self, request_iterator: Iterator[kv_wire.WriteChunk], context: grpc.ServicerContext) -> pool_pb2.WriteKVResponse:
         caller = caller_of(context)
-        with self.streams.stream(context, "WriteKV") as touch:
+        with self.streams.stream(context, "WriteKV", tenant=caller.tenant) as touch:
             first = next(request_iterator, None)
             if first is None or first.header is None:
                 raise InvalidArgument("WriteKV must start with a message carrying the header")
@@ -130,7 +130,7 @@ class PoolServicer(pool_pb2_grpc.PoolServiceServicer):
     def ReadKV(self, request: pool_pb2.ReadKVRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
         caller, cfg = caller_of(context), self.state.config
         chunk = kv_ops.chunk_size(request.chunk_bytes, cfg.chunk_bytes, cfg.max_chunk_bytes)
-        with self.streams.stream(context, "ReadKV") as touch:
+        with self.streams.stream(context, "ReadKV", tenant=caller.tenant) as touch:
             read = kv_stream.read_kv_messages(self.pools, caller, _selection(request.header), chunk, packed=request.packed,
                                               encode=_encode_read_piece)
             self.state.counters.add(caller, "kv_reads")

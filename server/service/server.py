@@ -45,7 +45,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvtier.addresses import (
-    UnsafeSocketDirError, UnsafeSocketError, check_socket_path, default_socket_path, is_loopback, is_unix, prepare_private_dir, resolve_address, socket_path,
+    SocketPathInUseError, UnsafeSocketDirError, UnsafeSocketError, check_socket_path, clear_stale_socket, default_socket_path, is_loopback,
+    is_unix, prepare_private_dir, resolve_address, socket_path,
 )
 from kvtier.server.daemon.config import DaemonConfig
 from kvtier.server.daemon.core import Daemon
@@ -113,18 +114,12 @@ def _prepare_unix_socket(path: Path, *, default: bool) -> None:
         # every directory on the way ours or root's, not group/other-writable unless sticky (/tmp); an existing
         # socket ours: clients check the same before they send a token
         check_socket_path(path)
-    except UnsafeSocketError as e:
+        # only a stale socket of ours is replaced, at the gRPC path and at the attach path beside it; a file,
+        # a directory, another uid's entry or a live socket of either type is refused in one line
+        clear_stale_socket(path, socket.SOCK_STREAM)
+        clear_stale_socket(attach_socket_path(str(path)), socket.SOCK_SEQPACKET)
+    except (UnsafeSocketError, SocketPathInUseError) as e:
         raise AddressError(str(e)) from None
-    if path.exists() or path.is_symlink():
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            probe.connect(str(path))
-        except OSError:
-            path.unlink()  # stale socket of a daemon that is gone
-        else:
-            raise AddressError(f"{path} is in use by a running daemon (stop it, or pass --listen unix:///another/path.sock)")
-        finally:
-            probe.close()
 
 
 def _credentials(config: DaemonConfig) -> grpc.ServerCredentials | None:
@@ -253,7 +248,9 @@ def create_server(
     services = SERVICES if services is None else services
     state.metrics = build_metrics(config, state)  # None unless metrics_port is set; served by serve()
     calls = CallTracker()
-    streams = StreamGuard(config.stream_slots, config.stream_idle_seconds)
+    tenants = len(state.tokens.tenants) if state.tokens else 1
+    streams = StreamGuard(config.stream_slots, config.stream_idle_seconds,
+                          tenant_slots=config.tenant_stream_slots(tenants))  # a share each when tenants share it
     open_streams = open_stream_guard(config.workers, config.stream_idle_seconds)  # health Watch, reflection
     state.add_shutdown_hook(open_streams.close)
     rpc_timer = state.metrics.interceptor if state.metrics else None
@@ -406,7 +403,7 @@ def serve(config: DaemonConfig) -> int:
     if is_unix(address):  # local attach: a side socket beside the gRPC one (a TCP daemon has none)
         try:
             attach = AttachChannel(state, attach_socket_path(socket_path(address)))
-        except OSError as e:
+        except (OSError, ValueError) as e:  # ValueError: SocketPathInUseError, something new at the path
             built.streams.close()
             state.close()
             raise AddressError(f"could not listen for local attach beside {address}: {e}") from None

@@ -51,7 +51,7 @@ class StorageServicer(storage_pb2_grpc.StorageServiceServicer):
 
     def PutUnits(self, request_iterator: Iterator[storage_pb2.PutUnitsRequest], context: grpc.ServicerContext) -> storage_pb2.PutUnitsResponse:
         caller = caller_of(context)
-        with self.streams.stream(context, "PutUnits") as touch:
+        with self.streams.stream(context, "PutUnits", tenant=caller.tenant) as touch:
             first = next(request_iterator, None)
             if first is None or not first.HasField("space"):
                 raise InvalidArgument("PutUnits must start with a message carrying the unit space, keys and part")
@@ -70,7 +70,7 @@ class StorageServicer(storage_pb2_grpc.StorageServiceServicer):
     def GetUnits(self, request: storage_pb2.GetUnitsRequest, context: grpc.ServicerContext) -> Iterator[storage_pb2.GetUnitsResponse]:
         caller, cfg = caller_of(context), self.state.config
         chunk = chunk_size(request.chunk_bytes, cfg.chunk_bytes, cfg.max_chunk_bytes)
-        with self.streams.stream(context, "GetUnits") as touch:
+        with self.streams.stream(context, "GetUnits", tenant=caller.tenant) as touch:
             for i, view in self.units.read(caller, self._space(request.space), request.keys, _part(request.part), "stream"):
                 mv = memoryview(view.numpy())
                 for off in range(0, len(mv), chunk):

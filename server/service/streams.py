@@ -5,13 +5,20 @@ client stalls (a WriteKV that sends nothing more, a ReadKV whose reader stops re
 thread until the client's deadline -- forever without one -- and 16 of them stopped every control
 call. :class:`StreamGuard` keeps threads for control calls:
 
-* at most ``max_streams`` streams (WriteKV, ReadKV, ReadPages) run at once (default: half the
-  workers); one more is refused at once with RESOURCE_EXHAUSTED naming the limit (marked "changed
+* at most ``max_streams`` streams (WriteKV, ReadKV, ReadPages, PutUnits, GetUnits, and PullKVs
+  that ask a peer) run at once (default: half the workers); one more is refused at once with RESOURCE_EXHAUSTED naming the limit (marked "changed
   nothing": :class:`~kvtier.server.daemon.errors.StreamsFull`), so streams never hold more than that
   many threads;
+* a tenant may hold at most ``tenant_slots`` of them (``--max-streams-per-tenant``: by default all
+  of them on a daemon with one tenant, half of them, rounded up, with more): one more of that tenant
+  is refused the same way, so a tenant that trickles its streams just inside the idle bound (or
+  pulls from a peer that never answers) keeps its own, never the other tenants' share;
 * a stream that moves no message for ``stream_idle_seconds`` is cancelled (the public
   ``RpcContext.cancel``): the blocked receive or send ends, the thread and the slot come back. Its
   client sees CANCELLED; a WriteKV cancelled this way has written nothing.
+
+A PullKV holds its slot with ``idle_bound=False`` (it waits for its peer, bounded by its own
+timeouts); one whose peer is this daemon's bound address asks no peer and takes none.
 
 A second guard, with slots of its own, bounds the health ``Watch`` and reflection streams
 (``open_streams.py``; a ``Watch`` is held with ``idle_bound=False``).
@@ -41,6 +48,7 @@ class _Stream:
     method: str
     context: Any
     last: float
+    tenant: str = ""
     idle_bound: bool = True
     cancelled: bool = False
 
@@ -54,19 +62,27 @@ class StreamGuard:
         clock: monotonic seconds (tests may pass their own).
         kind: what the streams are, for the refusal's message.
         limit: where the limit comes from, for the refusal's message.
+        tenant_slots: streams one tenant may hold at once (1..``max_streams``); None: no cap per tenant.
+        tenant_limit: where ``tenant_slots`` comes from, for the refusal's message.
     """
 
     def __init__(self, max_streams: int, idle_seconds: float, clock: Callable[[], float] = time.monotonic, *,
-                 kind: str = "KV streams", limit: str = "--max-streams") -> None:
+                 kind: str = "KV streams", limit: str = "--max-streams", tenant_slots: int | None = None,
+                 tenant_limit: str = "--max-streams-per-tenant") -> None:
         if max_streams < 1 or idle_seconds <= 0:
             raise ValueError(f"need max_streams >= 1 and idle_seconds > 0, got {max_streams}, {idle_seconds}")
+        if tenant_slots is not None and not 1 <= tenant_slots <= max_streams:
+            raise ValueError(f"need 1 <= tenant_slots <= max_streams ({max_streams}), got {tenant_slots}")
         self.max_streams = max_streams
+        self.tenant_slots = tenant_slots
         self.idle_seconds = idle_seconds
         self.kind = kind
         self.limit = limit
+        self.tenant_limit = tenant_limit
         self._clock = clock
         self._lock = threading.Lock()  # leaf
         self._streams: dict[int, _Stream] = {}
+        self._held: dict[str, int] = {}  # tenant -> streams it holds (tenants holding none are absent)
         self._ids = itertools.count()
         self.cancelled_idle = 0
         self.refused = 0
@@ -79,23 +95,37 @@ class StreamGuard:
         """Streams running now."""
         return len(self._streams)
 
+    def held_by(self, tenant: str) -> int:
+        """Streams ``tenant`` holds now."""
+        return self._held.get(tenant, 0)
+
     @contextmanager
-    def stream(self, context: Any, method: str, *, idle_bound: bool = True) -> Iterator[Callable[[], None]]:
+    def stream(self, context: Any, method: str, *, tenant: str = "",
+               idle_bound: bool = True) -> Iterator[Callable[[], None]]:
         """Hold a stream slot for the ``with`` block; yields ``touch()``, to call whenever a message moved.
+        ``tenant``: whose call it is (counted against ``tenant_slots``; "" for calls of no tenant).
         ``idle_bound=False``: the stream is never cancelled for being idle (it only holds a slot).
 
         Raises:
-            StreamsFull: every slot is taken (nothing of the call ran; RESOURCE_EXHAUSTED marked
-                "changed nothing", so a caller may retry).
+            StreamsFull: every slot is taken, or the tenant holds its share (nothing of the call ran;
+                RESOURCE_EXHAUSTED marked "changed nothing", so a caller may retry).
         """
+        capped = self.tenant_slots is not None and bool(tenant)
         with self._lock:
             full = len(self._streams) >= self.max_streams
-            if full:
+            held = self._held.get(tenant, 0)
+            share_full = capped and held >= self.tenant_slots  # type: ignore[operator]
+            if full or share_full:
                 self.refused += 1
             else:
                 sid = next(self._ids)
-                entry = _Stream(method, context, self._clock(), idle_bound)
+                entry = _Stream(method, context, self._clock(), tenant, idle_bound)
                 self._streams[sid] = entry
+                if capped:
+                    self._held[tenant] = held + 1
+        if share_full:
+            raise StreamsFull(f"tenant {tenant!r} holds {held} {self.kind}, its share of the daemon's "
+                              f"{self.max_streams} ({self.tenant_limit}); retry when one of them has finished")
         if full:
             raise StreamsFull(f"{self.max_streams} {self.kind} are in flight, the daemon's limit ({self.limit}); "
                               f"retry when one has finished")
@@ -108,6 +138,12 @@ class StreamGuard:
         finally:
             with self._lock:
                 self._streams.pop(sid, None)
+                if capped:
+                    left = self._held[tenant] - 1
+                    if left:
+                        self._held[tenant] = left
+                    else:
+                        del self._held[tenant]
 
     def _idle(self) -> list[_Stream]:
         now = self._clock()

@@ -179,6 +179,74 @@ def test_a_second_daemon_on_a_served_tcp_port_is_refused():
                 assert [p.size_tokens for p in c.list_pools()] == [SMALL_POOL_TOKENS]
 
 
+# ----- what lies at the socket paths -------------------------------------------------------------------
+NOBODY = 65534
+ELSEWHERE = "or pass --listen unix:///another/path.sock"
+
+
+def _dead_socket(path: Path, kind: int) -> None:
+    """A socket file nobody listens on, as a daemon killed with SIGKILL leaves it."""
+    s = socket.socket(socket.AF_UNIX, kind)
+    s.bind(str(path))
+    s.close()
+
+
+@pytest.mark.parametrize("what", ["file", "directory"])
+def test_a_file_or_directory_at_the_listen_path_is_left_alone(tmp_path, what):
+    """Attack pass 2, F7: ``--listen unix:///DIR/data.txt`` deleted the regular file ``data.txt``, and a
+    directory there gave a traceback (IsADirectoryError). Now both are refused in one line saying what
+    lies there and what to do, and left as they were."""
+    target = tmp_path / "data.txt"
+    if what == "file":
+        target.write_text("precious")
+    else:
+        target.mkdir()
+    line = one_line_error(kvtier("serve", "--listen", f"unix://{target}", *SMALL_POOL, timeout=60))
+    kind = "a regular file" if what == "file" else "a directory"
+    assert f"{target} is {kind}, not a socket" in line and ELSEWHERE in line, line
+    assert target.read_text() == "precious" if what == "file" else target.is_dir()
+
+
+def test_entries_at_the_attach_path_other_than_a_stale_socket_of_ours_are_left_alone(tmp_path):
+    """F7: ``<socket>.attach`` was unlinked whatever it was: a regular file of uid nobody (a root daemon
+    in a sticky /tmp deleted it), a file of the daemon's own user. Now refused in one line, left as it was,
+    before the daemon allocates anything (no socket is bound)."""
+    attach = tmp_path / "kv.sock.attach"
+    attach.write_text("nobody's")
+    os.chown(attach, NOBODY, NOBODY)
+    line = one_line_error(serve(tmp_path, timeout=60))
+    assert f"{attach} is a regular file, not a socket" in line
+    assert attach.read_text() == "nobody's" and attach.stat().st_uid == NOBODY
+    assert not (tmp_path / "kv.sock").exists()
+    attach.unlink()
+    _dead_socket(attach, socket.SOCK_SEQPACKET)
+    os.chown(attach, NOBODY, NOBODY)  # a stale socket, but another uid's
+    line = one_line_error(serve(tmp_path, timeout=60))
+    assert f"{attach} is a socket of uid {NOBODY}, not of this daemon's uid" in line and attach.exists()
+
+
+def test_a_live_attach_socket_of_another_daemon_is_not_taken(tmp_path):
+    """F7: a daemon started with ``--listen`` at a running daemon's ``<socket>.attach`` replaced that live
+    SEQPACKET socket (the stream probe's EPROTOTYPE was taken for "stale"): the first daemon's attach was
+    dead while both ran. Now refused in one line; the first daemon's attach still works."""
+    with DaemonProcess(f"unix://{tmp_path}/a.sock", extra_args=SMALL_POOL) as d:
+        attach = f"{tmp_path}/a.sock.attach"
+        line = one_line_error(kvtier("serve", "--listen", f"unix://{attach}", *SMALL_POOL, timeout=60))
+        assert f"{attach} is in use by a running process (a socket of another type" in line, line
+        with KVTierClient(d.address, timeout=30) as c, c.attach("default") as ap:
+            assert ap.attached
+
+
+def test_stale_sockets_of_ours_are_replaced(tmp_path):
+    """What a daemon killed with SIGKILL leaves -- its gRPC and attach sockets, nobody listening -- is
+    still removed at start: the new daemon serves there, attach included."""
+    _dead_socket(tmp_path / "kv.sock", socket.SOCK_STREAM)
+    _dead_socket(tmp_path / "kv.sock.attach", socket.SOCK_SEQPACKET)
+    with DaemonProcess(f"unix://{tmp_path}/kv.sock", extra_args=SMALL_POOL) as d:
+        with KVTierClient(d.address, timeout=30) as c, c.attach("default") as ap:
+            assert ap.attached
+
+
 def test_pool_layers_without_a_pool_is_refused():
     """``--pool-layers`` sets the layers of ``--pool`` pools: alone it used to start a daemon with no pool
     and no word; now a usage error naming what to add, and nothing starts."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from kvtier.addresses import default_socket_path, is_loopback, resolve_address, socket_path
@@ -84,3 +86,42 @@ def test_private_dir_of_another_user_or_a_symlink_is_refused_untouched(tmp_path)
     (tmp_path / "file").write_text("")
     with pytest.raises(UnsafeSocketDirError, match="not a directory"):
         prepare_private_dir(tmp_path / "file")
+
+
+def test_clear_stale_socket_removes_only_a_dead_socket_of_this_uid(tmp_path):
+    """Attack pass 2, F7: a dead socket of ours (either type) is removed; a live socket of either type,
+    a file, a directory, a symlink and another uid's socket stay, refused in one line; nothing is fine."""
+    import socket
+
+    from kvtier.addresses import SocketPathInUseError, clear_stale_socket
+
+    clear_stale_socket(tmp_path / "nothing")
+    for kind in (socket.SOCK_STREAM, socket.SOCK_SEQPACKET):
+        dead = tmp_path / f"dead-{kind}"
+        s = socket.socket(socket.AF_UNIX, kind)
+        s.bind(str(dead))
+        s.close()
+        clear_stale_socket(dead, kind)
+        assert not dead.exists()
+    live = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    live.bind(str(tmp_path / "live"))
+    live.listen(1)
+    try:
+        with pytest.raises(SocketPathInUseError, match="a socket of another type"):
+            clear_stale_socket(tmp_path / "live", socket.SOCK_STREAM)
+        with pytest.raises(SocketPathInUseError, match="in use by a running daemon"):
+            clear_stale_socket(tmp_path / "live", socket.SOCK_SEQPACKET)
+    finally:
+        live.close()
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "live")
+    for name, what in (("file", "a regular file"), ("dir", "a directory"), ("link", "a symlink")):
+        with pytest.raises(SocketPathInUseError, match=f"is {what}, not a socket"):
+            clear_stale_socket(tmp_path / name)
+        assert os.path.lexists(tmp_path / name)
+    if os.getuid() == 0:
+        os.chown(tmp_path / "live", 65534, 65534, follow_symlinks=False)
+        with pytest.raises(SocketPathInUseError, match="socket of uid 65534"):
+            clear_stale_socket(tmp_path / "live")
+        assert (tmp_path / "live").exists()

@@ -56,3 +56,16 @@ def test_toml(tmp_path):
     p.write_text("listen = \n")
     with pytest.raises(ValueError):
         DaemonConfig.from_toml(p)
+
+
+def test_a_tenants_share_of_the_stream_slots():
+    """``max_streams_per_tenant`` 0: every slot with one tenant, half (rounded up) with more; a set value
+    is kept, at most ``max_streams``; negative is refused; read from TOML."""
+    assert [DaemonConfig().tenant_stream_slots(n) for n in (1, 2, 5)] == [8, 4, 4]
+    assert [DaemonConfig(max_streams=5).tenant_stream_slots(n) for n in (1, 2)] == [5, 3]
+    assert [DaemonConfig(max_streams=1).tenant_stream_slots(n) for n in (1, 2)] == [1, 1]
+    assert [DaemonConfig(max_streams_per_tenant=2).tenant_stream_slots(n) for n in (1, 3)] == [2, 2]
+    assert DaemonConfig(max_streams=4, max_streams_per_tenant=9).tenant_stream_slots(2) == 4
+    with pytest.raises(ValueError, match="max_streams_per_tenant"):
+        DaemonConfig(max_streams_per_tenant=-1)
+    assert DaemonConfig.from_mapping({"max_streams_per_tenant": 3}).max_streams_per_tenant == 3

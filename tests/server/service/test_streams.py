@@ -160,3 +160,42 @@ def test_the_guard_cancels_only_streams_that_moved_nothing_for_the_idle_bound():
         assert (busy.cancelled, stalled.cancelled) == (0, 1)
         assert g.check_now() == 0  # cancelled once only
     assert g.in_flight == 0
+
+
+def test_the_guard_keeps_each_tenant_to_its_share():
+    """StreamGuard with ``tenant_slots=2`` of 4 (two tenants, attack pass 2 F5): a tenant holding 2 is
+    refused a third (naming its share, marked "changed nothing") while another tenant gets its own 2;
+    a slot given back is the tenant's again; calls of no tenant ("") count only against the total."""
+    from kvtier.server.daemon.errors import StreamsFull
+    from kvtier.server.service.streams import StreamGuard
+
+    g = StreamGuard(4, idle_seconds=5.0, tenant_slots=2)
+    g.close()
+    with g.stream(_Context(), "WriteKV", tenant="a"), g.stream(_Context(), "PutUnits", tenant="a"):
+        with pytest.raises(StreamsFull, match=r"tenant 'a' holds 2 KV streams, its share of the daemon's 4 "
+                                              r"\(--max-streams-per-tenant\)") as info:
+            with g.stream(_Context(), "PullKV", tenant="a", idle_bound=False):
+                pass
+        assert info.value.unchanged
+        with g.stream(_Context(), "WriteKV", tenant="b"), g.stream(_Context(), "ReadKV", tenant="b"):
+            assert (g.in_flight, g.held_by("a"), g.held_by("b")) == (4, 2, 2)
+            with pytest.raises(StreamsFull, match="4 KV streams are in flight"):
+                with g.stream(_Context(), "ReadKV", tenant=""):
+                    pass
+        with g.stream(_Context(), "ReadKV", tenant=""), g.stream(_Context(), "ReadKV", tenant=""):
+            assert g.in_flight == 4
+    with g.stream(_Context(), "ReadKV", tenant="a"), g.stream(_Context(), "ReadKV", tenant="a"):
+        assert g.held_by("a") == 2
+    assert (g.in_flight, g.held_by("a"), g.held_by("b")) == (0, 0, 0)
+
+
+def test_one_tenant_may_hold_every_slot_without_a_share():
+    """``tenant_slots=None`` (no cap per tenant) or equal to the total: one tenant holds every slot."""
+    from kvtier.server.service.streams import StreamGuard
+
+    for slots in (None, 3):
+        g = StreamGuard(3, idle_seconds=5.0, tenant_slots=slots)
+        g.close()
+        with g.stream(_Context(), "ReadKV", tenant="default"), g.stream(_Context(), "ReadKV", tenant="default"), \
+                g.stream(_Context(), "ReadKV", tenant="default"):
+            assert g.in_flight == 3

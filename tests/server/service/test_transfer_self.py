@@ -2,11 +2,13 @@
 
 Regression: such a pull held the destination pool exclusive on one worker and waited for its own
 ReadPages, which needed another worker and a stream slot; with the workers busy or queued on that
-pool, the whole daemon stalled until the pull's deadline. Structural, not timed: 4 stalled 40 MB
-ReadPages streams (each confirmed running by its first message) hold every stream slot and 4 of the
-6 workers; a same-daemon pull must land its bytes anyway, whether it names the daemon's bound
-address (known without asking) or another spelling of it (recognised by the daemon id in the
-layout answer, which takes one short call on a free worker).
+pool, the whole daemon stalled until the pull's deadline. Structural, not timed: stalled 40 MB
+ReadPages streams (each confirmed running by its first message) hold the stream slots and workers;
+a same-daemon pull must land its bytes anyway. Naming the daemon's bound address (known without
+asking) it needs no slot: all 4 are held. Naming another spelling of it, it asks that address for
+the layout like any peer, so it holds a stream slot (attack pass 2, F6): 3 are held, the pull takes
+the last one, and is recognised by the daemon id in the layout answer (one short call on a free
+worker); a ReadPages of its own would find no slot left.
 """
 
 from __future__ import annotations
@@ -36,11 +38,11 @@ def d():
 
 
 class StalledStreams:
-    """``STREAMS`` ReadPages streams of pages 1..120 of every layer, each running (first message
-    received) and then not read: they hold every stream slot and as many workers."""
+    """``n`` ReadPages streams of pages 1..120 of every layer, each running (first message received)
+    and then not read: they hold ``n`` stream slots and as many workers."""
 
-    def __init__(self, address: str) -> None:
-        self.channels = [grpc.insecure_channel(address) for _ in range(STREAMS)]
+    def __init__(self, address: str, n: int = STREAMS) -> None:
+        self.channels = [grpc.insecure_channel(address) for _ in range(n)]
         self.calls = []
         runs = [transfer_pb2.PageRun(layer_id=x, component=transfer_pb2.PAGE_COMPONENT_LATENT, first_page=1,
                                      num_pages=120) for x in range(8)]
@@ -60,7 +62,7 @@ class StalledStreams:
             ch.close()
 
 
-def _pull_while_stalled(d: DaemonProcess, peer_address: str, seed: int) -> None:
+def _pull_while_stalled(d: DaemonProcess, peer_address: str, seed: int, stalled: int = STREAMS) -> None:
     with KVTierClient(d.address, timeout=60) as c:
         src = c.allocate_slots("default", 2 * PS)
         g = torch.Generator().manual_seed(seed)
@@ -70,7 +72,7 @@ def _pull_while_stalled(d: DaemonProcess, peer_address: str, seed: int) -> None:
         c.write_kv("default", src, latent=latent, index=index)
         c.allocate_slots("dst", PS)  # destination page ids differ from the source's
         dst = c.allocate_slots("dst", 2 * PS)
-        with StalledStreams(d.address):
+        with StalledStreams(d.address, stalled):
             r = c.pull_kv("dst", peer_address, "default", src_slots=src, dst_slots=dst, transport="grpc", timeout=30)
             assert r.transport == "local" and r.num_pages == 2
             assert (r.latent_bytes, r.index_bytes) == (8 * 2 * PS * 656, len(LIVE) * 2 * 8448)
@@ -90,9 +92,9 @@ def test_a_pull_from_the_bound_address_copies_in_process(d):
 
 def test_a_pull_from_another_spelling_of_the_daemon_is_recognised_by_its_id(d):
     """``localhost:PORT`` for a daemon bound to ``127.0.0.1:PORT``: not its bound address, so the pull
-    asks for the layout, meets its own daemon id and copies in process."""
+    takes the last stream slot, asks for the layout, meets its own daemon id and copies in process."""
     port = d.address.rpartition(":")[2]
-    _pull_while_stalled(d, f"localhost:{port}", seed=32)
+    _pull_while_stalled(d, f"localhost:{port}", seed=32, stalled=STREAMS - 1)
 
 
 def test_a_same_daemon_pull_onto_the_source_pool_is_refused_before_anything_moves(d):
