@@ -72,18 +72,18 @@ import numpy as np
 import torch
 
 from kvtier.addresses import is_unix, resolve_address
-from kvtier.server.daemon.errors import FailedPrecondition, InvalidArgument, KVTierError, NotFound
+from kvtier.server.daemon.errors import FailedPrecondition, InvalidArgument, KVTierError
 from kvtier.server.daemon.kv_ops import chunk_size
 from kvtier.server.daemon.pools import PoolEntry, PoolRegistry
 from kvtier.server.daemon.tenants import Caller
 from kvtier.server.pool import slots_of_pages
 from kvtier.server.transfer import (
-    DEFAULT_BATCH_ITEMS, MooncakeTransferEngine, MooncakeTransport, PageChanged, PageMappingError, PageTransport, PoolLayout,
+    DEFAULT_BATCH_ITEMS, MooncakeTransferEngine, MooncakeTransport, PageChanged, PageTransport, PoolLayout,
     TransferEngineConfig, TransferError, TransferStats, check_page_mapping, fail_batch_from_env,
     pages_from_slots, plan_pull, pool_layout, pull_pages, registration_ranges,
 )
+from kvtier.server.daemon.transfer_source import Expected, check_allocated, read_pages
 from kvtier.server.transfer.local import LocalTransport, PageSnapshot
-from kvtier.server.transfer.pages import page_run
 
 if TYPE_CHECKING:
     from kvtier.server.daemon.core import Daemon
@@ -139,50 +139,6 @@ class PullResult:
     stats: TransferStats
     transport: str
     seconds: float
-
-
-def _check_allocated(entry: PoolEntry, pages: np.ndarray, what: str) -> None:
-    limit = entry.page_allocated.numel()
-    if pages.size and int(pages.min()) < 0:
-        raise InvalidArgument(f"{what} contains negative page {int(pages.min())}")
-    if pages.size and int(pages.max()) >= limit:
-        raise InvalidArgument(f"{what} contains page {int(pages.max())} outside pool {entry.pool_id!r} (pages 1..{limit - 1})")
-    bad = pages[~entry.page_allocated[torch.from_numpy(pages)].numpy()]
-    if bad.size:
-        raise InvalidArgument(f"{what} contains page {int(bad[0])}, which is not allocated in pool {entry.pool_id!r}")
-    entry.check_unclaimed(torch.from_numpy(pages), what)  # a write in place is landing there: Busy
-
-
-def _check_generations(entry: PoolEntry, pages: np.ndarray, expect: tuple[np.ndarray, np.ndarray], what: str) -> None:
-    """Raise :class:`PageChanged` if any of ``pages`` (in range) changed since a layout answer gave it
-    the generation ``expect`` (sorted page ids, their generations) says: its content stamp grew past
-    it (:meth:`PoolEntry.generations`; a claim given back since does not count: it restored the
-    rows, and a claimed page is refused Busy by the caller's next check). InvalidArgument for a page
-    ``expect`` lacks. Caller holds the pool's lock (shared is enough)."""
-    ids, gens = expect
-    at = np.minimum(np.searchsorted(ids, pages), max(ids.size - 1, 0))
-    if ids.size == 0 or bool((ids[at] != pages).any()):
-        missing = pages[ids[at] != pages] if ids.size else pages
-        raise InvalidArgument(f"{what} names page {int(missing[0])} without its generation (expect_pages)")
-    bad = entry.page_gen.numpy()[pages] > gens[at]
-    if bool(bad.any()):
-        raise PageChanged(f"{what}: source page {int(pages[bad][0])} of pool {entry.pool_id!r} changed (written, "
-                          f"freed or allocated again) since the pull read its generation; a page is never sent "
-                          f"with layers of two writes: keep the source pages allocated and unchanged until the "
-                          f"pull returns, then pull again")
-
-
-def _expectations(pages: Sequence[int], generations: Sequence[int]) -> tuple[np.ndarray, np.ndarray] | None:
-    """ReadPages' ``expect_pages``/``expect_generations`` as sorted arrays (None: none given).
-    Raises InvalidArgument for lists of different lengths."""
-    if len(pages) != len(generations):
-        raise InvalidArgument(f"expect_pages has {len(pages)} pages but expect_generations {len(generations)} generations")
-    if not len(pages):
-        return None
-    ids = np.asarray(list(pages), dtype=np.int64)
-    gens = np.asarray(list(generations), dtype=np.uint64).astype(np.int64)
-    order = np.argsort(ids, kind="stable")
-    return ids[order], gens[order]
 
 
 def _free_destination(entry: PoolEntry, dst: np.ndarray, owner: int) -> int:
@@ -342,7 +298,7 @@ class TransferState:
                     pages = np.asarray(list(check_pages), dtype=np.int64)
                 except (TypeError, ValueError) as e:
                     raise InvalidArgument(f"source pages (check_pages): {e}") from None
-                _check_allocated(entry, pages, "source pages (check_pages)")
+                check_allocated(entry, pages, "source pages (check_pages)")
                 generations = entry.generations(pages)
             layout, digest = self._layout_of(entry)
             return entry, (None if known_digest and known_digest == digest else layout), digest, generations
@@ -445,7 +401,7 @@ class TransferState:
             elif spec.transport == "mooncake" and not remote.endpoint:
                 raise FailedPrecondition(f"peer {address} runs without a transfer engine; use transport 'grpc'")
             with self.pools.locked(caller, spec.pool_id, exclusive=True) as entry:
-                _check_allocated(entry, dst, "destination pages")
+                check_allocated(entry, dst, "destination pages")
                 owner = entry.owner_of(caller)
                 # the caller's own pages, or fresh pages of its own prefix lease (a decode side that
                 # leased its prompt's pages and receives the missing ones): freed if the pull fails
@@ -494,63 +450,23 @@ class TransferState:
             MemoryError: no memory for the copy.
         """
         with self.pools.locked(caller, pool_id, exclusive=False) as entry:
-            _check_allocated(entry, src, "source pages")  # in range, allocated, not being written
+            check_allocated(entry, src, "source pages")  # in range, allocated, not being written
             if expect:
-                ids = np.asarray(sorted(expect), dtype=np.int64)
-                gens = np.asarray([expect[p] for p in ids.tolist()], dtype=np.int64)
-                _check_generations(entry, src, (ids, gens), "source pages")
+                Expected.from_request(list(expect), list(expect.values())).check(entry, src, "source pages")
             return self.layout(entry), PageSnapshot.take(entry.pool, src)
 
     # ----- page streams (source side of the gRPC fallback) --------------------------------------
     def read_pages(self, caller: Caller, pool_id: str, runs: Sequence[tuple[int, str, int, int]],
                    chunk_bytes: int, expect_pages: Sequence[int] = (), expect_generations: Sequence[int] = (),
                    expect_daemon: str = "") -> Iterator[tuple[int, int, bytes]]:
-        """ReadPages: ``(run index, offset, data)`` chunks of each ``(layer, component, first_page, num_pages)`` run.
-
-        Every run is checked (layer, component, page range, pages allocated) before the first chunk,
-        and its pages again when it is copied (under the shared lock it is copied under). With
-        ``expect_pages`` (and ``expect_generations``, one a page, from a layout answer of the daemon
-        ``expect_daemon``), every page of every run must be among them and is copied only while it
-        still has its generation (checked under the same lock): so every page goes out whole, as it
-        was when the layout answered.
-
-        Raises:
-            InvalidArgument/PageMappingError: a bad run, chunk size or expectation, or a run's pages
-                freed meanwhile (without expectations).
-            PageChanged: with expectations, a page changed since its generation was read, or this is
-                not the daemon ``expect_daemon`` names (ABORTED).
-            Busy: a run's pages are being written by a WriteKV still arriving (before or mid-stream).
-            NotFound: the pool was deleted (or made again) mid-stream.
-        """
+        """ReadPages: :func:`~kvtier.server.daemon.transfer_source.read_pages` of this daemon's pools
+        (the generations must come from this daemon process, ``expect_daemon``, when given)."""
         chunk = chunk_size(chunk_bytes, self.chunk_bytes, self.max_chunk_bytes)
-        if not runs:
-            raise PageMappingError("ReadPages needs at least one page run")
-        expect = _expectations(expect_pages, expect_generations)
+        expect = Expected.from_request(expect_pages, expect_generations)
         if expect is not None and expect_daemon and expect_daemon != self.daemon_id:
             raise PageChanged("ReadPages: the page generations come from another daemon process (the peer restarted "
                               "since the pull read its layout); pull again")
-        with self.pools.locked(caller, pool_id, exclusive=False) as checked:
-            for layer, comp, first, n in runs:
-                page_run(checked.pool, comp, layer, first, n)
-                pages = np.arange(first, first + n, dtype=np.int64)
-                if expect is not None:
-                    _check_generations(checked, pages, expect, f"run of layer {layer} {comp}")
-                _check_allocated(checked, pages, f"run of layer {layer} {comp}")
-        for i, (layer, comp, first, n) in enumerate(runs):
-            with self.pools.locked(caller, pool_id, exclusive=False) as entry:  # a consistent copy of the run...
-                if entry is not checked:
-                    raise NotFound(f"pool {pool_id!r} was deleted and made again while ReadPages streamed it; "
-                                   f"pull again")
-                # checked again: the lock was let go since the first check (a WriteKV may have claimed
-                # the pages and be landing rows in place, written them, or they may have been freed)
-                pages = np.arange(first, first + n, dtype=np.int64)
-                if expect is not None:
-                    _check_generations(entry, pages, expect, f"run of layer {layer} {comp}")
-                _check_allocated(entry, pages, f"run of layer {layer} {comp}")
-                view = page_run(entry.pool, comp, layer, first, n)
-                pieces = [view[off:off + chunk].cpu().numpy().tobytes() for off in range(0, view.numel(), chunk)]
-            for k, data in enumerate(pieces):  # ...streamed without holding the lock
-                yield i, k * chunk, data
+        return read_pages(self.pools, caller, pool_id, runs, chunk, expect)
 
     def close(self) -> None:
         """Drop every registration (at shutdown)."""
