@@ -188,6 +188,7 @@ def move_kv(registry: PoolRegistry, caller: Caller, pool_id: str, tgt: Any, src:
         if t.numel() != s.numel():
             raise InvalidArgument(f"tgt_slots has {t.numel()} slots but src_slots has {s.numel()}")
         entry.check_writable(t // entry.page_size, entry.owner_of(caller), "tgt_slots")
+        entry.changed(torch.unique(t // entry.page_size))
         entry.pool.move_kv_cache(t, s)
         return t.numel()
 
@@ -263,6 +264,7 @@ def restore(registry: PoolRegistry, store: OffloadStore, caller: Caller, pool_id
             if t.numel() != hc.num_tokens:
                 raise InvalidArgument(f"copy {key!r} holds {hc.num_tokens} tokens but {t.numel()} slots were given")
             entry.check_writable(t // entry.page_size, owner)
+        entry.changed(torch.unique(t // entry.page_size))
         try:
             entry.pool.load_cpu_copy(hc.copy, t)
         except BaseException:

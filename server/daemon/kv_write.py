@@ -276,6 +276,7 @@ def write_kv(registry: PoolRegistry, caller: Caller, buf: KVWriteBuffer,
         slots = entry.slots(buf.slots, unique=True, claimed_ok=buf.claimed)
         entry.check_writable(buf.pages, entry.owner_of(caller))
         _check_wanted(wanted)
+        entry.changed(buf.pages)
         _write_staged(entry, buf, slots)
         if buf.claimed:
             entry.unclaim(buf.pages)
@@ -294,7 +295,7 @@ def abort_claimed(registry: PoolRegistry, caller: Caller, buf: KVWriteBuffer) ->
     with entry.lock.exclusive():
         if entry.deleted:
             return
-        buf.restore()
+        buf.restore()  # the old rows again: their content stamp stays (PoolEntry.claim_gen)
         entry.unclaim(buf.pages)
         buf.claimed = False
         session = caller.session

@@ -75,6 +75,7 @@ class EntryAllocator:
             ids = pages.numpy()
             self.entry.page_allocated.numpy()[ids] = True  # numpy views: one page at a time costs ~1 us, not ~10
             self.entry.cache_owned.numpy()[ids] = True
+            self.entry.changed(ids)
         return pages
 
     def free_pages_by_id(self, pages: list[int]) -> int:
@@ -82,6 +83,7 @@ class EntryAllocator:
         if pages:
             self.entry.page_allocated.numpy()[pages] = False
             self.entry.cache_owned.numpy()[pages] = False
+            self.entry.changed(pages)
         return n
 
 

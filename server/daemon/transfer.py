@@ -15,7 +15,20 @@ Locking: GetTransferLayout holds the source pool's lock shared; ReadPages copies
 under it and streams the copy without it; PullKV holds the destination pool's lock exclusive from
 the destination checks until the bytes have moved (or the pages were freed after a failure), so
 nothing else reads or writes that pool meanwhile. The engine's one-sided reads of a source pool
-take no lock there: the caller must keep the source pages allocated and unchanged until PullKV returns.
+take no lock there.
+
+Whole pages (attack pass F4): a pull delivers every page as it was at one moment, all its layers
+from one write, or fails. The source side does not hold its pages for the pull (a prefill daemon's
+writes and frees never wait for a decode daemon); it proves afterwards that they did not change.
+Every page has a write generation (:attr:`PoolEntry.page_gen`, renewed by each write, free and
+allocation through the daemon). The layout answer carries the source pages' generations; a
+ReadPages stream names them (and the daemon id they come from) and copies each run only if its
+pages still have them, under the lock of the copy; a Mooncake pull asks for them again once the
+engine has read the bytes. A page whose generation changed fails the pull ABORTED
+(:class:`~kvtier.server.transfer.PageChanged`) with its destination pages freed; it is not retried,
+since a page freed and allocated again holds another request's KV. A pull whose peer is this daemon
+copies every page under one shared lock (:meth:`TransferState._snapshot`), whole by construction.
+A peer that predates generations sends none and gets no check.
 
 A pull whose peer is this daemon (its bound address, :attr:`TransferState.own_addresses`, or any
 address whose layout answer carries this daemon's :attr:`TransferState.daemon_id`) copies in process
@@ -49,28 +62,28 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from contextlib import AbstractContextManager, nullcontext
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import numpy as np
 import torch
 
 from kvtier.addresses import is_unix, resolve_address
-from kvtier.server.daemon.errors import FailedPrecondition, InvalidArgument, NotFound
+from kvtier.server.daemon.errors import FailedPrecondition, InvalidArgument, KVTierError
 from kvtier.server.daemon.kv_ops import chunk_size
 from kvtier.server.daemon.pools import PoolEntry, PoolRegistry
 from kvtier.server.daemon.tenants import Caller
 from kvtier.server.pool import slots_of_pages
 from kvtier.server.transfer import (
-    DEFAULT_BATCH_ITEMS, MooncakeTransferEngine, MooncakeTransport, PageMappingError, PageTransport, PoolLayout,
+    DEFAULT_BATCH_ITEMS, MooncakeTransferEngine, MooncakeTransport, PageChanged, PageTransport, PoolLayout,
     TransferEngineConfig, TransferError, TransferStats, check_page_mapping, fail_batch_from_env,
     pages_from_slots, plan_pull, pool_layout, pull_pages, registration_ranges,
 )
+from kvtier.server.daemon.transfer_source import Expected, check_allocated, read_pages
 from kvtier.server.transfer.local import LocalTransport, PageSnapshot
-from kvtier.server.transfer.pages import page_run
 
 if TYPE_CHECKING:
     from kvtier.server.daemon.core import Daemon
@@ -128,18 +141,6 @@ class PullResult:
     seconds: float
 
 
-def _check_allocated(entry: PoolEntry, pages: np.ndarray, what: str) -> None:
-    limit = entry.page_allocated.numel()
-    if pages.size and int(pages.min()) < 0:
-        raise InvalidArgument(f"{what} contains negative page {int(pages.min())}")
-    if pages.size and int(pages.max()) >= limit:
-        raise InvalidArgument(f"{what} contains page {int(pages.max())} outside pool {entry.pool_id!r} (pages 1..{limit - 1})")
-    bad = pages[~entry.page_allocated[torch.from_numpy(pages)].numpy()]
-    if bad.size:
-        raise InvalidArgument(f"{what} contains page {int(bad[0])}, which is not allocated in pool {entry.pool_id!r}")
-    entry.check_unclaimed(torch.from_numpy(pages), what)  # a write in place is landing there: Busy
-
-
 def _free_destination(entry: PoolEntry, dst: np.ndarray, owner: int) -> int:
     """Free a failed pull's destination pages (pool lock held exclusive; they passed
     :meth:`PoolEntry.check_writable` as ``owner``): the caller's own pages through the pool, fresh
@@ -155,15 +156,24 @@ def _free_destination(entry: PoolEntry, dst: np.ndarray, owner: int) -> int:
     return freed
 
 
+class PeerLayout(NamedTuple):
+    """A peer's layout answer: its digest, the layout (None: ``known_digest`` still holds), the peer
+    daemon's id and the write generations of the pages it checked, in their order (``""`` and
+    ``[]`` from a peer that predates them)."""
+
+    digest: str
+    layout: PoolLayout | None
+    daemon_id: str
+    generations: list[int]
+
+
 class PeerLink(Protocol):
     """One open connection to a peer daemon (a PullKV's source)."""
 
-    def layout(self, pool_id: str, check_pages: list[int], spec: PullSpec,
-               known_digest: str = "") -> tuple[str, PoolLayout | None, str]:
-        """The peer pool's layout digest, layout and the peer daemon's id; ``check_pages`` must be
-        allocated there. Bounded by ``spec.remaining``. When ``known_digest`` (the digest of a layout
-        the caller holds) still holds, the layout is None (the peer did not send it again). The digest
-        and the daemon id are ``""`` from a peer that predates them.
+    def layout(self, pool_id: str, check_pages: list[int], spec: PullSpec, known_digest: str = "") -> PeerLayout:
+        """The peer pool's layout answer; ``check_pages`` must be allocated there. Bounded by
+        ``spec.remaining``. When ``known_digest`` (the digest of a layout the caller holds) still
+        holds, the layout is None (the peer did not send it again).
 
         Raises:
             NotFound / InvalidArgument: the peer's answer (unknown pool, unallocated pages).
@@ -171,8 +181,11 @@ class PeerLink(Protocol):
             TransferError: the peer could not be asked.
         """
 
-    def page_transport(self, entry: PoolEntry, chunk_bytes: int, fail_batch: int | None, spec: PullSpec) -> PageTransport:
-        """A transport that streams page runs from the peer into ``entry``'s pool (the fallback without an engine)."""
+    def page_transport(self, entry: PoolEntry, chunk_bytes: int, fail_batch: int | None, spec: PullSpec,
+                       expect: Mapping[int, int], daemon_id: str) -> PageTransport:
+        """A transport that streams page runs from the peer into ``entry``'s pool (the fallback
+        without an engine); each stream asks the peer (``daemon_id``) to send a page only while it
+        has the write generation ``expect`` gives it (empty: no check)."""
 
 
 class PeerConnector(Protocol):
@@ -273,29 +286,55 @@ class TransferState:
         return layout, digest
 
     def transfer_layout(self, caller: Caller, pool_id: str, check_pages: Sequence[int],
-                        known_digest: str = "") -> tuple[PoolEntry, PoolLayout | None, str]:
+                        known_digest: str = "") -> tuple[PoolEntry, PoolLayout | None, str, list[int]]:
         """GetTransferLayout: ``caller``'s pool's layout (raw addresses: the owner only; another
-        tenant's pool is NOT_FOUND) and its digest; the layout is None when it is ``known_digest``
-        (the caller holds it). ``check_pages`` must be allocated (InvalidArgument), every call."""
+        tenant's pool is NOT_FOUND), its digest and the write generations of ``check_pages`` (in
+        their order); the layout is None when it is ``known_digest`` (the caller holds it).
+        ``check_pages`` must be allocated (InvalidArgument) and not being written (Busy), every call."""
         with self.pools.locked(caller, pool_id, exclusive=False) as entry:
+            generations: list[int] = []
             if len(check_pages):
                 try:
                     pages = np.asarray(list(check_pages), dtype=np.int64)
                 except (TypeError, ValueError) as e:
                     raise InvalidArgument(f"source pages (check_pages): {e}") from None
-                _check_allocated(entry, pages, "source pages (check_pages)")
+                check_allocated(entry, pages, "source pages (check_pages)")
+                generations = entry.generations(pages)
             layout, digest = self._layout_of(entry)
-            return entry, (None if known_digest and known_digest == digest else layout), digest
+            return entry, (None if known_digest and known_digest == digest else layout), digest, generations
 
     def _peer_layout(self, peer: PeerLink, address: str, caller: Caller, spec: PullSpec,
-                     src: np.ndarray) -> tuple[PoolLayout, str]:
-        """The peer pool's layout for a pull, and the peer daemon's id: the layout held from an
-        earlier pull when the peer's digest says it still holds (the peer checks ``src`` and the
-        caller's token either way)."""
+                     src: np.ndarray) -> tuple[PoolLayout, str, dict[int, int]]:
+        """The peer pool's layout for a pull, the peer daemon's id and the write generations of the
+        ``src`` pages (empty from a peer that predates them): the layout held from an earlier pull
+        when the peer's digest says it still holds (the peer checks ``src`` and the caller's token
+        either way)."""
         key = (address, caller.tenant, spec.peer_pool_id)
         known = self._peer_layouts.get(key)
-        digest, remote, peer_id = peer.layout(spec.peer_pool_id, src.tolist(), spec, known[0] if known else "")
-        return self._remember(key, address, digest, remote, known), peer_id
+        ans = peer.layout(spec.peer_pool_id, src.tolist(), spec, known[0] if known else "")
+        if ans.generations and len(ans.generations) != src.size:
+            raise TransferError(f"peer {address} answered {len(ans.generations)} page generations for {src.size} pages")
+        expect = dict(zip(src.tolist(), ans.generations))
+        return self._remember(key, address, ans.digest, ans.layout, known), ans.daemon_id, expect
+
+    def _check_unchanged(self, peer: PeerLink, address: str, caller: Caller, spec: PullSpec, src: np.ndarray,
+                         expect: Mapping[int, int], peer_id: str) -> None:
+        """After an engine read: raise :class:`PageChanged` unless every ``src`` page of the peer
+        still has the generation ``expect`` gives it (same daemon, still allocated, not being
+        written), so none changed while the engine read it."""
+        known = self._peer_layouts.get((address, caller.tenant, spec.peer_pool_id))
+        try:
+            ans = peer.layout(spec.peer_pool_id, src.tolist(), spec, known[0] if known else "")
+        except KVTierError as e:  # freed (InvalidArgument), being written (Busy), pool gone (NotFound)
+            raise PageChanged(f"the source pages changed while the engine read them: {e}") from None
+        if ans.daemon_id != peer_id:
+            raise PageChanged(f"peer {address} restarted while the engine read the source pages")
+        for page, gen in zip(src.tolist(), ans.generations):
+            if expect.get(page) != gen:
+                raise PageChanged(f"source page {page} of peer pool {spec.peer_pool_id!r} changed (written, freed or "
+                                  f"allocated again) while the engine read it; a page is never delivered with layers "
+                                  f"of two writes: keep the source pages allocated and unchanged until the pull "
+                                  f"returns, then pull again")
 
     def _remember(self, key: tuple[str, str, str], address: str, digest: str, remote: PoolLayout | None,
                   known: tuple[str, PoolLayout] | None) -> PoolLayout:
@@ -349,18 +388,20 @@ class TransferState:
                                      f"would bypass; reach PD peers over TCP (HOST:PORT), or list it in the daemon's --pd-peers")
         with nullcontext(None) if from_self else peers.connect(address, caller) as peer:
             snapshot: PageSnapshot | None = None
+            expect: dict[int, int] = {}
+            peer_id = ""
             if not from_self:
-                remote, peer_id = self._peer_layout(peer, address, caller, spec, src)
+                remote, peer_id, expect = self._peer_layout(peer, address, caller, spec, src)
                 from_self = bool(peer_id) and peer_id == self.daemon_id
             if from_self:  # the peer is this daemon: copy in process, never wait for a thread of its own
                 if spec.peer_pool_id == spec.pool_id:  # the same tenant's pool of the same id: the same pool
                     raise InvalidArgument(f"pool {spec.pool_id!r} would pull from itself; use MoveKV to copy pages "
                                           f"within a pool")
-                remote, snapshot = self._snapshot(caller, spec.peer_pool_id, src)
+                remote, snapshot = self._snapshot(caller, spec.peer_pool_id, src, expect)
             elif spec.transport == "mooncake" and not remote.endpoint:
                 raise FailedPrecondition(f"peer {address} runs without a transfer engine; use transport 'grpc'")
             with self.pools.locked(caller, spec.pool_id, exclusive=True) as entry:
-                _check_allocated(entry, dst, "destination pages")
+                check_allocated(entry, dst, "destination pages")
                 owner = entry.owner_of(caller)
                 # the caller's own pages, or fresh pages of its own prefix lease (a decode side that
                 # leased its prompt's pages and receives the missing ones): freed if the pull fails
@@ -376,10 +417,13 @@ class TransferState:
                     transport = MooncakeTransport(self.engine)
                 else:
                     assert peer is not None  # not this daemon: a link to the peer is open
-                    transport = peer.page_transport(entry, self.chunk_bytes, self.fail_batch, spec)
+                    transport = peer.page_transport(entry, self.chunk_bytes, self.fail_batch, spec, expect, peer_id)
                 start = time.perf_counter()
+                entry.changed(dst)  # their bytes change from here on (whole, or freed on failure)
                 try:
                     stats = pull_pages(transport, remote, plan)
+                    if transport.name == "mooncake" and expect:  # the engine read without the peer's lock
+                        self._check_unchanged(peer, address, caller, spec, src, expect, peer_id)
                 except Exception as e:
                     freed = _free_destination(entry, dst, owner)
                     self.counters.add(caller, "pulls_failed")
@@ -391,52 +435,38 @@ class TransferState:
         self.counters.add(caller, "pull_bytes", stats.total_bytes)
         return PullResult(stats, transport.name, seconds)
 
-    def _snapshot(self, caller: Caller, pool_id: str, src: np.ndarray) -> tuple[PoolLayout, PageSnapshot]:
+    def _snapshot(self, caller: Caller, pool_id: str, src: np.ndarray,
+                  expect: Mapping[int, int]) -> tuple[PoolLayout, PageSnapshot]:
         """The layout of ``caller``'s pool ``pool_id`` here and a copy of its pages ``src``, taken
         under its shared lock alone (the source side of a pull from this daemon; the checks are a
-        layout fetch's: pages allocated, none being written).
+        layout fetch's: pages allocated, none being written): every page whole, as it was at one
+        moment. With ``expect`` (the generations of a layout answer this daemon gave the pull over
+        another of its addresses), the pages as they were then, or PageChanged.
 
         Raises:
             NotFound: no such pool. InvalidArgument: a page not allocated or out of range.
             Busy: a WriteKV is landing on a page (nothing moved; retry).
+            PageChanged: a page changed since the layout answer.
             MemoryError: no memory for the copy.
         """
         with self.pools.locked(caller, pool_id, exclusive=False) as entry:
-            _check_allocated(entry, src, "source pages")
+            check_allocated(entry, src, "source pages")  # in range, allocated, not being written
+            if expect:
+                Expected.from_request(list(expect), list(expect.values())).check(entry, src, "source pages")
             return self.layout(entry), PageSnapshot.take(entry.pool, src)
 
     # ----- page streams (source side of the gRPC fallback) --------------------------------------
     def read_pages(self, caller: Caller, pool_id: str, runs: Sequence[tuple[int, str, int, int]],
-                   chunk_bytes: int) -> Iterator[tuple[int, int, bytes]]:
-        """ReadPages: ``(run index, offset, data)`` chunks of each ``(layer, component, first_page, num_pages)`` run.
-
-        Every run is checked (layer, component, page range, pages allocated) before the first chunk,
-        and its pages again when it is copied (under the shared lock it is copied under).
-
-        Raises:
-            InvalidArgument/PageMappingError: a bad run or chunk size, or a run's pages freed meanwhile.
-            Busy: a run's pages are being written by a WriteKV still arriving (before or mid-stream).
-            NotFound: the pool was deleted (or made again) mid-stream.
-        """
+                   chunk_bytes: int, expect_pages: Sequence[int] = (), expect_generations: Sequence[int] = (),
+                   expect_daemon: str = "") -> Iterator[tuple[int, int, bytes]]:
+        """ReadPages: :func:`~kvtier.server.daemon.transfer_source.read_pages` of this daemon's pools
+        (the generations must come from this daemon process, ``expect_daemon``, when given)."""
         chunk = chunk_size(chunk_bytes, self.chunk_bytes, self.max_chunk_bytes)
-        if not runs:
-            raise PageMappingError("ReadPages needs at least one page run")
-        with self.pools.locked(caller, pool_id, exclusive=False) as checked:
-            for layer, comp, first, n in runs:
-                page_run(checked.pool, comp, layer, first, n)
-                _check_allocated(checked, np.arange(first, first + n, dtype=np.int64), f"run of layer {layer} {comp}")
-        for i, (layer, comp, first, n) in enumerate(runs):
-            with self.pools.locked(caller, pool_id, exclusive=False) as entry:  # a consistent copy of the run...
-                if entry is not checked:
-                    raise NotFound(f"pool {pool_id!r} was deleted and made again while ReadPages streamed it; "
-                                   f"pull again")
-                # checked again: the lock was let go since the first check (a WriteKV may have claimed
-                # the pages and be landing rows in place, or the pages may have been freed)
-                _check_allocated(entry, np.arange(first, first + n, dtype=np.int64), f"run of layer {layer} {comp}")
-                view = page_run(entry.pool, comp, layer, first, n)
-                pieces = [view[off:off + chunk].cpu().numpy().tobytes() for off in range(0, view.numel(), chunk)]
-            for k, data in enumerate(pieces):  # ...streamed without holding the lock
-                yield i, k * chunk, data
+        expect = Expected.from_request(expect_pages, expect_generations)
+        if expect is not None and expect_daemon and expect_daemon != self.daemon_id:
+            raise PageChanged("ReadPages: the page generations come from another daemon process (the peer restarted "
+                              "since the pull read its layout); pull again")
+        return read_pages(self.pools, caller, pool_id, runs, chunk, expect)
 
     def close(self) -> None:
         """Drop every registration (at shutdown)."""

@@ -23,8 +23,15 @@ tiers (the same tiers, budgets, quotas and health rules as the prefix caches and
   GetUnitsStaged: only keys and offsets travel over gRPC), ``call`` (in process):
   ``put_bytes_<via>``, ``get_bytes_<via>`` beside the totals ``put_bytes``, ``get_bytes``.
 
-Locking: the pending table's lock (level 4, a dict); the tier index locks are taken by the tier calls
-(level 5) with no store lock held. Nothing here imports grpc.
+A clear is final (attack pass F8): once ClearUnits has returned, none of the units it removed comes
+back. The store's clear guard (a readers-writer lock) is held exclusive by a clear and shared by the
+two things that could put a unit back behind it: a read's promotion of a unit it found below the host
+tier (skipped when a clear came since the read began, :attr:`UnitStore.clears`), and a put's commit
+(a part that waited before the clear joins its other half only if the clear did not drop it). Units
+on their way down between two tiers are waited for by the clear (:meth:`TierStack.remove_prefix`).
+
+Locking: the clear guard, then the pending table's lock (level 4, a dict); the tier index locks are
+taken by the tier calls (level 6) with no store lock but the guard held. Nothing here imports grpc.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ import numpy as np
 import torch
 
 from kvtier.server.daemon.errors import InvalidArgument
+from kvtier.server.daemon.locks import RWLock
 from kvtier.server.daemon.quotas import Quotas
 from kvtier.server.daemon.tenants import Caller, tenant_key, tenant_of_key
 from kvtier.server.daemon.unit_pending import PendingTable
@@ -153,6 +161,10 @@ class UnitStore:
         self._spaces: dict[SpaceRequest, UnitSpace] = {}
         self._lock = threading.Lock()  # leaf: the counters and the space cache (dict operations only)
         self._counters: dict[str, dict[str, int]] = {}
+        self._guard = RWLock()  # clears exclusive; promotions and put commits shared (module docstring)
+        self.clears = 0
+        """Clears so far (any tenant, any space; changed under the guard held exclusive): a read
+        promotes a unit only if none came since it began."""
 
     # ----- names --------------------------------------------------------------------------------
     def space(self, req: SpaceRequest) -> UnitSpace:
@@ -230,6 +242,10 @@ class UnitStore:
         return p.commit()
 
     def _commit(self, p: UnitPut) -> PutResult:
+        with self._guard.shared():  # a clear comes wholly before (it dropped the waiting parts) or after
+            return self._commit_unguarded(p)
+
+    def _commit_unguarded(self, p: UnitPut) -> PutResult:
         space, codec, ps = p.space, p.space.codec, p.space.model.page_size
         prefix = self._space_prefix(p.caller, space)
         accepted, completed, stored_before = [], 0, 0
@@ -276,7 +292,7 @@ class UnitStore:
         order. Each view lies in one record (the host tier's own tensor, pinned, or a verified copy
         from disk or a shared store) and is valid until the next item is asked for: copy it out
         before. A unit read from a tier below the host tier is put back into the host tier (counted
-        ``disk->host``, ``mooncake->host``). A record that fails its checks is dropped, counted and
+        ``disk->host``, ``mooncake->host``), unless a clear came since the read began. A record that fails its checks is dropped, counted and
         read as a miss. ``via`` names how the caller moves the bytes on (counted). Raises
         InvalidArgument (keys, part)."""
         assert via in VIAS, via
@@ -287,6 +303,7 @@ class UnitStore:
         start = h + (space.kv_nbytes if part == INDEX else 0)
         end = start + space.part_nbytes(part)
         hits = 0
+        clears = self.clears  # before the first look: a unit found after a clear is not put back by us
         tkeys = [prefix + k for k in keys]
         tiers = self.stack.tiers
         held = [t.contains(tkeys) for t in tiers]  # one presence question a tier; misses cost no read
@@ -308,8 +325,10 @@ class UnitStore:
                         continue
                     hits += 1
                     yield i, rec[start:end]
-                    if top is not None and tier is not top:  # a hit below the host tier comes up to it
-                        self.stack.put(tkey, rec, source=tier.name)
+                    if top is not None and tier is not top:  # a hit below the host tier comes up to it...
+                        with self._guard.shared():
+                            if self.clears == clears:  # ...unless a clear removed it meanwhile
+                                self.stack.put(tkey, rec, source=tier.name)
                     break
         self._count(caller, hits=hits, misses=len(keys) - hits, get_bytes=hits * (end - start),
                     **{f"get_bytes_{via}": hits * (end - start)})
@@ -336,14 +355,13 @@ class UnitStore:
 
     # ----- housekeeping -------------------------------------------------------------------------
     def clear(self, caller: Caller, space: UnitSpace) -> int:
-        """Remove the caller's units of ``space`` from every tier and its waiting parts; returns how many."""
+        """Remove the caller's units of ``space`` from every tier and its waiting parts; returns how
+        many. None of them comes back afterwards (module docstring)."""
         prefix = self._space_prefix(caller, space)
-        removed = self.pending.drop_prefix(prefix)
-        units: set[bytes] = set()  # a unit may lie in several tiers (host and disk): counted once
-        for tier in self.stack.tiers:
-            mine = [k for k in tier.index.keys() if isinstance(k, bytes) and k.startswith(prefix)]
-            tier.remove(mine)
-            units.update(mine)
+        with self._guard.exclusive():
+            self.clears += 1
+            removed = self.pending.drop_prefix(prefix)
+            units = self.stack.remove_prefix(prefix)  # a unit may lie in several tiers: counted once
         self._count(caller, cleared=removed + len(units))
         return removed + len(units)
 

@@ -21,7 +21,7 @@ import math
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -35,7 +35,7 @@ from kvtier.server.daemon.config import DaemonConfig
 from kvtier.server.daemon.errors import RETRY_UNCHANGED, Busy, FailedPrecondition, InvalidArgument, NotFound
 from kvtier.server.daemon.pools import PoolEntry
 from kvtier.server.daemon.tenants import Caller
-from kvtier.server.daemon.transfer import PEER_LAYOUT_TIMEOUT_S, PEER_STREAM_TIMEOUT_S, PullSpec
+from kvtier.server.daemon.transfer import PEER_LAYOUT_TIMEOUT_S, PEER_STREAM_TIMEOUT_S, PeerLayout, PullSpec
 from kvtier.server.service.transfer_messages import COMPONENT_TO_PROTO, peer_layout
 from kvtier.server.transfer import PageTransport, PoolLayout, TransferError, TransferPlan
 from kvtier.server.transfer.engine import check_injected_failure
@@ -66,14 +66,17 @@ def _write_bytes(dst: torch.Tensor, data: bytes) -> None:
 
 class GrpcPageTransport:
     """Fallback :class:`PageTransport`: each batch is one ReadPages stream from the peer daemon,
-    written into the destination pool's pages as chunks arrive."""
+    written into the destination pool's pages as chunks arrive. With ``expect`` (source page ->
+    write generation, from the layout answer of daemon ``daemon_id``) each stream names its pages'
+    generations, and the peer sends a page only while it still has its generation."""
 
     name = "grpc"
 
     def __init__(self, stub: transfer_pb2_grpc.TransferServiceStub, peer: str, entry: PoolEntry, chunk_bytes: int,
                  fail_batch: int | None, spec: PullSpec, metadata: Sequence[tuple[str, str]] = (),
-                 retry_s: float = PEER_RETRY_S) -> None:
+                 retry_s: float = PEER_RETRY_S, expect: Mapping[int, int] | None = None, daemon_id: str = "") -> None:
         self.stub, self.peer, self.peer_pool_id = stub, peer, spec.peer_pool_id
+        self.expect, self.daemon_id = dict(expect or {}), daemon_id
         self.retry_s = retry_s
         self.entry, self.chunk_bytes, self.fail_batch = entry, chunk_bytes, fail_batch
         self.spec = spec
@@ -134,6 +137,11 @@ class GrpcPageTransport:
         request = transfer_pb2.ReadPagesRequest(pool_id=self.peer_pool_id, chunk_bytes=self.chunk_bytes, runs=[
             transfer_pb2.PageRun(layer_id=it.layer_id, component=COMPONENT_TO_PROTO[it.component],
                                  first_page=it.src_page, num_pages=it.num_pages) for it in batch])
+        if self.expect:  # the batch's pages, each once, with the generation the layout answer gave it
+            pages = sorted({it.src_page + k for it in batch for k in range(it.num_pages)})
+            request.expect_pages.extend(pages)
+            request.expect_generations.extend(self.expect[p] for p in pages)
+            request.expect_daemon = self.daemon_id
         for msg in self.stub.ReadPages(request, timeout=self.spec.remaining(PEER_STREAM_TIMEOUT_S), metadata=self.metadata):
             r, n = msg.run, len(msg.data)
             if r >= len(batch) or msg.offset != got[r] or got[r] + n > batch[r].nbytes:
@@ -162,8 +170,7 @@ class GrpcPeerLink:
         self.address = address
         self.metadata = tuple(metadata)
 
-    def layout(self, pool_id: str, check_pages: list[int], spec: PullSpec,
-               known_digest: str = "") -> tuple[str, PoolLayout | None, str]:
+    def layout(self, pool_id: str, check_pages: list[int], spec: PullSpec, known_digest: str = "") -> PeerLayout:
         request = transfer_pb2.TransferLayoutRequest(pool_id=pool_id, check_pages=check_pages, known_digest=known_digest)
         try:
             msg = self.stub.GetTransferLayout(request, timeout=spec.remaining(PEER_LAYOUT_TIMEOUT_S), metadata=self.metadata)
@@ -179,10 +186,13 @@ class GrpcPeerLink:
                 raise Busy(f"peer {self.address} unreachable (GetTransferLayout: UNAVAILABLE: {details}); "
                            f"nothing moved") from None
             raise TransferError(f"peer {self.address} GetTransferLayout failed: {code.name}: {details}") from None
-        return msg.layout_digest, (None if msg.unchanged else peer_layout(msg)), msg.daemon_id
+        return PeerLayout(msg.layout_digest, None if msg.unchanged else peer_layout(msg), msg.daemon_id,
+                          list(msg.page_generations))
 
-    def page_transport(self, entry: PoolEntry, chunk_bytes: int, fail_batch: int | None, spec: PullSpec) -> PageTransport:
-        return GrpcPageTransport(self.stub, self.address, entry, chunk_bytes, fail_batch, spec, self.metadata, self.retry_s)
+    def page_transport(self, entry: PoolEntry, chunk_bytes: int, fail_batch: int | None, spec: PullSpec,
+                       expect: Mapping[int, int], daemon_id: str) -> PageTransport:
+        return GrpcPageTransport(self.stub, self.address, entry, chunk_bytes, fail_batch, spec, self.metadata,
+                                 self.retry_s, expect, daemon_id)
 
 
 class GrpcPeerConnector:

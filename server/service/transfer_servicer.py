@@ -60,13 +60,15 @@ class TransferServicer(transfer_pb2_grpc.TransferServiceServicer):
         self.streams = streams
 
     def GetTransferLayout(self, request: transfer_pb2.TransferLayoutRequest, context: grpc.ServicerContext) -> transfer_pb2.TransferLayout:
-        entry, layout, digest = self.transfer.transfer_layout(caller_of(context), request.pool_id, list(request.check_pages),
-                                                              request.known_digest)
+        entry, layout, digest, generations = self.transfer.transfer_layout(
+            caller_of(context), request.pool_id, list(request.check_pages), request.known_digest)
         if layout is None:  # the caller holds it already
-            return transfer_pb2.TransferLayout(layout_digest=digest, unchanged=True, daemon_id=self.transfer.daemon_id)
+            return transfer_pb2.TransferLayout(layout_digest=digest, unchanged=True, daemon_id=self.transfer.daemon_id,
+                                               page_generations=generations)
         msg = transfer_layout(entry, layout)
         msg.layout_digest = digest
         msg.daemon_id = self.transfer.daemon_id  # a puller that meets its own id copies in process
+        msg.page_generations.extend(generations)
         return msg
 
     def PullKV(self, request: transfer_pb2.PullKVRequest, context: grpc.ServicerContext) -> transfer_pb2.PullKVResponse:
@@ -92,6 +94,8 @@ class TransferServicer(transfer_pb2_grpc.TransferServiceServicer):
             runs.append((r.layer_id, COMPONENT_FROM_PROTO[r.component], r.first_page, r.num_pages))
         caller = caller_of(context)
         with self.streams.stream(context, "ReadPages", tenant=caller.tenant) as touch:
-            for run, offset, data in self.transfer.read_pages(caller, request.pool_id, runs, request.chunk_bytes):
+            for run, offset, data in self.transfer.read_pages(
+                    caller, request.pool_id, runs, request.chunk_bytes, list(request.expect_pages),
+                    list(request.expect_generations), request.expect_daemon):
                 touch()
                 yield transfer_pb2.ReadPagesResponse(run=run, offset=offset, data=data)

@@ -20,6 +20,12 @@ that fails during the publish) is skipped and counted ``device-><tier>(unhealthy
 moved), not ``->gone``: the page stays on the device and in the cascade, only the shared copy is not
 made. The daemon's monitor thread (:mod:`kvtier.server.tiers.monitor`) probes unhealthy tiers with
 backoff.
+
+Removals are final (attack pass F8's sibling): a record evicted from tier ``i`` is in no tier's index
+until the tier below takes it, so a removal that looked in both meanwhile would miss it and it would
+land afterwards. Victims on their way down are therefore *in flight* (:meth:`TierStack.settle`), and
+:meth:`TierStack.remove` / :meth:`TierStack.remove_prefix` remove from each cascade tier in order,
+waiting between two tiers for the flights that left the one above before they removed from it.
 """
 
 from __future__ import annotations
@@ -41,6 +47,10 @@ from kvtier.server.tiers.reuse import ReuseHistory
 from kvtier.server.tiers.sim import SimTier, SimTierConfig
 
 log = logging.getLogger(__name__)
+
+SETTLE_S = 30.0
+"""How long a removal waits at most for records in flight between two tiers (each one disk write
+away); past it the removal goes on (logged), as before this wait existed."""
 
 TIER_CLASSES: dict[type[TierConfig], type[Tier]] = {
     HostTierConfig: HostTier,
@@ -90,6 +100,10 @@ class TierStack:
         self.shared = [t for t in self.tiers if is_shared(t)]
         self.moves: dict[str, dict[str, int]] = {}
         self._moves_lock = threading.Lock()
+        # victims between two cascade tiers (key -> how many flights): a leaf lock, taken under a tier's
+        # index lock (where evictions are decided) and never held while anything else is taken
+        self._flights: dict[bytes, int] = {}
+        self._flights_cv = threading.Condition(threading.Lock())
         self._history: ReuseHistory | None = None
         for t in self.cascade:  # records a tier lost after it took them (a failed write-behind transaction)
             if hasattr(t, "on_lost"):
@@ -139,6 +153,31 @@ class TierStack:
 
     def _held_below(self, key: bytes, level: int) -> bool:
         return any(t.contains([key])[0] for t in self.cascade[level + 1:])
+
+    # ----- records in flight between two tiers --------------------------------------------------
+    def _fly(self, key: bytes) -> None:
+        with self._flights_cv:
+            self._flights[key] = self._flights.get(key, 0) + 1
+
+    def _landed(self, keys: Sequence[bytes]) -> None:
+        with self._flights_cv:
+            for k in keys:
+                left = self._flights.get(k, 0) - 1
+                if left > 0:
+                    self._flights[k] = left
+                else:
+                    self._flights.pop(k, None)
+            self._flights_cv.notify_all()
+
+    def settle(self, match: Callable[[bytes], bool], timeout: float = SETTLE_S) -> bool:
+        """Wait until no record whose key ``match`` es is in flight between two tiers (evicted from
+        one, not yet written to the next); False if ``timeout`` seconds passed first. Hold no tier
+        lock while waiting (the flights need them to land)."""
+        with self._flights_cv:
+            done = self._flights_cv.wait_for(lambda: not any(match(k) for k in self._flights), timeout)
+        if not done:
+            log.warning("records in flight between tiers did not land within %g s; removing without them", timeout)
+        return done
 
     # ----- writes and the cascade ---------------------------------------------------------------
     def put(self, key: bytes, rec: RecordLike, *, source: str, level: int = 0, count_gone: bool = True) -> list[str]:
@@ -216,38 +255,43 @@ class TierStack:
             evicted.add(victim)
             if below and vrec is not None and (write_back or not self._held_below(victim, level)):
                 down.append((victim, vrec))
+                self._fly(victim)  # under the tier's index lock: a removal that follows waits for it
             else:
                 gone[0] += 1
                 gone[1] += record_nbytes(vrec) if vrec is not None else 0
 
         here: list[int] = []  # items this tier holds now
         passed: list[int] = []  # items it could not take: passed down
-        written: set[bytes] = set()
-        pos = 0
-        while pos < len(items):
-            if not tier.health.healthy:  # turned unhealthy during this batch: the rest go down
-                passed.extend(range(pos, len(items)))
-                break
-            try:
-                written.update(tier.write(items[pos:], on_evict=on_evict))
-                here.extend(range(pos, len(items)))
-                break
-            except (TierFullError, TierUnavailableError) as e:
-                failed = pos + min(max(int(e.done), 0), len(items) - pos - 1)
-                written.update(e.written)
-                here.extend(range(pos, failed))
-                if isinstance(e, TierFullError):
-                    log.info("%s tier: no room for %s (%s); passing it down", tier.name, items[failed][0].hex(), e)
-                else:
-                    log.debug("%s", e)
-                passed.append(failed)
-                pos = failed + 1
-        if gone[0]:
-            self.count_move(tier.name, "gone", gone[1], records=gone[0])
-        stored = [items[i] for i in here if items[i][0] in written]
-        if stored:
-            self.count_move(source, tier.name, sum(record_nbytes(r) for _, r in stored), records=len(stored))
-        went = dict(zip([k for k, _ in down], self.put_many(down, source=tier.name, level=level + 1))) if down else {}
+        try:
+            written: set[bytes] = set()
+            pos = 0
+            while pos < len(items):
+                if not tier.health.healthy:  # turned unhealthy during this batch: the rest go down
+                    passed.extend(range(pos, len(items)))
+                    break
+                try:
+                    written.update(tier.write(items[pos:], on_evict=on_evict))
+                    here.extend(range(pos, len(items)))
+                    break
+                except (TierFullError, TierUnavailableError) as e:
+                    failed = pos + min(max(int(e.done), 0), len(items) - pos - 1)
+                    written.update(e.written)
+                    here.extend(range(pos, failed))
+                    if isinstance(e, TierFullError):
+                        log.info("%s tier: no room for %s (%s); passing it down", tier.name, items[failed][0].hex(), e)
+                    else:
+                        log.debug("%s", e)
+                    passed.append(failed)
+                    pos = failed + 1
+            if gone[0]:
+                self.count_move(tier.name, "gone", gone[1], records=gone[0])
+            stored = [items[i] for i in here if items[i][0] in written]
+            if stored:
+                self.count_move(source, tier.name, sum(record_nbytes(r) for _, r in stored), records=len(stored))
+            went = dict(zip([k for k, _ in down], self.put_many(down, source=tier.name, level=level + 1))) if down else {}
+        finally:
+            if down:
+                self._landed([k for k, _ in down])
         placed: list[list[str]] = [[] for _ in items]
         for i in here:  # an item a later one of the batch evicted is where its eviction took it
             key = items[i][0]
@@ -319,8 +363,34 @@ class TierStack:
         return written
 
     def remove(self, keys: Sequence[bytes]) -> int:
-        """Drop ``keys`` from every tier; returns records dropped."""
-        return sum(t.remove(keys) for t in self.tiers)
+        """Drop ``keys`` from every tier, also those on their way down between two tiers (the
+        removal waits for them to land, :meth:`settle`, so none lands after it); returns records
+        dropped."""
+        wanted = set(keys)
+        return self._remove_where(lambda tier: list(keys), wanted.__contains__)[0]
+
+    def remove_prefix(self, prefix: bytes) -> set[bytes]:
+        """Drop every record whose key starts with ``prefix`` from every tier, as :meth:`remove`
+        (those on their way down too); returns the keys dropped (a key held by two tiers once)."""
+        def match(k: object) -> bool:
+            return isinstance(k, bytes) and k.startswith(prefix)
+        return self._remove_where(lambda tier: [k for k in tier.index.keys() if match(k)], match)[1]
+
+    def _remove_where(self, keys_of: Callable[[Tier], list[bytes]],
+                      match: Callable[[bytes], bool]) -> tuple[int, set[bytes]]:
+        """Remove ``keys_of(tier)`` from each tier, fastest first. Before each cascade tier below the
+        first, wait for the matching records on their way down to it (evicted from the tier above
+        before that was cleared; one evicted later was written after the removal began). Returns
+        the records removed and the keys asked of the tiers."""
+        n, asked = 0, set()
+        for tier in self.tiers:
+            if tier in self.cascade[1:]:
+                self.settle(match)
+            mine = keys_of(tier)
+            if mine:
+                n += tier.remove(mine)
+                asked.update(mine)
+        return n, asked
 
     # ----- presence -----------------------------------------------------------------------------
     def where(self, keys: Sequence[bytes]) -> list[list[str]]:

@@ -7,6 +7,8 @@
   start (FAILED_PRECONDITION).
 * :class:`TransferError` -- the engine (or the fallback stream) failed while moving bytes: a
   non-zero return code, an injected failure, a broken stream (ABORTED / UNAVAILABLE).
+* :class:`PageChanged` -- a source page changed (written, freed, allocated again) while a pull read
+  it, so its layers may come from two writes (ABORTED).
 """
 
 from __future__ import annotations
@@ -24,6 +26,11 @@ class TransferError(RuntimeError):
         super().__init__(message)
         self.batch = batch
         self.return_code = return_code
+
+
+class PageChanged(TransferError):
+    """A source page's write generation changed between the pull's layout fetch and the last byte
+    read of it (a write, a free, an allocation to another request): the pull must not deliver it."""
 
 
 class TransferEngineUnavailable(TransferError):

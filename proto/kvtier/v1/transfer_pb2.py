@@ -25,35 +25,35 @@ _sym_db = _symbol_database.Default()
 from kvtier.v1 import pool_pb2 as kvtier_dot_v1_dot_pool__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvtier/v1/transfer.proto\x12\tkvtier.v1\x1a\x14kvtier/v1/pool.proto\"S\n\x15TransferLayoutRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x13\n\x0b\x63heck_pages\x18\x02 \x03(\x03\x12\x14\n\x0cknown_digest\x18\x03 \x01(\t\".\n\x0fRegisteredRange\x12\x0b\n\x03ptr\x18\x01 \x01(\x04\x12\x0e\n\x06nbytes\x18\x02 \x01(\x04\"\x8a\x02\n\x0eTransferLayout\x12%\n\x06layout\x18\x01 \x01(\x0b\x32\x15.kvtier.v1.PoolLayout\x12%\n\x06latent\x18\x02 \x03(\x0b\x32\x15.kvtier.v1.BufferInfo\x12$\n\x05index\x18\x03 \x03(\x0b\x32\x15.kvtier.v1.BufferInfo\x12\x17\n\x0f\x65ngine_endpoint\x18\x04 \x01(\t\x12.\n\nregistered\x18\x05 \x03(\x0b\x32\x1a.kvtier.v1.RegisteredRange\x12\x15\n\rlayout_digest\x18\x06 \x01(\t\x12\x11\n\tunchanged\x18\x07 \x01(\x08\x12\x11\n\tdaemon_id\x18\x08 \x01(\t\"\xda\x01\n\rPullKVRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x14\n\x0cpeer_address\x18\x02 \x01(\t\x12\x14\n\x0cpeer_pool_id\x18\x03 \x01(\t\x12\x11\n\tsrc_pages\x18\x04 \x03(\x03\x12\x11\n\tdst_pages\x18\x05 \x03(\x03\x12\x11\n\tsrc_slots\x18\x06 \x03(\x03\x12\x11\n\tdst_slots\x18\x07 \x03(\x03\x12\'\n\ttransport\x18\x08 \x01(\x0e\x32\x14.kvtier.v1.Transport\x12\x17\n\x0fmax_batch_items\x18\t \x01(\r\"}\n\rLayerTransfer\x12\x10\n\x08layer_id\x18\x01 \x01(\r\x12\x14\n\x0clatent_bytes\x18\x02 \x01(\x04\x12\x13\n\x0bindex_bytes\x18\x03 \x01(\x04\x12\x17\n\x0flatent_requests\x18\x04 \x01(\r\x12\x16\n\x0eindex_requests\x18\x05 \x01(\r\"\xf3\x01\n\x0ePullKVResponse\x12\x11\n\tnum_pages\x18\x01 \x01(\x04\x12\x14\n\x0clatent_bytes\x18\x02 \x01(\x04\x12\x13\n\x0bindex_bytes\x18\x03 \x01(\x04\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x04\x12\x17\n\x0flatent_requests\x18\x05 \x01(\x04\x12\x16\n\x0eindex_requests\x18\x06 \x01(\x04\x12\x0f\n\x07\x62\x61tches\x18\x07 \x01(\r\x12(\n\x06layers\x18\x08 \x03(\x0b\x32\x18.kvtier.v1.LayerTransfer\x12\x11\n\ttransport\x18\t \x01(\t\x12\x0f\n\x07seconds\x18\n \x01(\x01\"o\n\x07PageRun\x12\x10\n\x08layer_id\x18\x01 \x01(\r\x12+\n\tcomponent\x18\x02 \x01(\x0e\x32\x18.kvtier.v1.PageComponent\x12\x12\n\nfirst_page\x18\x03 \x01(\x04\x12\x11\n\tnum_pages\x18\x04 \x01(\x04\"Z\n\x10ReadPagesRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12 \n\x04runs\x18\x02 \x03(\x0b\x32\x12.kvtier.v1.PageRun\x12\x13\n\x0b\x63hunk_bytes\x18\x03 \x01(\x04\">\n\x11ReadPagesResponse\x12\x0b\n\x03run\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c*R\n\tTransport\x12\x19\n\x15TRANSPORT_UNSPECIFIED\x10\x00\x12\x16\n\x12TRANSPORT_MOONCAKE\x10\x01\x12\x12\n\x0eTRANSPORT_GRPC\x10\x02*d\n\rPageComponent\x12\x1e\n\x1aPAGE_COMPONENT_UNSPECIFIED\x10\x00\x12\x19\n\x15PAGE_COMPONENT_LATENT\x10\x01\x12\x18\n\x14PAGE_COMPONENT_INDEX\x10\x02\x32\xec\x01\n\x0fTransferService\x12P\n\x11GetTransferLayout\x12 .kvtier.v1.TransferLayoutRequest\x1a\x19.kvtier.v1.TransferLayout\x12=\n\x06PullKV\x12\x18.kvtier.v1.PullKVRequest\x1a\x19.kvtier.v1.PullKVResponse\x12H\n\tReadPages\x12\x1b.kvtier.v1.ReadPagesRequest\x1a\x1c.kvtier.v1.ReadPagesResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvtier/v1/transfer.proto\x12\tkvtier.v1\x1a\x14kvtier/v1/pool.proto\"S\n\x15TransferLayoutRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x13\n\x0b\x63heck_pages\x18\x02 \x03(\x03\x12\x14\n\x0cknown_digest\x18\x03 \x01(\t\".\n\x0fRegisteredRange\x12\x0b\n\x03ptr\x18\x01 \x01(\x04\x12\x0e\n\x06nbytes\x18\x02 \x01(\x04\"\xa4\x02\n\x0eTransferLayout\x12%\n\x06layout\x18\x01 \x01(\x0b\x32\x15.kvtier.v1.PoolLayout\x12%\n\x06latent\x18\x02 \x03(\x0b\x32\x15.kvtier.v1.BufferInfo\x12$\n\x05index\x18\x03 \x03(\x0b\x32\x15.kvtier.v1.BufferInfo\x12\x17\n\x0f\x65ngine_endpoint\x18\x04 \x01(\t\x12.\n\nregistered\x18\x05 \x03(\x0b\x32\x1a.kvtier.v1.RegisteredRange\x12\x15\n\rlayout_digest\x18\x06 \x01(\t\x12\x11\n\tunchanged\x18\x07 \x01(\x08\x12\x11\n\tdaemon_id\x18\x08 \x01(\t\x12\x18\n\x10page_generations\x18\t \x03(\x04\"\xda\x01\n\rPullKVRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x14\n\x0cpeer_address\x18\x02 \x01(\t\x12\x14\n\x0cpeer_pool_id\x18\x03 \x01(\t\x12\x11\n\tsrc_pages\x18\x04 \x03(\x03\x12\x11\n\tdst_pages\x18\x05 \x03(\x03\x12\x11\n\tsrc_slots\x18\x06 \x03(\x03\x12\x11\n\tdst_slots\x18\x07 \x03(\x03\x12\'\n\ttransport\x18\x08 \x01(\x0e\x32\x14.kvtier.v1.Transport\x12\x17\n\x0fmax_batch_items\x18\t \x01(\r\"}\n\rLayerTransfer\x12\x10\n\x08layer_id\x18\x01 \x01(\r\x12\x14\n\x0clatent_bytes\x18\x02 \x01(\x04\x12\x13\n\x0bindex_bytes\x18\x03 \x01(\x04\x12\x17\n\x0flatent_requests\x18\x04 \x01(\r\x12\x16\n\x0eindex_requests\x18\x05 \x01(\r\"\xf3\x01\n\x0ePullKVResponse\x12\x11\n\tnum_pages\x18\x01 \x01(\x04\x12\x14\n\x0clatent_bytes\x18\x02 \x01(\x04\x12\x13\n\x0bindex_bytes\x18\x03 \x01(\x04\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x04\x12\x17\n\x0flatent_requests\x18\x05 \x01(\x04\x12\x16\n\x0eindex_requests\x18\x06 \x01(\x04\x12\x0f\n\x07\x62\x61tches\x18\x07 \x01(\r\x12(\n\x06layers\x18\x08 \x03(\x0b\x32\x18.kvtier.v1.LayerTransfer\x12\x11\n\ttransport\x18\t \x01(\t\x12\x0f\n\x07seconds\x18\n \x01(\x01\"o\n\x07PageRun\x12\x10\n\x08layer_id\x18\x01 \x01(\r\x12+\n\tcomponent\x18\x02 \x01(\x0e\x32\x18.kvtier.v1.PageComponent\x12\x12\n\nfirst_page\x18\x03 \x01(\x04\x12\x11\n\tnum_pages\x18\x04 \x01(\x04\"\xa3\x01\n\x10ReadPagesRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12 \n\x04runs\x18\x02 \x03(\x0b\x32\x12.kvtier.v1.PageRun\x12\x13\n\x0b\x63hunk_bytes\x18\x03 \x01(\x04\x12\x14\n\x0c\x65xpect_pages\x18\x04 \x03(\x03\x12\x1a\n\x12\x65xpect_generations\x18\x05 \x03(\x04\x12\x15\n\rexpect_daemon\x18\x06 \x01(\t\">\n\x11ReadPagesResponse\x12\x0b\n\x03run\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c*R\n\tTransport\x12\x19\n\x15TRANSPORT_UNSPECIFIED\x10\x00\x12\x16\n\x12TRANSPORT_MOONCAKE\x10\x01\x12\x12\n\x0eTRANSPORT_GRPC\x10\x02*d\n\rPageComponent\x12\x1e\n\x1aPAGE_COMPONENT_UNSPECIFIED\x10\x00\x12\x19\n\x15PAGE_COMPONENT_LATENT\x10\x01\x12\x18\n\x14PAGE_COMPONENT_INDEX\x10\x02\x32\xec\x01\n\x0fTransferService\x12P\n\x11GetTransferLayout\x12 .kvtier.v1.TransferLayoutRequest\x1a\x19.kvtier.v1.TransferLayout\x12=\n\x06PullKV\x12\x18.kvtier.v1.PullKVRequest\x1a\x19.kvtier.v1.PullKVResponse\x12H\n\tReadPages\x12\x1b.kvtier.v1.ReadPagesRequest\x1a\x1c.kvtier.v1.ReadPagesResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvtier.v1.transfer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TRANSPORT']._serialized_start=1326
-  _globals['_TRANSPORT']._serialized_end=1408
-  _globals['_PAGECOMPONENT']._serialized_start=1410
-  _globals['_PAGECOMPONENT']._serialized_end=1510
+  _globals['_TRANSPORT']._serialized_start=1426
+  _globals['_TRANSPORT']._serialized_end=1508
+  _globals['_PAGECOMPONENT']._serialized_start=1510
+  _globals['_PAGECOMPONENT']._serialized_end=1610
   _globals['_TRANSFERLAYOUTREQUEST']._serialized_start=61
   _globals['_TRANSFERLAYOUTREQUEST']._serialized_end=144
   _globals['_REGISTEREDRANGE']._serialized_start=146
   _globals['_REGISTEREDRANGE']._serialized_end=192
   _globals['_TRANSFERLAYOUT']._serialized_start=195
-  _globals['_TRANSFERLAYOUT']._serialized_end=461
-  _globals['_PULLKVREQUEST']._serialized_start=464
-  _globals['_PULLKVREQUEST']._serialized_end=682
-  _globals['_LAYERTRANSFER']._serialized_start=684
-  _globals['_LAYERTRANSFER']._serialized_end=809
-  _globals['_PULLKVRESPONSE']._serialized_start=812
-  _globals['_PULLKVRESPONSE']._serialized_end=1055
-  _globals['_PAGERUN']._serialized_start=1057
-  _globals['_PAGERUN']._serialized_end=1168
-  _globals['_READPAGESREQUEST']._serialized_start=1170
-  _globals['_READPAGESREQUEST']._serialized_end=1260
-  _globals['_READPAGESRESPONSE']._serialized_start=1262
-  _globals['_READPAGESRESPONSE']._serialized_end=1324
-  _globals['_TRANSFERSERVICE']._serialized_start=1513
-  _globals['_TRANSFERSERVICE']._serialized_end=1749
+  _globals['_TRANSFERLAYOUT']._serialized_end=487
+  _globals['_PULLKVREQUEST']._serialized_start=490
+  _globals['_PULLKVREQUEST']._serialized_end=708
+  _globals['_LAYERTRANSFER']._serialized_start=710
+  _globals['_LAYERTRANSFER']._serialized_end=835
+  _globals['_PULLKVRESPONSE']._serialized_start=838
+  _globals['_PULLKVRESPONSE']._serialized_end=1081
+  _globals['_PAGERUN']._serialized_start=1083
+  _globals['_PAGERUN']._serialized_end=1194
+  _globals['_READPAGESREQUEST']._serialized_start=1197
+  _globals['_READPAGESREQUEST']._serialized_end=1360
+  _globals['_READPAGESRESPONSE']._serialized_start=1362
+  _globals['_READPAGESRESPONSE']._serialized_end=1424
+  _globals['_TRANSFERSERVICE']._serialized_start=1613
+  _globals['_TRANSFERSERVICE']._serialized_end=1849
 # @@protoc_insertion_point(module_scope)

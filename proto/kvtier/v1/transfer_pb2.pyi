@@ -84,10 +84,12 @@ class TransferLayoutRequest(_message.Message):
     KNOWN_DIGEST_FIELD_NUMBER: _builtins.int
     pool_id: _builtins.str
     known_digest: _builtins.str
-    """layout_digest of a layout the caller holds for this pool: if it still holds,"""
+    """the answer gives their write generations (page_generations)
+    layout_digest of a layout the caller holds for this pool: if it still holds,
+    """
     @_builtins.property
     def check_pages(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """pages the caller will read: each must be allocated (else INVALID_ARGUMENT)"""
+        """pages the caller will read: each must be allocated (else INVALID_ARGUMENT);"""
 
     def __init__(
         self,
@@ -144,6 +146,7 @@ class TransferLayout(_message.Message):
     LAYOUT_DIGEST_FIELD_NUMBER: _builtins.int
     UNCHANGED_FIELD_NUMBER: _builtins.int
     DAEMON_ID_FIELD_NUMBER: _builtins.int
+    PAGE_GENERATIONS_FIELD_NUMBER: _builtins.int
     engine_endpoint: _builtins.str
     """"host:port" of the Mooncake Transfer Engine; "" without one"""
     layout_digest: _builtins.str
@@ -166,6 +169,13 @@ class TransferLayout(_message.Message):
     def registered(self) -> _containers.RepeatedCompositeFieldContainer[Global___RegisteredRange]:
         """ranges the engine registered (disjoint, non-empty)"""
 
+    @_builtins.property
+    def page_generations(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """processes never share one): a PullKV that meets its own id copies in process;
+        "" from a daemon that predates it
+        the write generation of each check_pages page, in order, set even when
+        """
+
     def __init__(
         self,
         *,
@@ -177,10 +187,11 @@ class TransferLayout(_message.Message):
         layout_digest: _builtins.str = ...,
         unchanged: _builtins.bool = ...,
         daemon_id: _builtins.str = ...,
+        page_generations: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["layout", b"layout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["daemon_id", b"daemon_id", "engine_endpoint", b"engine_endpoint", "index", b"index", "latent", b"latent", "layout", b"layout", "layout_digest", b"layout_digest", "registered", b"registered", "unchanged", b"unchanged"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["daemon_id", b"daemon_id", "engine_endpoint", b"engine_endpoint", "index", b"index", "latent", b"latent", "layout", b"layout", "layout_digest", b"layout_digest", "page_generations", b"page_generations", "registered", b"registered", "unchanged", b"unchanged"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -362,12 +373,28 @@ class ReadPagesRequest(_message.Message):
     POOL_ID_FIELD_NUMBER: _builtins.int
     RUNS_FIELD_NUMBER: _builtins.int
     CHUNK_BYTES_FIELD_NUMBER: _builtins.int
+    EXPECT_PAGES_FIELD_NUMBER: _builtins.int
+    EXPECT_GENERATIONS_FIELD_NUMBER: _builtins.int
+    EXPECT_DAEMON_FIELD_NUMBER: _builtins.int
     pool_id: _builtins.str
     chunk_bytes: _builtins.int
     """data bytes a message; 0 = the daemon's default"""
+    expect_daemon: _builtins.str
+    """the daemon_id of that answer: another process (a restarted peer) is ABORTED"""
     @_builtins.property
     def runs(self) -> _containers.RepeatedCompositeFieldContainer[Global___PageRun]:
         """every page must be allocated"""
+
+    @_builtins.property
+    def expect_pages(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Whole pages: with expect_pages, every page of every run must be listed, with the write generation a
+        TransferLayout answer of daemon `expect_daemon` gave it (page_generations); a run is copied only while its
+        pages still have them, else the stream ends ABORTED ("changed"). Empty: no check (pullers that predate it).
+        """
+
+    @_builtins.property
+    def expect_generations(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """one per expect_pages entry"""
 
     def __init__(
         self,
@@ -375,10 +402,13 @@ class ReadPagesRequest(_message.Message):
         pool_id: _builtins.str = ...,
         runs: _abc.Iterable[Global___PageRun] | None = ...,
         chunk_bytes: _builtins.int = ...,
+        expect_pages: _abc.Iterable[_builtins.int] | None = ...,
+        expect_generations: _abc.Iterable[_builtins.int] | None = ...,
+        expect_daemon: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_bytes", b"chunk_bytes", "pool_id", b"pool_id", "runs", b"runs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_bytes", b"chunk_bytes", "expect_daemon", b"expect_daemon", "expect_generations", b"expect_generations", "expect_pages", b"expect_pages", "pool_id", b"pool_id", "runs", b"runs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -7,6 +7,8 @@ and the record's layout is checked against an independent slice of the record fo
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -217,3 +219,69 @@ def test_a_tenants_waiting_parts_stay_within_its_host_quota():
     assert s.put(OTHER, sp, [b"x"], "index", parts(4)[1]).completed == 0        # its oldest made room
     assert s.put(OTHER, sp, [b"z"], "index", parts(4)[1]).completed == 1
     assert s.put(ME, sp, [b"m"], "kv", parts(3)[0]).completed == 1
+
+
+@pytest.fixture
+def host_and_disk(tmp_path):
+    """A unit store over a host tier of 2 units and a disk tier."""
+    from kvtier.server.tiers import DiskTierConfig
+
+    page_rec = UnitStore(TierStack([])).space(space_req()).codec.page_nbytes()
+    stack = TierStack.from_configs([HostTierConfig(capacity_bytes=2 * page_rec),
+                                    DiskTierConfig(path=str(tmp_path / "d"), capacity_bytes=64 << 20)])
+    yield UnitStore(stack)
+    stack.close()
+
+
+def test_a_unit_cleared_while_a_read_takes_it_from_disk_does_not_come_back(host_and_disk):
+    """Regression (attack pass F8): a GetUnits that had a unit from the disk tier in hand put it back
+    into the host tier after handing it on -- after a ClearUnits that came meanwhile, so the cleared
+    unit was found again (SGLang's flush_cache relies on the clear). The read is suspended with the
+    unit in hand (a generator, as the stream is), the clear runs, the read goes on: nothing of the
+    space is found afterwards, in any tier."""
+    s = host_and_disk
+    sp = s.space(space_req())
+    for i, k in enumerate((b"a", b"b", b"c")):
+        s.put(ME, sp, [k], "both", torch.cat(parts(i)))
+    tkey = s._space_prefix(ME, sp) + b"a"
+    assert s.stack.where([tkey]) == [["disk"]]
+    reading = s.read(ME, sp, [b"a"], "both")
+    i, view = next(reading)  # the unit, borrowed from disk; its promotion comes when the read goes on
+    assert i == 0 and torch.equal(view, torch.cat(parts(0)))
+    assert s.clear(ME, sp) == 3
+    assert list(reading) == []
+    assert s.exists(ME, sp, [b"a"]) == 0 and s.stack.where([tkey]) == [[]], "the cleared unit came back"
+    assert read_all(s, ME, sp, [b"a"], "both") == {}
+
+
+def test_a_put_whose_other_half_waited_before_a_clear_does_not_bring_it_back(host_and_disk, monkeypatch):
+    """The sibling in PutUnits: the KV part of ``a`` waits (its indexer part to come) when a clear of
+    the space begins; the indexer part's commit had taken the waiting part out of the table just
+    before, and its write into the tiers is held. The clear must not end with a unit made of a part
+    from before it: it waits for the commit and removes the unit, so nothing is found afterwards."""
+    s = host_and_disk
+    sp = s.space(space_req())
+    kv, idx = parts(1)
+    assert s.put(ME, sp, [b"a"], "kv", kv).pending == 1
+    in_put, go = threading.Event(), threading.Event()
+    put = s.stack.put
+
+    def held_put(*a, **kw):
+        in_put.set()
+        assert go.wait(30)
+        return put(*a, **kw)
+
+    monkeypatch.setattr(s.stack, "put", held_put)
+    committer = threading.Thread(target=lambda: s.put(ME, sp, [b"a"], "index", idx), daemon=True)
+    committer.start()
+    assert in_put.wait(30)  # the two parts are one record now, not yet in a tier
+    cleared: list = []
+    clearer = threading.Thread(target=lambda: cleared.append(s.clear(ME, sp)), daemon=True)
+    clearer.start()
+    clearer.join(0.5)  # waits for the commit (before: cleared nothing and answered)
+    go.set()
+    committer.join(30)
+    clearer.join(30)
+    assert not committer.is_alive() and not clearer.is_alive()
+    assert s.exists(ME, sp, [b"a"]) == 0, "a unit made of a part from before the clear came back"
+    assert cleared == [1]
