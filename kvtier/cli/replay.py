@@ -210,7 +210,7 @@ def _print_report(res: ReplayResult, belady: int | None, wall_seconds: float | N
 @click.option("--write-through/--write-back", default=False, show_default=True, help="Host tier write policy.")
 @click.option("--belady/--no-belady", default=True, show_default=True, help="Compute Belady's upper bound.")
 @click.option("--policy", "policy_list", default="default", show_default=True, metavar="NAME[,NAME...]",
-              help="Eviction policy of the device, host and disk tiers (default = duel, kvtier's own; lru, s3fifo, arc, hitdensity). A comma list needs --simulate --sweep. "
+              help="Eviction policy of the device, host and disk tiers (default = duel, kvtier's own; duel, lru, s3fifo, arc, hitdensity). A comma list needs --simulate --sweep. "
                    "Through a daemon: the embedded daemon's --policy (an existing --server keeps its own).")
 @click.option("--sweep", "sweep_list", default=None, metavar="TOKENS[,TOKENS...]",
               help="Policy lab (with --simulate): every policy at each total capacity in trace tokens (a 512-token "

@@ -82,7 +82,7 @@ def add_tier_options(command: click.Command) -> click.Command:
                      help="Host tier writes records to disk on entry (write-through) or on eviction [write-back]."),
         click.Option(["--policy"], default=None, metavar="NAME", expose_value=False, callback=_remember("policy"),
                      help="Eviction policy of the device, host and disk tiers (each its own instance; mooncake keeps lru): "
-                          "default (duel, kvtier's own; see docs/concepts/eviction.md), lru, s3fifo, arc or hitdensity [default]."),
+                          "default (= duel, kvtier's own; see docs/concepts/eviction.md), duel, lru, s3fifo, arc or hitdensity [default: default]."),
         click.Option(["--tiers", "tier_stack"], default=None, metavar="NAMES", expose_value=False,
                      callback=_remember("stack", _parse_stack),
                      help="Tiers below the device, fastest first, from host, disk, mooncake "
