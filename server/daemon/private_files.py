@@ -25,7 +25,8 @@ def read_private_file(path: str | Path, flag: str) -> bytes:
         AuthConfigError: a one-line reason (missing, a symlink, not a regular file, owner, mode).
     """
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        # O_NONBLOCK: a FIFO at the path must not hang the start waiting for a writer (it is refused below)
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | os.O_NONBLOCK)
     except OSError as e:
         raise AuthConfigError(f"{flag} {path}: cannot open it ({e.strerror}); it must be a regular "
                               f"file, not a symlink") from None

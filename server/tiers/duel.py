@@ -33,6 +33,12 @@ Admission to the disk tier (:meth:`DuelPolicy.admit`): a page whose rank in the 
 below every rank the tier holds would be the tier's very next victim, so it is not expected back
 before it is evicted there and is not stored (under recency every page is admitted, as with LRU).
 
+A record that is not a prefix cache's page (an Offload copy, an SGLang unit: its tier key lies in no
+prefix cache's namespace, :meth:`~kvtier.server.tiers.reuse.ReuseHistory.is_page`) is the caller's
+own request to keep it: every ranked order puts it after the prefix cache's pages
+(rank :data:`~kvtier.server.tiers.referee.CALLERS_RECORD`, least recently used first among such
+records), and admission never refuses it for its rank; under recency it is one entry among all.
+
 Without a history (a bare :class:`~kvtier.server.tiers.policy.TierIndex`) the policy keeps a referee
 of its own, fed by its own uses and inserts and sized to the entries it holds.
 """
@@ -43,7 +49,7 @@ from collections.abc import Callable
 
 from kvtier.server.tiers.policy import CachePolicy, Key
 from kvtier.server.tiers.ranked import RankedLRU
-from kvtier.server.tiers.referee import ORDERS, ShadowReferee, rank
+from kvtier.server.tiers.referee import CALLERS_RECORD, ORDERS, RECENCY, ShadowReferee, rank
 from kvtier.server.tiers.reuse import LEAF, ReuseHistory
 
 
@@ -72,19 +78,25 @@ class DuelPolicy(CachePolicy):
         """The order evictions follow now (an index of :data:`~kvtier.server.tiers.referee.ORDERS`)."""
         return self.referee.leader
 
-    def _facts(self, key: Key) -> tuple[int, bool]:
-        """``(requests that asked for key, leaf)``."""
+    def _facts(self, key: Key) -> tuple[int, bool, bool]:
+        """``(requests that asked for key, leaf, a prefix page)``; with a history, a key no request
+        asked for (0 uses: an Offload copy, an SGLang unit) is the caller's record, not a prefix page."""
         if self.history is not None:
             k = self._key_of(key)
-            return max(self.history.uses(k), 1), self.history.class_of(k) == LEAF
-        return self.own_uses.get(key, 1), False
+            return max(self.history.uses(k), 1), self.history.class_of(k) == LEAF, self.history.is_page(k)
+        return self.own_uses.get(key, 1), False, True
+
+    @staticmethod
+    def _rank(order: int, facts: tuple[int, bool, bool]) -> int:
+        uses, leaf, page = facts
+        return rank(order, uses, leaf) if page or order == RECENCY else CALLERS_RECORD
 
     def _file(self, key: Key) -> None:
-        uses, leaf = self._facts(key)
+        facts = self._facts(key)
         for o, order in enumerate(self.orders):
-            order.put(key, rank(o, uses, leaf))
+            order.put(key, self._rank(o, facts))
         if self._own_referee:
-            self.referee.observe([(key, uses, leaf)])
+            self.referee.observe([(key, facts[0], facts[1])])
 
     def touch(self, key: Key) -> None:
         if key not in self.sizes:
@@ -125,7 +137,7 @@ class DuelPolicy(CachePolicy):
     def admit(self, key: Key, nbytes: int) -> bool:
         o = self.leader
         lowest = self.orders[o].lowest_rank()
-        return lowest is None or rank(o, *self._facts(key)) >= lowest
+        return lowest is None or self._rank(o, self._facts(key)) >= lowest
 
     def order(self) -> list[Key]:
         return list(self.orders[self.leader])

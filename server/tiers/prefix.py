@@ -137,6 +137,7 @@ class PrefixCache:
         self._device = TierIndex(capacity=1 << 62, policy=make_policy(policy), policy_capacity=allocator.num_pages)
         self.policy = resolve_policy(policy)
         self.history = stack.reuse_history(allocator.num_pages, self.page_record_bytes)
+        self.history.add_namespace(self.namespace)
         self._device.policy.use_history(self.history, self._tier_key)
         self._pages: dict[bytes, int] = {}
         self._leases: dict[str, _Lease] = {}

@@ -33,6 +33,9 @@ from collections.abc import Hashable, Iterable
 from kvtier.server.tiers.ranked import RankedLRU
 
 RECENCY, LEAVES_FIRST, ONCE_FIRST, FREQUENCY = 0, 1, 2, 3
+#: The rank of a record no request asked for (an Offload copy, an SGLang unit): the caller's own
+#: request to keep it, so under every ranked order it goes after the prefix cache's pages.
+CALLERS_RECORD = 1 << 16
 #: Display names of the orders, by index.
 ORDERS = ("recency", "leaves first", "once first", "frequency")
 

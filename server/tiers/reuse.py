@@ -39,6 +39,7 @@ class ReuseHistory:
         self._seen: OrderedDict[Hashable, tuple[int, bool]] = OrderedDict()
         self._lock = threading.Lock()
         self.referee = None  # a ShadowReferee the stack attaches, told every request after the history
+        self.namespaces: tuple[bytes, ...] = ()  # tier-key prefixes of the prefix caches that report here
 
     def __len__(self) -> int:
         return len(self._seen)
@@ -58,6 +59,21 @@ class ReuseHistory:
                 facts = [(k, *seen[k]) if k in seen else (k, 1, False) for k in keys]
         if referee is not None:
             referee.observe((k, uses, leaf and uses <= 1) for k, uses, leaf in facts)  # leaf: class LEAF
+
+    def add_namespace(self, namespace: bytes) -> None:
+        """A prefix cache whose tier keys start with ``namespace`` reports its requests here."""
+        with self._lock:
+            if namespace not in self.namespaces:
+                self.namespaces = (*self.namespaces, namespace)
+
+    def is_page(self, key: Hashable) -> bool:
+        """Whether ``key`` is a prefix cache's page (its tier key starts with a registered namespace),
+        not a record a caller stored itself (an Offload copy, an SGLang unit). With no namespace
+        registered: whether a request asked for it while it was remembered."""
+        spaces = self.namespaces
+        if spaces and isinstance(key, bytes):
+            return key.startswith(spaces)
+        return key in self._seen
 
     def uses(self, key: Hashable) -> int:
         """Requests that asked for ``key`` while it was remembered (0: unknown or forgotten)."""

@@ -276,7 +276,7 @@ def test_metrics_without_a_token_or_an_explicit_opt_in_are_refused(tmp_path):
     assert "give --metrics-port" in line
 
 
-@pytest.mark.parametrize("problem", ["mode-0644", "other-owner", "symlink", "short", "two-words"])
+@pytest.mark.parametrize("problem", ["mode-0644", "other-owner", "symlink", "short", "two-words", "fifo"])
 def test_a_metrics_token_file_others_could_read_or_that_holds_no_token_is_refused(tmp_path, problem):
     """``--metrics-token-file`` is checked like ``--auth-tokens``: a regular file of the daemon's user
     with no group or other permission, not a symlink, holding one token of at least 16 visible
@@ -291,10 +291,14 @@ def test_a_metrics_token_file_others_could_read_or_that_holds_no_token_is_refuse
     elif problem == "symlink":
         given = tmp_path / "link.token"
         given.symlink_to(token)
+    elif problem == "fifo":  # regression (attack pass 3, N3): opening it waited for a writer, silently, forever
+        given = tmp_path / "fifo.token"
+        os.mkfifo(given, 0o600)
     line = one_line_error(serve(tmp_path, "--metrics-port", "0", "--metrics-token-file", str(given), timeout=60))
     expected = {"mode-0644": f"mode 0644 lets other users read the tokens; run chmod 600 {token}",
                 "other-owner": "owned by uid 65534, not by the daemon's user", "symlink": "not a symlink",
-                "short": "shorter than 16 characters", "two-words": "one word of visible ASCII"}[problem]
+                "short": "shorter than 16 characters", "two-words": "one word of visible ASCII",
+                "fifo": "not a regular file"}[problem]
     assert line.startswith(f"Error: --metrics-token-file {given}: ") and expected in line, line
     assert METRICS_TOKEN not in line and "short-token" not in line
 

@@ -105,18 +105,19 @@ def test_admission_refuses_a_page_below_every_rank_held():
     h.referee = ShadowReferee(8)
     for _ in range(2):
         h.observe(["a", "b"])  # a: 2 requests; b: 2 requests (a leaf no more)
-    p = stack_policy(h, FREQUENCY)
-    assert p.admit("new", 1)  # empty: everything is admitted
+    h.observe(["once", "leaf"])  # once: 1 request, not its last page; leaf: its last page
+    h.observe(["twice"])
+    h.observe(["twice", "c"])
+    p = stack_policy(h, FREQUENCY)  # set after the observations: each one lets the referee choose again
+    assert p.admit("once", 1)  # empty: everything is admitted
     p.insert("a", 1)
     assert not p.admit("once", 1)  # 1 request: rank 1, below a's rank 2
-    h.observe(["twice"])
-    h.observe(["twice"])
-    assert p.admit("twice", 1)
+    assert p.admit("twice", 1)  # 2 requests: rank 2
+    assert not p.admit("leaf", 1)  # rank 0
     h.referee.leader = RECENCY
-    assert p.admit("once", 1)  # recency admits everything, as LRU does
-    h.observe(["c", "leaf"])
+    assert p.admit("once", 1) and p.admit("leaf", 1)  # recency admits everything, as LRU does
     h.referee.leader = LEAVES_FIRST
-    assert not p.admit("leaf", 1) and p.admit("c", 1)
+    assert not p.admit("leaf", 1) and p.admit("once", 1)  # leaf rank 0 below a's 1; once: rank 1
 
 
 def test_without_a_history_the_policy_referees_its_own_stream():
@@ -143,3 +144,39 @@ def test_pinned_entries_are_skipped_and_an_impossible_eviction_changes_nothing()
     assert p.order() == ["a", "c"] and all("b" not in o for o in p.orders)
     with pytest.raises(KeyError):
         p.insert("a", 1)
+
+
+def test_a_record_no_request_asked_for_goes_after_the_prefix_pages_and_is_always_admitted():
+    """Regression (attack pass 3, N4): an Offload copy or an SGLang unit (a key the prefix cache's
+    history never saw) was ranked as a page asked for once: under every ranked order it went before
+    reused prefix pages and was refused admission to a disk full of them (24 of 40 copies lost where
+    LRU lost none). It is the caller's own request to keep it."""
+    h = ReuseHistory(max_keys=100)
+    h.referee = ShadowReferee(8)
+    for _ in range(4):
+        h.observe(["hot1", "hot2"])  # prefix pages asked for 4 times
+    p = stack_policy(h, FREQUENCY)
+    p.insert("hot1", 1)
+    p.insert("copy", 1)  # never asked for by a request
+    p.insert("hot2", 1)
+    for leader in (LEAVES_FIRST, ONCE_FIRST, FREQUENCY):
+        h.referee.leader = leader
+        assert p.order() == ["hot1", "hot2", "copy"], ORDER_NAMES[leader]
+        assert p.admit("another copy", 1)
+    h.referee.leader = RECENCY
+    assert p.order() == ["hot1", "copy", "hot2"]
+
+
+def test_a_prefix_page_the_history_forgot_is_still_a_page():
+    """Only keys outside every prefix cache's namespace are callers' records: a page the bounded history
+    has forgotten keeps its place among pages (rank 1, asked for once) instead of jumping past them."""
+    h = ReuseHistory(max_keys=2)
+    h.referee = ShadowReferee(8)
+    h.add_namespace(b"p:")
+    h.observe([b"p:old"])
+    h.observe([b"p:a", b"p:b"])  # 3 keys, 2 remembered: p:old is forgotten
+    assert h.uses(b"p:old") == 0 and h.is_page(b"p:old") and not h.is_page(b"o:copy")
+    p = stack_policy(h, ONCE_FIRST)
+    for k in (b"o:copy", b"p:old", b"p:a"):
+        p.insert(k, 1)
+    assert p.order() == [b"p:old", b"p:a", b"o:copy"]
