@@ -227,6 +227,7 @@ class DaemonConfig:
     """``text`` or ``json`` (one JSON object a line: ts, level, logger, message, thread, exception)."""
 
     def __post_init__(self) -> None:
+        _check_field_types(self)
         object.__setattr__(self, "pd_peers", _unix_peers(self.pd_peers))
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
@@ -368,3 +369,35 @@ class DaemonConfig:
             except tomllib.TOMLDecodeError as e:
                 raise ValueError(f"{path}: {e}") from None
         return cls.from_mapping(data)
+
+
+_TYPE_WORDS = {"int": "an integer", "float": "a finite number", "bool": "true or false", "str": "a string",
+               "int | None": "an integer"}
+
+
+def _check_field_types(config: object) -> None:
+    """Refuse a value of the wrong type (a TOML ``"5"`` for a number, ``true`` for a count, NaN or inf
+    for seconds) in one line naming the key, before any range check compares it.
+
+    Raises:
+        ValueError: ``KEY must be TYPE, got VALUE``.
+    """
+    import math
+
+    for f in dataclasses.fields(config):  # type: ignore[arg-type]
+        want = _TYPE_WORDS.get(str(f.type))
+        if want is None:
+            continue
+        v = getattr(config, f.name)
+        if f.type == "int | None":
+            ok = v is None or (isinstance(v, int) and not isinstance(v, bool))
+        elif f.type == "int":
+            ok = isinstance(v, int) and not isinstance(v, bool)
+        elif f.type == "float":
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        elif f.type == "bool":
+            ok = isinstance(v, bool)
+        else:
+            ok = isinstance(v, str)
+        if not ok:
+            raise ValueError(f"{f.name} must be {want}, got {v!r}")

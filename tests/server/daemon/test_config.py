@@ -69,3 +69,23 @@ def test_a_tenants_share_of_the_stream_slots():
     with pytest.raises(ValueError, match="max_streams_per_tenant"):
         DaemonConfig(max_streams_per_tenant=-1)
     assert DaemonConfig.from_mapping({"max_streams_per_tenant": 3}).max_streams_per_tenant == 3
+
+
+@pytest.mark.parametrize(("line", "words"), [
+    ('request_arrival_seconds = "5"', "request_arrival_seconds must be a finite number, got '5'"),
+    ("request_arrival_seconds = nan", "request_arrival_seconds must be a finite number, got nan"),
+    ("stream_idle_seconds = inf", "stream_idle_seconds must be a finite number, got inf"),
+    ("request_arrival_seconds = true", "request_arrival_seconds must be a finite number, got True"),
+    ('workers = "4"', "workers must be an integer, got '4'"),
+    ("max_streams = 2.5", "max_streams must be an integer, got 2.5"),
+    ("log_level = 3", "log_level must be a string, got 3"),
+    ('metrics_insecure = "yes"', "metrics_insecure must be true or false, got 'yes'"),
+])
+def test_a_toml_value_of_the_wrong_type_is_one_clear_error(tmp_path, line, words):
+    """Regression (attack pass 3, N5): a string where a number goes ended in a TypeError traceback, and
+    NaN or inf seconds started a daemon whose deadlines never fire."""
+    p = tmp_path / "c.toml"
+    p.write_text(line + "\n")
+    with pytest.raises(ValueError) as info:
+        DaemonConfig.from_toml(p)
+    assert words in str(info.value)
