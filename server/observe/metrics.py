@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import io
 import logging
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -103,6 +105,10 @@ class RpcMetrics:
 
 #: Seconds a scrape connection may sit idle (a request never finished) before it is closed.
 SCRAPE_IDLE_SECONDS = 10.0
+#: Seconds the request line and headers may take in all, however they trickle in (slowloris).
+SCRAPE_REQUEST_DEADLINE_SECONDS = 5.0
+#: Scrape connections served at once; one beyond is closed at once, before a thread is started.
+SCRAPE_MAX_CONNECTIONS = 8
 
 
 class BearerAuth:
@@ -133,14 +139,91 @@ class BearerAuth:
         return [b""]
 
 
+class _DeadlineReader(io.RawIOBase):
+    """Reads a socket with each recv's timeout shrunk to what is left of a total ``deadline``
+    (``time.monotonic()``); past it a read raises :class:`TimeoutError`. The socket's timeout is put
+    back to ``idle`` after each recv, so the answer's writes keep the per-send idle timeout."""
+
+    def __init__(self, sock: socket.socket, deadline: float, idle: float) -> None:
+        self._sock = sock
+        self._deadline = deadline
+        self._idle = idle
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("scrape request past its deadline")
+        self._sock.settimeout(min(left, self._idle))
+        try:
+            return self._sock.recv_into(b)
+        finally:
+            self._sock.settimeout(self._idle)
+
+
 class _QuietHandler(WSGIRequestHandler):
-    """Logs no request (a scrape every few seconds) and closes a connection idle past
-    :data:`SCRAPE_IDLE_SECONDS`."""
+    """Logs no request (a scrape every few seconds), closes a connection idle past
+    :data:`SCRAPE_IDLE_SECONDS` and one whose request (line and headers) took longer than
+    :data:`SCRAPE_REQUEST_DEADLINE_SECONDS` in all."""
 
     timeout = SCRAPE_IDLE_SECONDS
+    request_deadline = SCRAPE_REQUEST_DEADLINE_SECONDS
+
+    def setup(self) -> None:
+        super().setup()
+        deadline = time.monotonic() + self.request_deadline
+        self.rfile = io.BufferedReader(_DeadlineReader(self.connection, deadline, self.timeout))
+
+    def handle(self) -> None:
+        try:
+            super().handle()
+        except (TimeoutError, ConnectionError):
+            self.close_connection = True  # too slow or gone: close quietly, no traceback
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
         pass
+
+
+class _CappedServer(ThreadingWSGIServer):
+    """prometheus-client's thread-per-connection server serving at most ``max_connections`` at once:
+    a connection beyond is closed at once, before a thread is started for it."""
+
+    max_connections = SCRAPE_MAX_CONNECTIONS
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._slots_lock = threading.Lock()
+        self.active_connections = 0
+        self.refused_connections = 0
+        super().__init__(*args, **kwargs)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        with self._slots_lock:
+            if self.active_connections >= self.max_connections:
+                self.refused_connections += 1
+                full = True
+            else:
+                self.active_connections += 1
+                full = False
+        if full:
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._release()  # no thread started; the caller closes the request
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        with self._slots_lock:
+            self.active_connections -= 1
 
 
 class MetricsEndpoint:
@@ -171,7 +254,7 @@ class MetricsEndpoint:
         if self._token:
             app = BearerAuth(app, self._token)
 
-        class Server(ThreadingWSGIServer):
+        class Server(_CappedServer):
             address_family = socket.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM)[0][0]
 
         self._server = make_server(self.host, self.port, app, Server, handler_class=_QuietHandler)
