@@ -123,7 +123,7 @@ class Faults:
         kill_at = sorted(self.rng.uniform(0.2, 0.6) * self.seconds for _ in kills)
         start = time.monotonic()
         with KVTierClient(self.address, timeout=60, retries=0, chunk_bytes=4096) as c:
-            while time.monotonic() < end:
+            while time.monotonic() < end or kills:  # every kill runs, even when a loaded machine ran out of time
                 faults = [self.cancelled_write, self.cancelled_new_write, self.abandoned_read, self.deadline_write]
                 if kills and time.monotonic() - start >= kill_at[0]:
                     kill_at.pop(0)
