@@ -20,6 +20,7 @@ Example ``kvtier.toml``::
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -382,8 +383,6 @@ def _check_field_types(config: object) -> None:
     Raises:
         ValueError: ``KEY must be TYPE, got VALUE``.
     """
-    import math
-
     for f in dataclasses.fields(config):  # type: ignore[arg-type]
         want = _TYPE_WORDS.get(str(f.type))
         if want is None:
