@@ -18,6 +18,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvtier.addresses import UnsafeSocketError, check_socket_path, is_loopback, is_unix, resolve_address, socket_path
+from kvtier.bearer import check_token
 from kvtier.client.errors import DeadlineExceededError, FailedPreconditionError, KVTierError, from_rpc_error
 
 DEFAULT_MAX_MESSAGE_BYTES = 4 << 20
@@ -144,8 +145,9 @@ class BaseClient:
             session this way; values are never printed).
 
     Raises:
-        ValueError: bad address or sizes, or a token for a TCP address beyond loopback without TLS
-            (a token is never sent across a network in the clear).
+        ValueError: bad address or sizes, a token that is not visible ASCII (:func:`check_token`),
+            or a token for a TCP address beyond loopback without TLS (a token is never sent across a
+            network in the clear).
     """
 
     def __init__(
@@ -182,7 +184,10 @@ class BaseClient:
         self.retries = retries
         options: list[tuple[str, Any]] = [("grpc.max_send_message_length", max_message_bytes),
                                           ("grpc.max_receive_message_length", max_message_bytes)]
+        source = "token" if token is not None else f"${TOKEN_ENV}"
         token = token if token is not None else (os.environ.get(TOKEN_ENV) or None)
+        if token:
+            check_token(token, source)
         self._token = token
         self._tls = {"tls_root_cert": tls_root_cert, "tls_server_name": tls_server_name,
                      "tls_client_cert": tls_client_cert, "tls_client_key": tls_client_key}

@@ -50,6 +50,17 @@ def message_to_dict(msg: Message) -> dict[str, Any]:
     return out
 
 
+def open_client(server: str | None, timeout: float) -> Any:
+    """A :class:`kvtier.client.KVTierClient` for a command; a setting it refuses (a ``$KVTIER_TOKEN``
+    a header cannot carry, a token for a remote address without TLS) is a one-line CLI error."""
+    from kvtier.client import KVTierClient
+
+    try:
+        return KVTierClient(server, timeout=timeout)
+    except ValueError as e:
+        raise click.ClickException(str(e)) from None
+
+
 def call_daemon(fn: Callable[[], Any]) -> Any:
     """Run ``fn``; turn a client error into a clean CLI error (exit 1, the daemon's message)."""
     from kvtier.client.errors import KVTierError

@@ -6,7 +6,7 @@ import json
 
 import click
 
-from kvtier.cli.common import call_daemon, console, message_to_dict, server_options
+from kvtier.cli.common import call_daemon, console, message_to_dict, open_client, server_options
 
 
 @click.command()
@@ -14,9 +14,7 @@ from kvtier.cli.common import call_daemon, console, message_to_dict, server_opti
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list of pools instead of a table.")
 def pools(server: str | None, timeout: float, as_json: bool) -> None:
     """List the pools of a running daemon."""
-    from kvtier.client import KVTierClient
-
-    with KVTierClient(server, timeout=timeout) as c:
+    with open_client(server, timeout) as c:
         infos = call_daemon(c.list_pools)
     if as_json:
         click.echo(json.dumps([message_to_dict(p) for p in infos]))

@@ -82,9 +82,9 @@ def replay_through_daemon(requests: list[Any], scale: ReplayScale, *, server: st
                           on_request: Any = None, workdir: str | None = None, transport: str = "auto") -> ReplayResult:
     """Replay ``requests`` through ``server`` (or an embedded daemon with ``scale``'s budgets), attached
     to the replay pool when the daemon is local (``transport="auto"``) or as ``transport`` says."""
+    from kvtier.cli.common import open_client
     from kvtier.cli.replay_backend import AttachedBackend, ClientBackend
     from kvtier.server.replay.driver import replay as run_replay
-    from kvtier.client import KVTierClient
     from kvtier.client.spawn import DaemonProcess
 
     if server is not None:
@@ -100,7 +100,7 @@ def replay_through_daemon(requests: list[Any], scale: ReplayScale, *, server: st
             address = server or daemon.address  # type: ignore[union-attr]
             chosen = pick_transport(transport, address)
             cls = AttachedBackend if chosen == "attach" else ClientBackend
-            with KVTierClient(address, timeout=120.0) as c:
+            with open_client(address, 120.0) as c:
                 backend = cls(c, scale.model, scale.num_layers, scale.device_tokens)
                 try:
                     res = run_replay(requests, backend, scale, on_request=on_request)

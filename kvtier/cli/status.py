@@ -6,7 +6,7 @@ import json
 
 import click
 
-from kvtier.cli.common import call_daemon, console, message_to_dict, server_options
+from kvtier.cli.common import call_daemon, console, message_to_dict, open_client, server_options
 
 
 @click.command(short_help='Health, version, tiers and pools of a running daemon.')
@@ -22,9 +22,7 @@ def status(server: str | None, timeout: float, as_json: bool) -> None:
     On a daemon with tenants, set KVTIER_TOKEN to your token: you see your pools and counters, and
     each tier's use by all tenants beside your own bytes and quota.
     """
-    from kvtier.client import KVTierClient
-
-    with KVTierClient(server, timeout=timeout) as c:
+    with open_client(server, timeout) as c:
         health = call_daemon(c.health)
         stats = call_daemon(c.stats)
     if as_json:

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvtier.bearer import check_token
 from kvtier.server.daemon.config_keys import check_known_keys
 from kvtier.server.daemon.errors import Unauthenticated
 from kvtier.server.daemon.private_files import AuthConfigError, read_private_file
@@ -174,7 +175,8 @@ class TokenTable:
         tokens: ``{token: tenant}``; tokens of at least :data:`MIN_TOKEN_CHARS` characters.
 
     Raises:
-        AuthConfigError: an empty table, a short token or a bad tenant name.
+        AuthConfigError: an empty table, a short token, a token that is not visible ASCII
+            (:func:`kvtier.bearer.check_token`) or a bad tenant name.
     """
 
     def __init__(self, tokens: dict[str, str]) -> None:
@@ -185,6 +187,10 @@ class TokenTable:
             if not isinstance(token, str) or len(token) < MIN_TOKEN_CHARS:
                 raise AuthConfigError(f"token #{i} is shorter than {MIN_TOKEN_CHARS} characters; use a long random "
                                       f"secret (e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))'`)")
+            try:
+                check_token(token, f"token #{i}")
+            except ValueError as e:
+                raise AuthConfigError(str(e)) from None
             try:
                 check_tenant_name(tenant)
             except ValueError as e:

@@ -445,3 +445,13 @@ def test_a_metrics_port_in_use_stops_the_daemon_without_leaving_its_sockets(tmp_
                                     timeout=120))
     assert f"could not serve metrics on 127.0.0.1:{port}" in line
     no_sockets_left(tmp_path)
+
+
+@pytest.mark.parametrize("command", ["status", "pools"])
+def test_a_token_a_header_cannot_carry_is_one_line_before_any_call(command):
+    """Attack pass 3, N9: KVTIER_TOKEN with a newline made every command fail with the daemon's
+    INTERNAL "Invalid metadata"; now it is refused before any call, naming the variable."""
+    r = kvtier(command, "--server", "unix:///nonexistent/kv.sock", env={"KVTIER_TOKEN": "tok-0123456789abcdef\n"})
+    line = one_line_error(r)
+    assert "$KVTIER_TOKEN holds a character a gRPC header cannot carry (character #21, code 10)" in line
+    assert "tok-0123456789abcdef" not in line

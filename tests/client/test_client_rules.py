@@ -80,3 +80,20 @@ def test_every_status_the_daemon_answers_has_its_error_class():
     for _, code in STATUS_CODES:
         err = errors.from_rpc_error(Failed(code))
         assert type(err) is not errors.KVTierError and err.code == code, code
+
+
+@pytest.mark.parametrize("bad, position, code", [
+    ("tok-en\n", 7, 10), ("a" * 20 + "\x7f", 21, 127), ("t\u00f6ken-123456789012", 2, 246), ("two words here 1234", 4, 32)])
+def test_a_token_a_header_cannot_carry_is_refused_before_any_call(monkeypatch, bad, position, code):
+    """Attack pass 3, N9: a malformed token (argument or $KVTIER_TOKEN) was sent, and every call failed
+    with INTERNAL "Invalid metadata". Now the client refuses it at once, naming where it came from and
+    the first bad character, never the token itself."""
+    with pytest.raises(ValueError) as e:
+        KVTierClient("unix:///nonexistent/kv.sock", token=bad)
+    msg = str(e.value)
+    assert msg.startswith("token holds") and f"character #{position}, code {code}" in msg and bad not in msg
+    monkeypatch.setenv("KVTIER_TOKEN", bad)
+    with pytest.raises(ValueError, match=r"^\$KVTIER_TOKEN holds a character a gRPC header cannot carry"):
+        KVTierClient("unix:///nonexistent/kv.sock")
+    monkeypatch.setenv("KVTIER_TOKEN", "x" * 43)  # a good token still works
+    KVTierClient("unix:///nonexistent/kv.sock").close()

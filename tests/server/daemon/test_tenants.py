@@ -56,6 +56,9 @@ def test_a_file_of_another_user_or_a_symlink_is_refused(tmp_path):
     (f'"{TOKEN_A}" = "a"\n', "unknown tables/keys"),
     ("[tokens\n", "not valid TOML"),
     (f'[tokens]\n"{TOKEN_A}" = 3\n', "strings"),
+    # a token no client could send: gRPC headers carry visible ASCII only (attack pass 3, N9)
+    (f'[tokens]\n"{TOKEN_A} x" = "a"\n', "character #23, code 32"),
+    (f'[tokens]\n"{TOKEN_A}\u00fc" = "a"\n', "a gRPC header cannot carry"),
 ])
 def test_bad_contents_are_refused_without_echoing_tokens(tmp_path, text, match):
     with pytest.raises(AuthConfigError, match=match) as e:
