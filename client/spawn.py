@@ -46,6 +46,8 @@ class DaemonProcess:
         tls_root_cert: PEM file to check a TLS daemon's certificate with (for the health check).
         tls_server_name: name that certificate is for, if not the address's host.
         tls_client_cert, tls_client_key: client certificate and key for a mutual-TLS daemon's health check.
+        allow_unauthenticated: pass ``--allow-unauthenticated`` (a TCP ``listen`` without
+            ``--auth-tokens``: every local user may use the daemon; tests and benches on loopback).
 
     Attributes:
         address: the bound address once started.
@@ -56,11 +58,12 @@ class DaemonProcess:
     def __init__(self, listen: str | None = None, *, extra_args: Sequence[str] = (), env: Mapping[str, str] | None = None,
                  startup_timeout: float = 60.0, stop_timeout: float = 30.0,
                  tls_root_cert: str | Path | None = None, tls_server_name: str | None = None,
-                 tls_client_cert: str | Path | None = None, tls_client_key: str | Path | None = None) -> None:
+                 tls_client_cert: str | Path | None = None, tls_client_key: str | Path | None = None,
+                 allow_unauthenticated: bool = False) -> None:
         self._dir = Path(tempfile.mkdtemp(prefix="kvtier-daemon-"))
         os.chmod(self._dir, 0o700)
         self.listen = listen or f"unix://{self._dir / 'kvtier.sock'}"
-        self.extra_args = list(extra_args)
+        self.extra_args = [*extra_args, *(["--allow-unauthenticated"] if allow_unauthenticated else [])]
         self.env = dict(env or {})
         self.startup_timeout = startup_timeout
         self.stop_timeout = stop_timeout

@@ -34,7 +34,7 @@ TRANSPORTS = {"unix": None, "tcp": "127.0.0.1:0"}
 @pytest.fixture(scope="session", params=sorted(TRANSPORTS))
 def daemon(request: pytest.FixtureRequest) -> Iterator[DaemonProcess]:
     """A running daemon (``.address``, ``.process``) shared by the session, one per transport."""
-    with DaemonProcess(TRANSPORTS[request.param], extra_args=DAEMON_ARGS) as d:
+    with DaemonProcess(TRANSPORTS[request.param], allow_unauthenticated=True, extra_args=DAEMON_ARGS) as d:
         yield d
 
 

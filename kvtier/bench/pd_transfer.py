@@ -91,7 +91,9 @@ class PDTransferCase(Case):
         flags = ["--pool", f"glm-5.2:{s['pool_tokens']}", "--device", "cpu", "--transfer-engine", "mooncake",
                  "--host-memory", "64MiB", "--log-level", "WARNING"]
         roles = ("target", "draft") if s["draft_pool"] else ("target",)
-        with DaemonProcess("127.0.0.1:0", extra_args=flags) as pre_d, DaemonProcess("127.0.0.1:0", extra_args=flags) as dec_d, \
+        # two throwaway daemons of this user on loopback: no tokens, said explicitly
+        with DaemonProcess("127.0.0.1:0", allow_unauthenticated=True, extra_args=flags) as pre_d, \
+                DaemonProcess("127.0.0.1:0", allow_unauthenticated=True, extra_args=flags) as dec_d, \
                 KVTierClient(pre_d.address, timeout=600) as pre, KVTierClient(dec_d.address, timeout=600) as dec:
             fns: dict[str, Any] = {}
             results: dict[str, Any] = {}

@@ -38,7 +38,8 @@ def _layers(_ctx: click.Context, _param: click.Parameter, value: str | None) -> 
 @click.option("--listen", default=None, metavar="ADDR",
               help="unix:///path or HOST:PORT (port 0: any free port). Default: a unix socket in a private "
                    "directory ($XDG_RUNTIME_DIR/kvtier or /tmp/kvtier-UID). TCP only on loopback unless TLS and "
-                   "--auth-tokens are set; one daemon a port.")
+                   "--auth-tokens are set, and on loopback only with --auth-tokens, mutual TLS or "
+                   "--allow-unauthenticated; one daemon a port.")
 @click.option("--config", "config_file", type=click.Path(exists=True, dir_okay=False), default=None,
               help="TOML file with DaemonConfig keys (flags given here override it).")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default=None, help="Pool device [auto].")
@@ -61,6 +62,9 @@ def _layers(_ctx: click.Context, _param: click.Parameter, value: str | None) -> 
 @click.option("--tls-key", type=click.Path(exists=True, dir_okay=False), default=None, help="PEM private key (TLS).")
 @click.option("--tls-client-ca", type=click.Path(exists=True, dir_okay=False), default=None,
               help="PEM CA of client certificates: mutual TLS, every client must present one it signed.")
+@click.option("--allow-unauthenticated", is_flag=True, default=None,
+              help="Serve a loopback TCP --listen without --auth-tokens (a WARNING at start): any local user may "
+                   "then read, overwrite and free every pool's KV. Refused without it; a unix socket needs neither.")
 @click.option("--auth-tokens", type=click.Path(dir_okay=False), default=None, metavar="FILE",
               help="TOML [tokens] table (token = tenant), owned by this user, mode 0600: tenants; every call "
                    "needs 'authorization: Bearer <token>'. Without it: one tenant, unix socket or loopback only.")

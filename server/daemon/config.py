@@ -188,6 +188,10 @@ class DaemonConfig:
     """TOML file with a ``[tokens]`` table (token -> tenant), owned by the daemon's user, mode 0600.
     With it every call needs ``authorization: Bearer <token>``; without it there is one tenant
     ``default`` and the daemon listens only on its private unix socket or loopback."""
+    allow_unauthenticated: bool = False
+    """Serve a loopback TCP ``listen`` without ``auth_tokens`` or mutual TLS (a WARNING at start):
+    every local user, whatever its uid, may then read, overwrite and free every pool's KV. Without
+    it such a daemon is refused at start; a unix socket (0600, the daemon's user only) needs neither."""
     quotas: Quotas = field(default_factory=Quotas)
     """Per-tenant byte quotas, ``[quotas.<tenant>]`` tables (``pool_bytes``, ``host_bytes``,
     ``disk_bytes``; ``[quotas."*"]`` for every tenant without its own), see ``kvtier.server.daemon.quotas``."""

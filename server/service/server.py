@@ -133,7 +133,8 @@ def _credentials(config: DaemonConfig) -> grpc.ServerCredentials | None:
 
 
 def check_listen_address(config: DaemonConfig) -> str:
-    """The resolved listen address, checked (loopback, or TLS and tokens; a unix socket's directory
+    """The resolved listen address, checked (loopback with tokens, mutual TLS or
+    ``allow_unauthenticated``, or beyond loopback with TLS and tokens; a unix socket's directory
     private and no daemon on it) and its socket directory prepared. ``serve`` runs it before
     allocating anything.
 
@@ -152,6 +153,11 @@ def check_listen_address(config: DaemonConfig) -> str:
             raise AddressError(f"refusing to listen on {address} without --auth-tokens: with one tenant any client "
                                f"that reaches it could use every pool; use a loopback host or a unix socket, or give "
                                f"--auth-tokens FILE")
+    elif not is_unix(address) and not (config.auth_tokens or config.tls_client_ca or config.allow_unauthenticated):
+        raise AddressError(f"refusing to listen on {address} without --auth-tokens: any local user, whatever its uid, "
+                           f"could read, overwrite and free every pool's KV through a TCP port; give --auth-tokens "
+                           f"FILE (or mutual TLS, --tls-client-ca), use a unix socket (private to this user), or "
+                           f"pass --allow-unauthenticated to accept that")
     if is_unix(address):
         path = Path(socket_path(address))
         _prepare_unix_socket(path, default=not config.listen or path == default_socket_path())
@@ -411,6 +417,9 @@ def serve(config: DaemonConfig) -> int:
     if attach is not None:
         attach.start()
     state.tiers.start_monitor()
+    if not is_unix(address) and not (config.auth_tokens or config.tls_client_ca):
+        log.warning("serving %s without --auth-tokens (--allow-unauthenticated): any local user, whatever its uid, "
+                    "may read, overwrite and free every pool's KV", address)
     if state.metrics is not None:
         try:
             state.metrics_address = state.metrics.start()

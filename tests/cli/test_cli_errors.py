@@ -171,8 +171,9 @@ def test_a_second_daemon_on_a_served_tcp_port_is_refused():
     """``kvtier serve --listen 127.0.0.1:PORT`` on the port a running daemon listens on: refused in one
     line naming the address (gRPC's default SO_REUSEPORT would have let both listen and the kernel
     share connections between them); every client still reaches the first daemon, its one pool."""
-    with DaemonProcess("127.0.0.1:0", extra_args=SMALL_POOL) as d:
-        line = one_line_error(kvtier("serve", "--listen", d.address, "--pool", "glm-5.2:64", "--pool-layers", "2"))
+    with DaemonProcess("127.0.0.1:0", allow_unauthenticated=True, extra_args=SMALL_POOL) as d:
+        line = one_line_error(kvtier("serve", "--listen", d.address, "--allow-unauthenticated", "--pool", "glm-5.2:64",
+                                     "--pool-layers", "2"))
         assert f"could not listen on {d.address}: the port is in use" in line
         for _ in range(4):
             with KVTierClient(d.address, timeout=10) as c:
@@ -455,3 +456,19 @@ def test_a_token_a_header_cannot_carry_is_one_line_before_any_call(command):
     line = one_line_error(r)
     assert "$KVTIER_TOKEN holds a character a gRPC header cannot carry (character #21, code 10)" in line
     assert "tok-0123456789abcdef" not in line
+
+
+def test_a_loopback_tcp_listen_without_tokens_is_refused_unless_allowed(tmp_path):
+    """Attack pass 3, N7: ``--listen 127.0.0.1:PORT`` without ``--auth-tokens`` served every local
+    uid (read, overwrite, free every pool's KV) and nothing said so. Now it is refused in one line
+    before anything is allocated; ``--allow-unauthenticated`` serves it with a WARNING at start."""
+    line = one_line_error(kvtier("serve", "--listen", "127.0.0.1:0", *SMALL_POOL))
+    assert "refusing to listen on 127.0.0.1:0 without --auth-tokens: any local user" in line
+    assert "--allow-unauthenticated" in line and "unix socket" in line
+    with DaemonProcess("127.0.0.1:0", allow_unauthenticated=True, extra_args=SMALL_POOL) as d:
+        log = d.log_path.read_text()
+        assert f"serving {d.address} without --auth-tokens (--allow-unauthenticated): any local user" in log
+        with KVTierClient(d.address, timeout=10) as c:
+            assert [p.size_tokens for p in c.list_pools()] == [SMALL_POOL_TOKENS]
+    with DaemonProcess(extra_args=SMALL_POOL) as d:  # the default unix socket: no flag, no warning
+        assert "without --auth-tokens" not in d.log_path.read_text()

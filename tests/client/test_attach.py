@@ -197,7 +197,7 @@ def test_a_tcp_client_and_a_tcp_daemon_cannot_attach(tiny, tmp_path):
     with KVTierClient("127.0.0.1:1") as c:  # nothing is asked of a TCP address: refused before any call
         with pytest.raises(FailedPreconditionError, match="attach needs the daemon's unix socket"):
             c.attach("default")
-    with DaemonProcess("127.0.0.1:0", extra_args=["--device", "cpu", "--pool", "glm-5.2:256", "--pool-layers", "2"]) as d:
+    with DaemonProcess("127.0.0.1:0", allow_unauthenticated=True, extra_args=["--device", "cpu", "--pool", "glm-5.2:256", "--pool-layers", "2"]) as d:
         with KVTierClient(d.address) as c:
             assert c.stats().attach_socket == ""
             with pytest.raises(FailedPreconditionError, match="attach needs the daemon's unix socket"):

@@ -73,7 +73,7 @@ def test_non_loopback_tcp_without_tls_is_refused():
 
 def test_bad_configured_pool_is_a_clean_error():
     """A --pool the daemon cannot create stops it at start with the reason, no traceback."""
-    r = _serve(["--device", "cpu", "--listen", "127.0.0.1:0", "--pool", "glm-5.2:100"])
+    r = _serve(["--device", "cpu", "--listen", "127.0.0.1:0", "--allow-unauthenticated", "--pool", "glm-5.2:100"])
     assert r.returncode == 1 and "size_tokens must be a multiple of page_size=64, got 100" in r.stderr
     assert "Traceback" not in r.stderr
 
@@ -132,7 +132,7 @@ def _self_signed(tmp_path: Path) -> tuple[Path, Path]:
 def test_tls_daemon_on_tcp(tmp_path):
     """With --tls-cert/--tls-key the daemon serves TLS; a client trusting the cert works, a plaintext one does not."""
     cert, key = _self_signed(tmp_path)
-    with DaemonProcess("127.0.0.1:0", extra_args=[*POOL_ARGS, "--tls-cert", str(cert), "--tls-key", str(key)],
+    with DaemonProcess("127.0.0.1:0", allow_unauthenticated=True, extra_args=[*POOL_ARGS, "--tls-cert", str(cert), "--tls-key", str(key)],
                        tls_root_cert=cert) as d:
         with KVTierClient(d.address, tls_root_cert=cert, timeout=10) as c:
             assert c.describe_pool("default").size_tokens == 1024

@@ -26,7 +26,7 @@ ARGS = ["--device", "cpu", "--pool", "glm-5.2:8192", "--pool-layers", "8", "--lo
 
 @pytest.fixture(scope="module")
 def d():
-    with DaemonProcess("127.0.0.1:0", extra_args=ARGS) as dp:
+    with DaemonProcess("127.0.0.1:0", allow_unauthenticated=True, extra_args=ARGS) as dp:
         yield dp
 
 

@@ -130,7 +130,7 @@ def test_bad_staged_calls_are_refused_and_store_nothing(daemon):
 
 
 def test_a_tcp_client_cannot_open_a_storage_session(tmp_path):
-    with DaemonProcess("127.0.0.1:0", extra_args=["--device", "cpu", "--host-memory", "8MiB"]) as d:
+    with DaemonProcess("127.0.0.1:0", allow_unauthenticated=True, extra_args=["--device", "cpu", "--host-memory", "8MiB"]) as d:
         with KVTierClient(d.address) as c, pytest.raises(FailedPreconditionError, match="unix socket"):
             c.storage_session()
 

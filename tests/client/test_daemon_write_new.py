@@ -209,7 +209,7 @@ class StalledPeer:
 def idle_daemon():
     """A daemon that cancels a KV stream idle for 1 s, with pools ``p`` (the writes) and ``q`` (a
     pull's source page, written with seed 40), and a stalled peer in front of it."""
-    with DaemonProcess("127.0.0.1:0", extra_args=["--device", "cpu", "--log-level", "WARNING",
+    with DaemonProcess("127.0.0.1:0", allow_unauthenticated=True, extra_args=["--device", "cpu", "--log-level", "WARNING",
                                                   "--stream-idle-seconds", "1"]) as d, KVTierClient(d.address, timeout=30) as c:
         for p in ("p", "q"):
             c.create_pool("glm-5.2", num_layers=NUM_LAYERS, size_tokens=1024, pool_id=p)

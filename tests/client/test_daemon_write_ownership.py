@@ -65,7 +65,7 @@ def layer0(c: KVTierClient, pool: str, slots: torch.Tensor) -> torch.Tensor:
 def peer() -> Iterator[tuple[DaemonProcess, str]]:
     """A second daemon whose pool ``src`` holds the NEW bytes on ``(page)``: PullKV's source (on TCP:
     a unix-socket peer other than the daemon's own address is refused)."""
-    with DaemonProcess("127.0.0.1:0", extra_args=ARGS) as d, KVTierClient(d.address, timeout=30.0) as c:
+    with DaemonProcess("127.0.0.1:0", allow_unauthenticated=True, extra_args=ARGS) as d, KVTierClient(d.address, timeout=30.0) as c:
         c.create_pool("glm-5.2", num_layers=2, size_tokens=1024, pool_id="src")
         slots = c.allocate_slots("src", PAGE_SIZE)
         c.write_kv("src", slots, latent={0: rows(NEW)})

@@ -49,7 +49,7 @@ def listen(tmp, transport: str, name: str = "kv") -> str:
 
 
 def start(tmp, transport: str, args, name: str = "kv") -> DaemonProcess:
-    d = DaemonProcess(listen(tmp, transport, name), extra_args=args)
+    d = DaemonProcess(listen(tmp, transport, name), allow_unauthenticated=True, extra_args=args)
     d.start()
     d.transport = transport
     return d
@@ -195,7 +195,7 @@ def test_longest_prefix_and_half_units_never_count(daemon):
 
 def test_a_page_evicted_inside_kvtier_shows_neither_kv_nor_indexer(tmp_path, transport):
     # host tier of 2 MiB, no disk: 6 units of ~177 KB fit, 20 do not; the oldest are evicted whole
-    with DaemonProcess(listen(tmp_path, transport, "ev"), extra_args=["--device", "cpu", "--host-memory", "2MiB"]) as d:
+    with DaemonProcess(listen(tmp_path, transport, "ev"), allow_unauthenticated=True, extra_args=["--device", "cpu", "--host-memory", "2MiB"]) as d:
         pools = HostPools()
         b = make_backend(pools, {"address": d.address})
         keys = page_keys(20, salt=13)
@@ -249,7 +249,7 @@ def test_disk_units_survive_a_daemon_restart(tmp_path, transport):
     (whose storage session died with the daemon: it opens another by itself)."""
     args = ["--device", "cpu", "--host-memory", "16MiB", "--disk-path", str(tmp_path / "disk"), "--disk-size", "64MiB"]
     address = f"unix://{tmp_path}/r.sock" if transport == "shm" else f"127.0.0.1:{free_port()}"  # the same after restart
-    d = DaemonProcess(address, extra_args=args)
+    d = DaemonProcess(address, allow_unauthenticated=True, extra_args=args)
     d.start()
     try:
         pools = HostPools()

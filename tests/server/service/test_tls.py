@@ -18,7 +18,7 @@ def test_mutual_tls_refuses_clients_without_a_certificate_and_pulls_between_tls_
     cert, key, ca = str(pki["server.pem"]), str(pki["server.key"]), str(pki["ca.pem"])
     args = ["--device", "cpu", "--log-level", "WARNING", "--pool", "glm-5.2:512", "--pool-layers", "4",
             "--tls-cert", cert, "--tls-key", key, "--tls-client-ca", ca, "--peer-tls-ca", ca]
-    with DaemonProcess("127.0.0.1:0", extra_args=args, tls_root_cert=ca, tls_client_cert=pki["client.pem"],
+    with DaemonProcess("127.0.0.1:0", allow_unauthenticated=True, extra_args=args, tls_root_cert=ca, tls_client_cert=pki["client.pem"],
                        tls_client_key=pki["client.key"]) as d:
         with pytest.raises(KVTierError), KVTierClient(d.address, tls_root_cert=ca, timeout=5, retries=0) as anonymous:
             anonymous.list_pools()
@@ -47,7 +47,7 @@ def test_the_cli_reaches_a_tls_daemon_through_the_environment(tmp_path):
     cert, key, ca = str(pki["server.pem"]), str(pki["server.key"]), str(pki["ca.pem"])
     args = ["--device", "cpu", "--log-level", "WARNING", "--pool", "glm-5.2:512", "--pool-layers", "4",
             "--tls-cert", cert, "--tls-key", key, "--tls-client-ca", ca]
-    with DaemonProcess("127.0.0.1:0", extra_args=args, tls_root_cert=ca, tls_client_cert=pki["client.pem"],
+    with DaemonProcess("127.0.0.1:0", allow_unauthenticated=True, extra_args=args, tls_root_cert=ca, tls_client_cert=pki["client.pem"],
                        tls_client_key=pki["client.key"]) as d:
         cli = [sys.executable, "-m", "kvtier.cli", "pools", "--server", d.address, "--json", "--timeout", "10"]
         base = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}

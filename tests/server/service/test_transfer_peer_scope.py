@@ -35,7 +35,7 @@ def test_pull_from_another_daemons_unix_socket_is_refused_and_changes_nothing(tm
     base = ["--device", "cpu", "--host-memory", "16MiB", "--pool-memory", "256MiB", "--log-level", "WARNING"]
     # private: a tokenless single-tenant daemon on a unix socket in its own 0700 directory
     with DaemonProcess(extra_args=[*base, "--pool", "glm-5.2:1024", "--pool-layers", "8"]) as private, \
-            DaemonProcess("127.0.0.1:0", extra_args=[*base, "--auth-tokens", str(tokens)]) as shared:
+            DaemonProcess("127.0.0.1:0", allow_unauthenticated=True, extra_args=[*base, "--auth-tokens", str(tokens)]) as shared:
         assert private.address.startswith("unix://")
         with KVTierClient(private.address) as p:
             secret = p.allocate_slots("default", PS)

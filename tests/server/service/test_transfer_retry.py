@@ -27,8 +27,8 @@ RETRY_S = 0.5  # the decode daemon's --peer-retry-seconds: the bound of a pull w
 
 @pytest.fixture(scope="module")
 def pair():
-    with DaemonProcess("127.0.0.1:0", extra_args=[*POOL, "--max-streams", "1", "--stream-idle-seconds", "600"]) as pre, \
-            DaemonProcess("127.0.0.1:0", extra_args=[*POOL, "--peer-retry-seconds", str(RETRY_S)]) as dec:
+    with DaemonProcess("127.0.0.1:0", allow_unauthenticated=True, extra_args=[*POOL, "--max-streams", "1", "--stream-idle-seconds", "600"]) as pre, \
+            DaemonProcess("127.0.0.1:0", allow_unauthenticated=True, extra_args=[*POOL, "--peer-retry-seconds", str(RETRY_S)]) as dec:
         yield pre, dec
 
 
@@ -268,8 +268,8 @@ def test_a_pull_from_a_peer_that_is_down_is_retried_and_lands_once_it_is_back():
     with its destination pages kept), and a pull after the peer restarted on the same port lands."""
     from kvtier.client import AbortedError, DeadlineExceededError
 
-    with DaemonProcess("127.0.0.1:0", extra_args=POOL) as dec:
-        pre = DaemonProcess("127.0.0.1:0", extra_args=POOL)
+    with DaemonProcess("127.0.0.1:0", allow_unauthenticated=True, extra_args=POOL) as dec:
+        pre = DaemonProcess("127.0.0.1:0", allow_unauthenticated=True, extra_args=POOL)
         try:
             pre.start()
             with KVTierClient(pre.address, timeout=60) as p, KVTierClient(dec.address, timeout=60) as d:
@@ -287,7 +287,7 @@ def test_a_pull_from_a_peer_that_is_down_is_retried_and_lands_once_it_is_back():
                 assert isinstance(info.value, DeadlineExceededError), f"not retried: {info.value}"
                 assert "unreachable" in str(info.value) and "GetTransferLayout" in str(info.value)
             d.read_kv("default", dst, index_layers=[])  # the destination pages are still allocated
-            with DaemonProcess(address, extra_args=POOL) as pre2, KVTierClient(pre2.address, timeout=60) as p:
+            with DaemonProcess(address, allow_unauthenticated=True, extra_args=POOL) as pre2, KVTierClient(pre2.address, timeout=60) as p:
                 src = p.allocate_slots("default", PS)
                 g = torch.Generator().manual_seed(13)
                 latent = {x: torch.randint(0, 256, (PS, 656), dtype=torch.uint8, generator=g) for x in range(8)}

@@ -30,7 +30,7 @@ LIVE = (0, 1, 2, 6)  # glm-5.2 cut to 8 layers: these own an indexer buffer
 
 @pytest.fixture(scope="module")
 def d():
-    with DaemonProcess("127.0.0.1:0", extra_args=ARGS) as dp:
+    with DaemonProcess("127.0.0.1:0", allow_unauthenticated=True, extra_args=ARGS) as dp:
         with KVTierClient(dp.address, timeout=60) as c:
             c.allocate_slots("default", 120 * PS)  # pages 1..120: what the stalled streams read
             c.create_pool("glm-5.2", num_layers=8, size_tokens=1024, pool_id="dst")

@@ -19,7 +19,7 @@ PS = 64
 
 
 def _daemon(engine: str, env: dict[str, str] | None = None) -> DaemonProcess:
-    d = DaemonProcess("127.0.0.1:0", extra_args=[*POOL, "--transfer-engine", engine], env=env)
+    d = DaemonProcess("127.0.0.1:0", allow_unauthenticated=True, extra_args=[*POOL, "--transfer-engine", engine], env=env)
     d.start()
     return d
 

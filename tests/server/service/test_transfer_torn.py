@@ -36,7 +36,7 @@ ARGS = ["--device", "cpu", "--pool", "glm-5.2:4096", "--pool-layers", "4", "--tr
 
 @pytest.fixture(scope="module")
 def pair():
-    with DaemonProcess("127.0.0.1:0", extra_args=ARGS) as pre, DaemonProcess("127.0.0.1:0", extra_args=ARGS) as dec:
+    with DaemonProcess("127.0.0.1:0", allow_unauthenticated=True, extra_args=ARGS) as pre, DaemonProcess("127.0.0.1:0", allow_unauthenticated=True, extra_args=ARGS) as dec:
         yield pre, dec
 
 
