@@ -58,6 +58,7 @@ from kvtier.server.tiers.disk_faults import fault_hooks_in_env
 from kvtier.attach_wire import attach_socket_path
 from kvtier.server.service.arrival import RequestArrival, waiting_cap
 from kvtier.server.service.attach_channel import AttachChannel
+from kvtier.server.service.connections import connection_options, raise_fd_limit
 from kvtier.server.service.auth import AuthInterceptor
 from kvtier.server.service.errors import DomainErrorInterceptor
 from kvtier.server.service.interceptors import CallTracker
@@ -282,7 +283,8 @@ def create_server(
         interceptors=interceptors,
         # gRPC sets SO_REUSEPORT by default: a second daemon on the same TCP port would start and the
         # kernel would share connections between the two. One daemon a port: the second one's bind fails.
-        options=[*config.grpc_options(), ("grpc.so_reuseport", 0)],
+        # and a connection that sends nothing is closed, at most half the fds are connections (connections.py)
+        options=[*config.grpc_options(), ("grpc.so_reuseport", 0), *connection_options(config)],
     )
     for entry in services:
         entry.add_to_server(entry.factory(state, streams), server)
@@ -376,6 +378,7 @@ def serve(config: DaemonConfig) -> int:
             first stops what was started and removes the sockets.
     """
     configure_logging(config.log_level, config.log_format)
+    raise_fd_limit()  # before the server reads the limit for its connection cap (connections.py)
     for name in fault_hooks_in_env():  # tests only: never on by accident without a line saying so
         log.warning("%s is set: a test-only fault hook of the disk tier is on; unset it outside tests", name)
     config.check_metrics_auth()  # before anything is allocated: metrics nobody decided how to guard

@@ -1,0 +1,82 @@
+"""Connections that send nothing (attack pass 3, N8): a process without a token opened TCP
+connections that never sent the HTTP/2 preface until the daemon ran out of file descriptors; no
+client, health checks included, could connect for as long as they stayed open (gRPC's default
+handshake deadline is 120 s, and the listener then retried accept once a second, forever).
+
+Now a connection that has not finished its handshake within ``--request-arrival-seconds`` is closed,
+and connections hold at most half the daemon's descriptors (``server/service/connections.py``).
+The daemon runs under a hard limit of 256 descriptors so the cap is 128.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from kvtier.client import KVTierClient
+
+FD_LIMIT = 256
+IDLE_CONNECTIONS = 300  # more than the daemon has descriptors
+ARRIVAL_S = 1.0
+
+
+def _limit_fds() -> None:
+    resource.setrlimit(resource.RLIMIT_NOFILE, (FD_LIMIT, FD_LIMIT))
+
+
+def _open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def test_connections_that_send_nothing_are_capped_and_closed_and_health_answers_again(tmp_path: Path):
+    ready = tmp_path / "ready"
+    log = tmp_path / "daemon.log"
+    cmd = [sys.executable, "-m", "kvtier.cli", "serve", "--listen", "127.0.0.1:0", "--allow-unauthenticated",
+           "--device", "cpu", "--pool", "glm-5.2:64", "--pool-layers", "2", "--log-level", "WARNING",
+           "--request-arrival-seconds", str(ARRIVAL_S), "--ready-file", str(ready)]
+    with open(log, "wb") as out:
+        daemon = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, preexec_fn=_limit_fds)
+    socks: list[socket.socket] = []
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists():
+            assert daemon.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+        address = ready.read_text().strip()
+        host, port = address.rsplit(":", 1)
+        for _ in range(IDLE_CONNECTIONS):
+            socks.append(socket.create_connection((host, int(port)), timeout=5))
+        # the daemon never holds more than half its descriptors as connections (128 of 256), so it
+        # always has descriptors left for its disk tier, attach channel and log
+        assert _open_fds(daemon.pid) <= FD_LIMIT // 2 + 64
+        # every connection that sent nothing is closed by the daemon (1 s handshake deadline; gRPC's
+        # default was 120 s), then a client connects and the health check answers
+        closed = [False] * len(socks)
+        until = time.monotonic() + 30
+        while not all(closed) and time.monotonic() < until:
+            for i, s in enumerate(socks):
+                if closed[i]:
+                    continue
+                s.setblocking(False)
+                try:
+                    closed[i] = s.recv(1) == b""
+                except BlockingIOError:
+                    pass
+                except OSError:  # reset: closed too
+                    closed[i] = True
+            time.sleep(0.2)
+        assert sum(closed) == len(socks), f"{len(socks) - sum(closed)} idle connections still open after 30 s"
+        with KVTierClient(address, timeout=10) as c:
+            assert c.health() == "SERVING"
+            assert [p.size_tokens for p in c.list_pools()] == [64]
+        assert daemon.poll() is None
+    finally:
+        for s in socks:
+            s.close()
+        daemon.terminate()
+        daemon.wait(30)
