@@ -17,11 +17,20 @@ and hands it to the method. While the read waits, the call is on a watchlist; a 
 ``RpcError``, the thread is free, the client sees CANCELLED) when
 
 * its message has not arrived ``seconds`` after the call started (the arrival deadline), or
-* it has waited longer than :func:`late_seconds` while more than :func:`waiting_cap` calls of its
-  thread pool wait that long (the oldest go first): calls whose message is late hold at most that
-  share of a pool for the arrival deadline, the rest at most :func:`late_seconds`. A client that
-  sends its message with its headers (every unary stub does) is read within milliseconds and never
-  counts as late.
+* it has waited longer than its pool's late bound (:func:`late_seconds`: 0.5 s on the workers, whose
+  requests may be MiB; 0.05 s on the monitor threads, whose requests are a few bytes) while more
+  than :func:`waiting_cap` calls of its thread pool wait that long (the oldest go first) **and**
+  calls are queued for a thread of that pool: calls whose message is late hold at most that share of
+  a pool for the arrival deadline, the rest at most the late bound, but only while they keep other
+  calls from a thread. A slow sender (a large request on a loaded machine) that keeps no call waiting
+  has until the arrival deadline (attack pass 3, N6: such requests were cancelled at 0.5 s). A client
+  that sends its message with its headers (every unary stub does) is read within milliseconds and
+  never counts as late.
+
+A flood of calls that send nothing (attack pass 3, N2: 300 body-less health checks held a health
+check from a new client for 46 s) thus costs each monitor thread 0.05-0.075 s a call, not 0.5-0.75 s.
+A call the authentication refuses from its headers alone (no token, an unknown token: its behavior is
+marked, ``interceptors.mark_refusal``) is answered at once, without waiting for its message.
 
 A call whose message arrives in time runs as before. A call that ends before sending a message is
 answered UNIMPLEMENTED, as gRPC answers it; bytes the method's deserializer refuses, INTERNAL, as
@@ -47,19 +56,24 @@ from typing import Any
 
 import grpc
 
+from kvtier.server.service.interceptors import is_refusal
+
 log = logging.getLogger("kvtier.service")
 
 LATE_SECONDS = 0.5
 """A request message that has not arrived this long after its call started is late (at most half
 the arrival deadline): a client sends it with the call's headers, so it is read within milliseconds."""
+SMALL_LATE_SECONDS = 0.05
+"""The late bound of a thread pool whose methods take requests of a few bytes (the monitor threads)."""
 
 LOG_EVERY_SECONDS = 10.0
 """At most one warning line this often about cancelled calls (a flood of them must not flood the log)."""
 
 
-def late_seconds(arrival_seconds: float) -> float:
-    """How long a call waits for its message before it counts as late (module docstring)."""
-    return min(LATE_SECONDS, arrival_seconds / 2)
+def late_seconds(arrival_seconds: float, small: bool = False) -> float:
+    """How long a call waits for its message before it counts as late (module docstring); ``small``:
+    a pool whose requests are a few bytes."""
+    return min(SMALL_LATE_SECONDS if small else LATE_SECONDS, arrival_seconds / 2)
 
 
 def waiting_cap(threads: int) -> int:
@@ -73,6 +87,7 @@ class _Waiting:
     pool: str
     context: Any
     since: float
+    late: float  # seconds after ``since`` it counts as late (its pool's bound)
     why: str = ""  # set (under the lock) once the watchdog took the call off the list to cancel it
 
 
@@ -87,18 +102,22 @@ class RequestArrival(grpc.ServerInterceptor):
         caps: thread pool name -> late calls that pool may hold (:func:`waiting_cap` of its threads).
         pool_of: the name of the thread pool a method's calls run on (a key of ``caps``).
         clock: monotonic seconds (tests may pass their own).
+        small_pools: names of the pools whose requests are a few bytes (their late bound is
+            :data:`SMALL_LATE_SECONDS`).
 
     Raises:
         ValueError: ``seconds`` <= 0, or a cap < 1.
     """
 
     def __init__(self, seconds: float, caps: dict[str, int], pool_of: Callable[[str], str],
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, small_pools: frozenset[str] = frozenset()) -> None:
         if seconds <= 0 or any(c < 1 for c in caps.values()):
             raise ValueError(f"need seconds > 0 and caps >= 1, got {seconds}, {caps}")
         self.seconds = seconds
         self.late = late_seconds(seconds)
+        self.lates = {pool: late_seconds(seconds, pool in small_pools) for pool in caps}
         self.caps = dict(caps)
+        self._queued = dict.fromkeys(caps, 0)  # calls handed to a pool whose behavior has not started yet
         self._pool_of = pool_of
         self._clock = clock
         self._lock = threading.Lock()  # leaf
@@ -117,35 +136,49 @@ class RequestArrival(grpc.ServerInterceptor):
         """Calls whose request message is being waited for now."""
         return len(self._waiting)
 
+    def queued(self, pool: str) -> int:
+        """Calls of ``pool`` handed to it whose behavior has not started yet (waiting for a thread)."""
+        return self._queued.get(pool, 0)
+
     def intercept_service(self, continuation: Callable[..., Any], handler_call_details: Any) -> Any:
+        # runs on gRPC's polling thread, when the call's headers are in; its behavior runs later, on a
+        # thread of its pool
         handler = continuation(handler_call_details)
         if handler is None or handler.request_streaming:
             return handler
         method = handler_call_details.method
         pool = self._pool_of(method)
         des = handler.request_deserializer
+        behavior = handler.unary_stream if handler.response_streaming else handler.unary_unary
+        if is_refusal(behavior):  # refused from its headers alone: answered without its message
+            if handler.response_streaming:
+                def refuse_stream(_requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
+                    yield from behavior(None, context)
+                return grpc.stream_stream_rpc_method_handler(refuse_stream, None, handler.response_serializer)
+            return grpc.stream_unary_rpc_method_handler(lambda _requests, context: behavior(None, context), None,
+                                                        handler.response_serializer)
+        with self._lock:
+            self._queued[pool] = self._queued.get(pool, 0) + 1
 
         def receive(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
             return self._receive(requests, context, method, pool, des)
 
         if handler.response_streaming:
-            behavior = handler.unary_stream
-
             def stream(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
                 yield from behavior(receive(requests, context), context)
             return grpc.stream_stream_rpc_method_handler(stream, None, handler.response_serializer)
-        unary = handler.unary_unary
 
         def call(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
-            return unary(receive(requests, context), context)
+            return behavior(receive(requests, context), context)
         return grpc.stream_unary_rpc_method_handler(call, None, handler.response_serializer)
 
     def _receive(self, requests: Iterator[Any], context: grpc.ServicerContext, method: str, pool: str,
                  des: Callable[[bytes], Any] | None) -> Any:
         """The call's one request message, deserialized; waits on the watchlist (raises ``grpc.RpcError``
         when the call was cancelled meanwhile, by the watchdog or its client)."""
-        entry = _Waiting(method, pool, context, self._clock())
+        entry = _Waiting(method, pool, context, self._clock(), self.lates.get(pool, self.late))
         with self._lock:
+            self._queued[pool] = max(0, self._queued.get(pool, 0) - 1)  # it has its thread now
             key = next(self._ids)
             self._waiting[key] = entry
         try:
@@ -175,9 +208,11 @@ class RequestArrival(grpc.ServerInterceptor):
                 if now - w.since > self.seconds:
                     w.why = "deadline"
                     due.append(w)
-                elif now - w.since > self.late:
+                elif now - w.since > w.late:
                     late_by_pool.setdefault(w.pool, []).append(w)
             for pool, late in late_by_pool.items():
+                if not self._queued.get(pool, 0):  # they keep no call from a thread: left to the deadline
+                    continue
                 for w in late[:max(0, len(late) - self.caps.get(pool, 1))]:  # oldest first
                     w.why = "late"
                     due.append(w)
@@ -216,7 +251,7 @@ class RequestArrival(grpc.ServerInterceptor):
         self._logged_at = now
 
     def _watch(self) -> None:
-        period = min(max(self.late / 2, 0.02), 1.0)
+        period = min(max(min(self.lates.values(), default=self.late) / 2, 0.02), 1.0)
         while not self._stop.wait(period):
             self.check_now()
 

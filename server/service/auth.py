@@ -26,7 +26,7 @@ from kvtier.attach_wire import SESSION_METADATA
 from kvtier.server.daemon.errors import Unauthenticated
 from kvtier.server.daemon.sessions import SessionRegistry
 from kvtier.server.daemon.tenants import Caller, TokenTable, authenticate
-from kvtier.server.service.interceptors import handler_like
+from kvtier.server.service.interceptors import handler_like, mark_refusal
 
 log = logging.getLogger("kvtier.service")
 
@@ -108,7 +108,9 @@ class AuthInterceptor(grpc.ServerInterceptor):
         refuse = _refuse(message, code)
         if self.timer is not None:
             refuse = self.timer.time_refusal(refuse, method)
-        return handler_like(handler, lambda _b: refuse)
+        # marked: it needs no request message, so arrival.py answers it without waiting for one (a
+        # client without a token holds no thread while it sends nothing)
+        return handler_like(handler, lambda _b: mark_refusal(refuse))
 
     def intercept_service(self, continuation: Callable[..., Any], handler_call_details: Any) -> Any:
         handler = continuation(handler_call_details)

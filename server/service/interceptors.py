@@ -16,6 +16,22 @@ from typing import Any
 import grpc
 
 
+REFUSAL_MARK = "_kvtier_refuses_unread"
+"""Attribute of a behavior that refuses its call from the call's headers alone (``auth.py``): it never
+looks at the request, so ``arrival.py`` runs it without waiting for the request message."""
+
+
+def mark_refusal(behavior: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark ``behavior`` as a refusal that needs no request message (returns it)."""
+    setattr(behavior, REFUSAL_MARK, True)
+    return behavior
+
+
+def is_refusal(behavior: Callable[..., Any] | None) -> bool:
+    """Whether ``behavior`` (or what it wraps, through :func:`handler_like`) is a marked refusal."""
+    return bool(getattr(behavior, REFUSAL_MARK, False))
+
+
 def handler_like(handler: grpc.RpcMethodHandler, make: Callable[[Callable[..., Any]], Callable[..., Any]],
                  *, streaming: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None,
                  deserializer: Callable[..., Any] | None = None) -> grpc.RpcMethodHandler:
@@ -23,7 +39,8 @@ def handler_like(handler: grpc.RpcMethodHandler, make: Callable[[Callable[..., A
     instead of ``make`` for the kinds whose behavior returns an iterator, when given; ``deserializer``
     instead of the handler's request deserializer, when given)."""
     des, ser = deserializer or handler.request_deserializer, handler.response_serializer
-    stream = streaming or make
+    make = _keeping_refusal(make)
+    stream = _keeping_refusal(streaming) if streaming else make
     if handler.unary_unary:
         return grpc.unary_unary_rpc_method_handler(make(handler.unary_unary), des, ser)
     if handler.stream_unary:
@@ -31,6 +48,14 @@ def handler_like(handler: grpc.RpcMethodHandler, make: Callable[[Callable[..., A
     if handler.unary_stream:
         return grpc.unary_stream_rpc_method_handler(stream(handler.unary_stream), des, ser)
     return grpc.stream_stream_rpc_method_handler(stream(handler.stream_stream), des, ser)
+
+
+def _keeping_refusal(make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """``make``, whose result is marked a refusal when the behavior it wraps is one."""
+    def wrapped(behavior: Callable[..., Any]) -> Callable[..., Any]:
+        new = make(behavior)
+        return mark_refusal(new) if is_refusal(behavior) else new
+    return wrapped
 
 
 class CallTracker(grpc.ServerInterceptor):

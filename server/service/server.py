@@ -271,7 +271,7 @@ def create_server(
     # bounded share of each pool (arrival.py); it reads the message before any other interceptor runs
     arrival = RequestArrival(config.request_arrival_seconds,
                              {MONITOR_POOL: waiting_cap(monitoring.workers), WORKER_POOL: waiting_cap(config.workers)},
-                             pool_of)
+                             pool_of, small_pools=frozenset({MONITOR_POOL}))
     state.add_shutdown_hook(arrival.close)
     interceptors = [monitoring, arrival, calls, AuthInterceptor(state.tokens, timer=rpc_timer, sessions=state.sessions),
                     *([rpc_timer] if rpc_timer else []),

@@ -24,6 +24,7 @@ import pytest
 from kvtier.client import KVTierClient
 from kvtier.client.spawn import DaemonProcess
 from kvtier.server.service.arrival import RequestArrival, late_seconds, waiting_cap
+from kvtier.server.service.interceptors import handler_like, mark_refusal
 from kvtier.server.service.monitoring import MONITOR_WORKERS
 from kvtier.v1 import pool_pb2
 
@@ -109,6 +110,52 @@ def test_data_calls_answer_after_body_less_calls_take_every_worker(d):
             s.close()
 
 
+def test_a_flood_of_body_less_health_checks_drains_and_a_new_health_check_answers(d):
+    """Attack pass 3, N2: 300 body-less health checks (no token needed) held a new client's health
+    check for 46 s: each held a monitor thread for 0.5-0.75 s before it was cancelled. The monitor
+    threads' requests are a few bytes, so such a call is late after 0.05 s; the new check answers
+    within its 20 s deadline, and every stalled call ends CANCELLED."""
+    stalled = [StalledCalls(d.address, CHECK, 50) for _ in range(6)]
+    try:
+        time.sleep(0.2)
+        with KVTierClient(d.address, timeout=20, retries=0) as c:
+            assert c.health() == "SERVING"
+        for s in stalled:
+            verify_cancelled(s)
+    finally:
+        for s in stalled:
+            s.close()
+
+
+def test_slow_senders_that_keep_no_call_waiting_are_served():
+    """Attack pass 3, N6: a request that took longer than 0.5 s to arrive (MiB on a loaded machine)
+    was cancelled as late whenever more than a quarter of the workers' calls were late, though no
+    call waited for a thread. Three DescribePools whose message comes 1.5 s after their headers
+    (arrival deadline 5 s, 4 workers: a cap of 1 late call, and no queue) are all answered."""
+    args = [*ARGS]
+    args[args.index("--request-arrival-seconds") + 1] = "5"
+    with DaemonProcess(extra_args=args) as dp, grpc.insecure_channel(dp.address) as ch:
+        call = ch.stream_stream(DESCRIBE_POOL, request_serializer=pool_pb2.DescribePoolRequest.SerializeToString,
+                                response_deserializer=pool_pb2.PoolInfo.FromString)
+
+        def slow():
+            time.sleep(1.5)
+            yield pool_pb2.DescribePoolRequest(pool_id="default")
+        answers: list[object] = []
+
+        def one():
+            try:
+                answers.append([info.pool_id for info in call(slow(), timeout=30)])
+            except grpc.RpcError as e:
+                answers.append(e.code())
+        threads = [threading.Thread(target=one) for _ in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert answers == [["default"]] * 3
+
+
 def test_a_request_sent_after_the_headers_but_in_time_is_served(d):
     """A client that sends its request message 0.1 s after the call's headers (the deadline is 1 s)
     gets its answer; one that half-closes without a message is UNIMPLEMENTED, as gRPC answers it."""
@@ -173,12 +220,23 @@ def _guard(seconds: float, cap: int, clock: Clock) -> RequestArrival:
     return guard
 
 
+ECHO_DETAILS = type("Details", (), {"method": "/test.Service/Echo", "invocation_metadata": ()})()
+
+
 def _echo_handler(guard: RequestArrival):
+    """The behavior gRPC would run for a call of a unary echo method (one call handed to the pool: its
+    first run takes it off the queue)."""
     handler = grpc.unary_unary_rpc_method_handler(lambda request, _context: f"answer to {request}")
-    details = type("Details", (), {"method": "/test.Service/Echo", "invocation_metadata": ()})()
-    served = guard.intercept_service(lambda _d: handler, details)
+    served = guard.intercept_service(lambda _d: handler, ECHO_DETAILS)
     assert served.request_streaming and not served.response_streaming  # read by the guard, not by gRPC
     return served.stream_unary
+
+
+def _hand_over(guard: RequestArrival, n: int) -> None:
+    """``n`` calls handed to the pool that wait for a thread (gRPC ran their interceptors, not yet their behavior)."""
+    handler = grpc.unary_unary_rpc_method_handler(lambda request, _context: request)
+    for _ in range(n):
+        guard.intercept_service(lambda _d: handler, ECHO_DETAILS)
 
 
 def _start_stalled(call, n: int) -> tuple[list[FakeContext], list[threading.Thread]]:
@@ -201,9 +259,10 @@ def _wait_waiting(guard: RequestArrival, n: int) -> None:
 
 def test_late_calls_beyond_the_cap_go_at_once_the_rest_at_the_deadline():
     """3 calls wait for a message that never comes, the cap is 1: nothing is cancelled before they
-    are late; once late, the 2 oldest are cancelled (the pool keeps its share); the last one at the
-    arrival deadline. A request that is there is read and answered, and a stream that ends without
-    a message is UNIMPLEMENTED."""
+    are late, nor while they keep no other call from a thread (attack pass 3, N6: a slow sender was
+    cancelled at 0.5 s though no call waited); once late with a call queued for a thread, the 2
+    oldest are cancelled (the pool keeps its share); the last one at the arrival deadline. A request
+    that is there is read and answered, and a stream that ends without a message is UNIMPLEMENTED."""
     clock = Clock()
     guard = _guard(10.0, 1, clock)
     call = _echo_handler(guard)
@@ -219,7 +278,9 @@ def test_late_calls_beyond_the_cap_go_at_once_the_rest_at_the_deadline():
     clock.now = late_seconds(10.0) - 0.01
     assert guard.check_now() == 0
     clock.now = late_seconds(10.0) + 0.01
-    assert guard.check_now() == 2
+    assert guard.queued("pool") == 0 and guard.check_now() == 0  # late, but nobody waits for a thread
+    _hand_over(guard, 1)
+    assert guard.queued("pool") == 1 and guard.check_now() == 2
     assert [c.cancelled.is_set() for c in contexts] == [True, True, False]
     clock.now = 10.01
     assert guard.check_now() == 1 and contexts[2].cancelled.is_set()
@@ -231,3 +292,66 @@ def test_late_calls_beyond_the_cap_go_at_once_the_rest_at_the_deadline():
 def test_the_cap_is_a_quarter_of_a_pool_and_late_is_at_most_half_the_deadline():
     assert [waiting_cap(n) for n in (1, 4, 16, 64)] == [1, 1, 4, 16]
     assert late_seconds(5.0) == 0.5 and late_seconds(0.4) == 0.2
+    assert late_seconds(5.0, small=True) == 0.05 and late_seconds(0.06, small=True) == 0.03
+
+
+def test_a_small_pool_counts_a_call_late_after_50_ms():
+    """The monitor threads' requests are a few bytes: their calls count as late after 0.05 s, not 0.5 s."""
+    clock = Clock()
+    guard = RequestArrival(10.0, {"monitor": 1}, lambda _m: "monitor", clock=clock,
+                           small_pools=frozenset({"monitor"}))
+    guard.close()
+    call = _echo_handler(guard)
+    contexts, threads = [], []
+    for _ in range(2):
+        c, t = _start_stalled(call, 1)
+        contexts += c
+        threads += t
+        _wait_waiting(guard, len(contexts))
+    _hand_over(guard, 1)
+    clock.now = 0.04
+    assert guard.check_now() == 0
+    clock.now = 0.06
+    assert guard.check_now() == 1 and [c.cancelled.is_set() for c in contexts] == [True, False]
+    clock.now = 10.01
+    assert guard.check_now() == 1
+    for t in threads:
+        t.join(30)
+
+
+def test_a_refusal_from_the_headers_is_answered_without_waiting_for_the_message():
+    """A behavior the authentication marked as a refusal (no token) never looks at its request: the
+    guard runs it at once, so a client without a token that sends no message holds no thread."""
+    guard = _guard(10.0, 1, Clock())
+    refused = []
+
+    def refuse(_request, context):
+        refused.append(True)
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, "no token")
+    handler = handler_like(grpc.unary_unary_rpc_method_handler(lambda r, _c: r), lambda _b: mark_refusal(refuse))
+    wrapped = handler_like(handler, lambda b: (lambda r, c: b(r, c)))  # an interceptor between keeps the mark
+    served = guard.intercept_service(lambda _d: wrapped, ECHO_DETAILS)
+    ctx = FakeContext()
+    with pytest.raises(Aborted, match="UNAUTHENTICATED"):
+        served.stream_unary(NeverArrives(ctx), ctx)  # NeverArrives would wait 30 s and fail if read
+    assert refused == [True] and guard.waiting == 0 and guard.queued("pool") == 0 and not ctx.cancelled.is_set()
+
+
+def test_body_less_calls_without_a_token_are_refused_at_once(tmp_path):
+    """A daemon with tokens refuses a call without one from its headers: it answers UNAUTHENTICATED
+    at once instead of holding a worker until the message arrives or the call is cancelled (before:
+    every one of these calls ended CANCELLED after holding a worker)."""
+    token = "tok-arrival-0123456789"
+    tokens = tmp_path / "tokens.toml"
+    tokens.write_text(f'[tokens]\n"{token}" = "default"\n')  # the tenant of the --pool pools
+    tokens.chmod(0o600)
+    with DaemonProcess(extra_args=[*ARGS, "--auth-tokens", str(tokens)]) as dp:
+        stalled = [StalledCalls(dp.address, m, 2 * WORKERS) for m in (DESCRIBE_POOL, READ_KV)]
+        try:
+            for s in stalled:
+                assert set(s.codes()) == {grpc.StatusCode.UNAUTHENTICATED}
+        finally:
+            for s in stalled:
+                s.close()
+        with KVTierClient(dp.address, timeout=20, retries=0, token=token) as c:
+            assert c.describe_pool("default").pool_id == "default"
