@@ -64,6 +64,7 @@ from kvtier.server.tiers.disk_faults import (
 from kvtier.server.tiers.disk_env import (  # noqa: F401 - DiskTierConfig, disk_charge, open_environment: re-exported
     LMDB_PAGE_BYTES, MAX_KEY_BYTES, DiskTierConfig, close_environment, disk_charge, open_environment,
 )
+from kvtier.server.tiers.disk_keysums import MISMATCH as KEY_MISMATCH, REASON as KEY_REASON, bound, record_sum, unbound
 from kvtier.server.tiers.disk_reads import ABSENT, SHORT, ReadChunks, copy_records, damage_reason, writable_bytes
 from kvtier.server.tiers.disk_writer import DiskJob, WriteBehind, WriteBehindFailed
 from kvtier.server.tiers.errors import EnvironmentInUseError, RecordError, TierFullError, TierUnavailableError
@@ -178,13 +179,14 @@ class DiskTier(Tier):
                 keep_freed_memory()  # LMDB's transaction buffers are reused, not faulted in per spill
                 self._env_obj = open_environment(
                     self.config.path, map_size=self.config.capacity_bytes, max_readers=self.config.max_readers,
-                    max_dbs=4, subdir=True, sync=self.config.sync, metasync=False, readahead=False,
+                    max_dbs=5, subdir=True, sync=self.config.sync, metasync=False, readahead=False,
                     meminit=False,
                 )
                 self._pid = os.getpid()
                 env = self._env_obj
                 self._dbs = (env.open_db(b"records"), env.open_db(b"seq"), env.open_db(b"order"))
                 self._probe_db = env.open_db(b"probe")
+                self._sums = env.open_db(b"sums")  # key -> its record's checksum field (disk_keysums.py)
                 if self.config.read_buffer_bytes > 0 and self._read_arena is None:
                     self._read_arena = HostArena(self.config.read_buffer_bytes, pin=False, name="kvtier-disk-reads")
                     self._chunks = ReadChunks(self._read_arena)
@@ -253,12 +255,16 @@ class DiskTier(Tier):
                 if scrub:
                     try:
                         verify_record(v)
+                        if not bound(txn, self._sums, key, v):
+                            raise RecordError(KEY_REASON)
                     except RecordError as e:
                         log.warning("disk tier scrub: record %s is damaged (%s); dropped", key.hex(), e)
                         bad.append(key)
                         continue
                 sizes[key] = len(v)
             ordered: list[tuple[int, bytes]] = [(_SEQ.unpack(bytes(s))[0], bytes(k)) for s, k in txn.cursor(db=orderdb)]
+            stray_sums = [bytes(k) for k in txn.cursor(db=self._sums).iternext(values=False)
+                          if bytes(k) not in sizes and bytes(k) not in gone] if scrub else []
         stray = [(s, k) for s, k in ordered if k not in sizes and k not in gone]  # (a tombstone's: the probe's)
         ordered = [(s, k) for s, k in ordered if k in sizes]
         known = {k for _, k in ordered}
@@ -274,10 +280,13 @@ class DiskTier(Tier):
         for k in unordered:  # written after the last stamp batch (a crash lost its position): newest
             self.index.commit_insert(k, disk_charge(sizes[k]))
             self._touched[k] = None  # stamped with a later batch (no write here: a full disk can reload)
-        if bad or stray:
+        if bad or stray or stray_sums:
             with self._write_txn(env) as txn:
+                for k in stray_sums:  # a key whose record is gone (or was never written): its sum goes too
+                    txn.delete(k, db=self._sums)
                 for k in bad:
                     txn.delete(k, db=records)
+                    txn.delete(k, db=self._sums)
                     txn.delete(k, db=seqdb)
                 for s, k in stray:
                     txn.delete(_SEQ.pack(s), db=orderdb)
@@ -334,6 +343,7 @@ class DiskTier(Tier):
     def _delete(self, txn: lmdb.Transaction, key: bytes) -> None:
         records, seqdb, orderdb = self._dbs
         txn.delete(key, db=records)
+        txn.delete(key, db=self._sums)
         txn.delete(key, db=seqdb)
         s = self._seq.pop(key, None)
         if s is not None:
@@ -372,12 +382,14 @@ class DiskTier(Tier):
         transaction is visible."""
         env = self._env_obj
         records, seqdb, orderdb = self._dbs
+        sums = self._sums
         slow_file = self.config.slow_file
         if job.deletes:
             with self._write_txn(env) as txn:
                 delete = txn.delete
                 for key, s in job.deletes:
                     delete(key, db=records)
+                    delete(key, db=sums)
                     delete(key, db=seqdb)
                     if s is not None:
                         delete(_SEQ.pack(s), db=orderdb)
@@ -388,7 +400,9 @@ class DiskTier(Tier):
                 with self._write_txn(env) as txn:
                     put = txn.put
                     for key, rec in job.puts:  # its bytes, viewed without numpy (contiguous: checked)
-                        put(key, _bytes_view(rec), db=records)
+                        view = _bytes_view(rec)
+                        put(key, view, db=records)
+                        put(key, record_sum(view), db=sums)  # the record bound to its key
                     for key, old, s in job.stamps:
                         if old is not None:
                             txn.delete(_SEQ.pack(old), db=orderdb)
@@ -627,6 +641,10 @@ class DiskTier(Tier):
                     views = [txn.get(k) if ent is None else ent[1] for k, ent in zip(keys, held)]
                 else:
                     views = list(map(txn.get, keys))
+                # a record LMDB gives for a key it was not written under is never copied out (disk_keysums.py)
+                strays = unbound(txn, self._sums, keys, views, None if held is None else [e is not None for e in held])
+                for i in strays:
+                    views[i] = None
                 sizes = [0 if v is None else len(v) for v in views]
                 if outs is None:
                     bufs, dsts = self._chunks.take_many(sizes)
@@ -644,6 +662,8 @@ class DiskTier(Tier):
                         codes[i] = SHORT
                 else:
                     codes = copy_records(views, dsts, self.config.verify_reads)  # one native call a window
+                for i in strays:
+                    codes[i] = KEY_MISMATCH
         except Exception as e:
             if not is_io_fault(e):
                 raise
@@ -656,7 +676,8 @@ class DiskTier(Tier):
             return sizes, bufs
         damaged = [i for i, c in enumerate(codes) if c < 0 and c != ABSENT]
         for i in damaged:
-            log.warning("disk tier: record %s is damaged (%s); dropped, read as a miss", keys[i].hex(), damage_reason(codes[i]))
+            why = KEY_REASON if codes[i] == KEY_MISMATCH else damage_reason(codes[i])
+            log.warning("disk tier: record %s is damaged (%s); dropped, read as a miss", keys[i].hex(), why)
             sizes[i], bufs[i] = 0, None
         hits = [k for k, n in zip(keys, sizes) if n]
         self._count_reads(len(hits), n_keys - len(hits), len(damaged), sum(sizes))

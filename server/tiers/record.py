@@ -42,6 +42,8 @@ MAGIC = b"KVTR"
 FORMAT_VERSION = 1
 _FIXED = struct.Struct("<4sHHIIIIQQQQ")  # server/tiers/_recordio.c (the disk tier's reads) checks these fields too
 _CHECKSUM_AT = _FIXED.size - 8
+CHECKSUM_OFFSET = _CHECKSUM_AT
+"""Byte offset of a record's checksum field (8 bytes, xxh3_64; the disk tier binds it to the record's key)."""
 _ALIGN = 64
 _memmove = ctypes.memmove
 
