@@ -141,6 +141,7 @@ class Daemon:
         self.version = __version__
         self._started = time.monotonic()
         self._shutdown_hooks: list[Callable[[], None]] = []
+        self.failed_shutdown_hooks = 0  # hooks of close() that raised (serve exits 1 then)
         self.metrics: Any = None  # DaemonMetrics when metrics are on (set by the server)
         self.metrics_address = ""  # http://HOST:PORT/metrics once served
         self.tiers = TierRuntime(self)  # host/disk tiers, prefix caches
@@ -243,10 +244,12 @@ class Daemon:
         self._shutdown_hooks.append(hook)
 
     def close(self) -> None:
-        """Run the shutdown hooks once (after the server stopped taking calls)."""
+        """Run the shutdown hooks once (after the server stopped taking calls). A hook that fails is
+        logged and counted in :attr:`failed_shutdown_hooks` (the daemon then exits 1); the rest run."""
         hooks, self._shutdown_hooks = self._shutdown_hooks[::-1], []
         for hook in hooks:
             try:
                 hook()
             except Exception:  # noqa: BLE001 - shutdown goes on; the error is logged
+                self.failed_shutdown_hooks += 1
                 log.exception("shutdown hook %r failed", hook)

@@ -370,7 +370,7 @@ def serve(config: DaemonConfig) -> int:
     health NOT_SERVING, no new calls, in-flight calls get ``grace_seconds`` (then they are
     cancelled), the shutdown hooks get ``close_seconds``, the unix sockets are removed (the ready file
     stays). Never waits forever: with a call still stuck in a worker after all that, it logs it and
-    exits at once (0 if the shutdown hooks finished, else 1).
+    exits at once (0 if the shutdown hooks finished, else 1). A shutdown hook that raised makes the exit 1.
 
     Raises:
         AddressError, ReadyFileError, ValueError, KVTierError: the daemon cannot start (one line); a
@@ -468,10 +468,13 @@ def serve(config: DaemonConfig) -> int:
     if not closed:
         log.error("the shutdown work (moving records down to disk, closing tiers) did not finish in %.0f s "
                   "(close_seconds); exiting anyway", config.close_seconds)
+    failed = state.failed_shutdown_hooks
+    if failed:
+        log.error("%d part%s of the shutdown work failed (logged above); exiting 1", failed, "" if failed == 1 else "s")
     if is_unix(address):
         with contextlib.suppress(FileNotFoundError):
             Path(socket_path(address)).unlink()
     log.info("stopped")
     if stuck or not closed:
-        _exit_now(0 if closed else 1)
-    return 0
+        _exit_now(0 if closed and not failed else 1)
+    return 1 if failed else 0

@@ -67,7 +67,9 @@ from kvtier.server.tiers.disk_env import (  # noqa: F401 - DiskTierConfig, disk_
 from kvtier.server.tiers.disk_keysums import MISMATCH as KEY_MISMATCH, REASON as KEY_REASON, bound, record_sum, unbound
 from kvtier.server.tiers.disk_reads import ABSENT, SHORT, ReadChunks, copy_records, damage_reason, writable_bytes
 from kvtier.server.tiers.disk_writer import DiskJob, WriteBehind, WriteBehindFailed
-from kvtier.server.tiers.errors import EnvironmentInUseError, RecordError, TierFullError, TierUnavailableError
+from kvtier.server.tiers.errors import (
+    DiskPathError, EnvironmentInUseError, RecordError, TierFullError, TierUnavailableError,
+)
 from kvtier.server.tiers.health import TierHealth
 from kvtier.server.tiers.record import verify_record
 
@@ -184,6 +186,16 @@ class DiskTier(Tier):
                 )
                 self._pid = os.getpid()
                 env = self._env_obj
+                used = (env.info()["last_pgno"] + 1) * LMDB_PAGE_BYTES
+                if used > self.config.capacity_bytes:
+                    # LMDB raised the map to exactly its used pages: no transaction, not even a delete,
+                    # could get a page, and the tier would stay unhealthy (attack pass 4, A4-2)
+                    self._env_obj = None
+                    close_environment(self.config.path, env)
+                    raise DiskPathError(
+                        f"--disk-size {self.config.capacity_bytes:,} bytes is below the {used:,} bytes the disk tier "
+                        f"already holds in {self.config.path}: give --disk-size of at least {used:,} bytes, or move "
+                        f"that directory away to start with an empty disk tier")
                 self._dbs = (env.open_db(b"records"), env.open_db(b"seq"), env.open_db(b"order"))
                 self._probe_db = env.open_db(b"probe")
                 self._sums = env.open_db(b"sums")  # key -> its record's checksum field (disk_keysums.py)
@@ -580,10 +592,10 @@ class DiskTier(Tier):
                             self._touched.pop(k, None)
                             self._delete(txn, k)
                 except Exception as e:
-                    if not is_io_fault(e):
+                    if not (is_io_fault(e) or isinstance(e, lmdb.MapFullError)):
                         raise
                     self._reload_or_forget()  # the delete aborted: _seq as LMDB has it
-                    self._fault(e, "remove")
+                    self._fault(e, "remove")  # (a map with no page left for a delete: a probe retries it)
                     present = [k for k in present if k in self.index]
                 else:
                     for k in present:

@@ -472,3 +472,16 @@ def test_a_loopback_tcp_listen_without_tokens_is_refused_unless_allowed(tmp_path
             assert [p.size_tokens for p in c.list_pools()] == [SMALL_POOL_TOKENS]
     with DaemonProcess(extra_args=SMALL_POOL) as d:  # the default unix socket: no flag, no warning
         assert "without --auth-tokens" not in d.log_path.read_text()
+
+
+def test_a_disk_size_below_what_the_disk_path_holds_is_one_line(tmp_path):
+    """Attack pass 4, A4-2: ``kvtier serve`` on a disk path that holds more than ``--disk-size`` started,
+    then failed every Drop with INTERNAL. It is refused at start in one line."""
+    disk = tmp_path / "disk"
+    with DaemonProcess(extra_args=[*SMALL_POOL, "--disk-path", str(disk), "--disk-size", "64MiB", "--write-through"]) as d, \
+            KVTierClient(d.address, timeout=30) as c:
+        for i in range(12):  # ~200 KB a one-page copy: some 2.4 MB on disk
+            slots = c.allocate_slots("default", 64)
+            c.offload("default", f"copy-{i}", slots, free_slots=True)
+    line = one_line_error(serve(tmp_path, "--disk-path", str(disk), "--disk-size", "1MiB"))
+    assert "--disk-size 1,048,576 bytes is below the" in line and "bytes the disk tier already holds in" in line

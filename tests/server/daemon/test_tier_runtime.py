@@ -138,3 +138,20 @@ def test_the_daemon_has_one_host_arena_for_host_records_and_pools_host_copies():
         assert (ptr, n) == host.arena.registration_range() and n >= 16 << 20
     finally:
         d.close()
+
+
+def test_a_failed_shutdown_hook_is_counted_and_the_rest_still_run():
+    """Attack pass 4, A4-2: a shutdown hook that raised (the disk tier's close on a full map) was
+    logged and the daemon still exited 0. ``close`` now counts it, so ``serve`` exits 1; the other
+    hooks still run."""
+    d = daemon()
+    ran: list[str] = []
+
+    def fails() -> None:
+        ran.append("fails")
+        raise RuntimeError("mdb_txn_commit: MDB_MAP_FULL")
+    d.add_shutdown_hook(lambda: ran.append("first added"))
+    d.add_shutdown_hook(fails)
+    d.add_shutdown_hook(lambda: ran.append("last added"))
+    d.close()
+    assert ran == ["last added", "fails", "first added"] and d.failed_shutdown_hooks == 1

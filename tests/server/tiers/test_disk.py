@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -472,3 +473,24 @@ def test_a_spill_of_multi_megabyte_records_reuses_lmdbs_transaction_memory(tmp_p
     assert faults < pages // 20, f"{faults} minor faults for {pages} pages of records"
     assert torch.equal(read(disk, keys[-1], size), recs[-1])
     disk.close()
+
+
+def test_a_disk_size_below_what_lmdb_holds_is_refused_and_changes_nothing(tmp_path, records, codec):
+    """Attack pass 4, A4-2: a restart with a --disk-size below what the directory already held was
+    accepted; LMDB raised its map to exactly the used pages, so no transaction (not even a delete)
+    could get a page: Drop ended INTERNAL (MDB_MAP_FULL) and the tier never recovered. Now opening is
+    refused with one line naming both sizes, and the records are untouched for a larger size."""
+    disk = disk_at(tmp_path)
+    disk.write(list(records.items()))
+    used = disk.lmdb_info()["file_bytes_used"]
+    disk.close()
+    small = disk_at(tmp_path, capacity=1 * MiB)
+    with pytest.raises(disk_module.DiskPathError) as e:
+        small.open()
+    msg = str(e.value)
+    m = re.search(rf"--disk-size {MiB:,} bytes is below the ([0-9,]+) bytes the disk tier already holds", msg)
+    assert m and int(m[1].replace(",", "")) >= used, msg  # (closing stamps the LRU order: a page or two more)
+    assert "\n" not in msg and "move that directory away" in msg
+    again = disk_at(tmp_path)  # the lock was released, nothing was dropped
+    assert again.contains(list(records)) == [True] * len(records)
+    again.close()
