@@ -61,6 +61,10 @@ def hit_rate(requests: list[list[int]], capacity: int, order, reverse: bool = Fa
 
 
 def main() -> None:
+    if len(sys.argv) < 3 or sys.argv[1] in ("-h", "--help"):
+        print(f"usage: {sys.argv[0]} CAPACITIES ORDERS [TRACE]   e.g. 1e6,3e6 lru,leaves,once,freq "
+              f"(orders: {', '.join(sorted(ORDERS))}; add -rev to file a request's blocks deepest first)")
+        sys.exit(0 if len(sys.argv) > 1 else 2)
     caps = [int(float(x)) // 512 for x in sys.argv[1].split(",")]
     names = sys.argv[2].split(",")
     trace = Path(sys.argv[3]) if len(sys.argv) > 3 else TRACE
