@@ -155,10 +155,14 @@ def prepare_private_dir(path: str | Path) -> Path:
     return p
 
 
-class UnsafeSocketError(ValueError):
-    """Another local user could swap or squat a unix socket: a directory on its way is owned by another
-    uid or writable by group/others without the sticky bit, or the socket (or a symlink on the way) is
+class UnsafePathError(ValueError):
+    """Another local user could swap what lies at a path: a directory on its way is owned by another
+    uid or writable by group/others without the sticky bit, or the entry (or a symlink on the way) is
     owned by another uid."""
+
+
+class UnsafeSocketError(UnsafePathError):
+    """:class:`UnsafePathError` of a unix socket's path."""
 
 
 _MAX_SYMLINKS = 40
@@ -168,24 +172,33 @@ def _trusted(uid: int) -> bool:
     return uid in (0, os.getuid())
 
 
-def check_socket_path(path: str | Path) -> bool:
-    """Check the way to unix socket ``path`` before a token (or anything) is sent there or the daemon
-    listens there. Every directory a name is looked up in (symlinks followed, each checked) must be
-    owned by root or this uid and not writable by group/others unless it has the sticky bit (in
-    ``/tmp`` nobody can rename or remove another user's entry); each symlink followed and the socket
-    itself must be owned by root or this uid.
+def check_path_owners(path: str | Path, what: str = "unix socket", entry: str = "socket",
+                      error: type[UnsafePathError] = UnsafeSocketError, *, entry_owner: bool = True) -> bool:
+    """Check the way to ``path`` before the daemon trusts what lies there (a socket it listens on or
+    sends a token to, the disk tier's directory). Every directory a name is looked up in (symlinks
+    followed, each checked) must be owned by root or this uid and not writable by group/others unless
+    it has the sticky bit (in ``/tmp`` nobody can rename or remove another user's entry); each
+    symlink followed and the entry itself must be owned by root or this uid.
+
+    Args:
+        path: the path to check.
+        what: what the path is, for messages (``unix socket``, ``--disk-path``).
+        entry: what the last name is (``socket``, ``directory``), for messages.
+        error: the exception class to raise.
+        entry_owner: check the owner of the entry itself (False: the caller checks it, stricter).
 
     Returns:
-        True when the socket exists, False when a name on the way is missing (nothing to connect to:
-        whoever could create it there passed the checks above).
+        True when the path exists, False when a name on the way is missing (whoever could create it
+        there passed the checks above).
 
     Raises:
-        UnsafeSocketError: the checks fail; the one-line message names the path and the reason.
+        UnsafePathError: (``error``) the checks fail; the one-line message names the path and the reason.
     """
     given = os.path.abspath(str(path))
     todo = [c for c in given.split("/") if c]
     cur = "/"
     hops = 0
+    place = "a socket" if entry == "socket" else f"a {what}"
     while todo:
         name = todo.pop(0)
         if name == ".":
@@ -195,37 +208,42 @@ def check_socket_path(path: str | Path) -> bool:
             continue
         st = os.stat(cur)
         if not _trusted(st.st_uid):
-            raise UnsafeSocketError(f"refusing unix socket {given}: directory {cur} is owned by uid {st.st_uid}, "
-                                    f"not by root or this uid {os.getuid()}, so that user could swap the socket; use a socket in a "
-                                    f"directory you own")
+            raise error(f"refusing {what} {given}: directory {cur} is owned by uid {st.st_uid}, "
+                        f"not by root or this uid {os.getuid()}, so that user could swap the {entry}; use {place} in a "
+                        f"directory you own")
         if stat.S_IMODE(st.st_mode) & 0o022 and not st.st_mode & stat.S_ISVTX:
-            raise UnsafeSocketError(f"refusing unix socket {given}: directory {cur} (mode "
-                                    f"{stat.S_IMODE(st.st_mode):04o}) is writable by group or others without the "
-                                    f"sticky bit, so another user could swap the socket; `chmod go-w {cur}` or use "
-                                    f"another directory")
+            raise error(f"refusing {what} {given}: directory {cur} (mode "
+                        f"{stat.S_IMODE(st.st_mode):04o}) is writable by group or others without the "
+                        f"sticky bit, so another user could swap the {entry}; `chmod go-w {cur}` or use "
+                        f"another directory")
         nxt = os.path.join(cur, name)
         try:
             lst = os.lstat(nxt)
         except FileNotFoundError:
             return False
-        if not _trusted(lst.st_uid):
-            kind = "symlink" if stat.S_ISLNK(lst.st_mode) else ("socket" if not todo else "directory")
-            raise UnsafeSocketError(f"refusing unix socket {given}: {kind} {nxt} is owned by uid {lst.st_uid}, "
-                                    f"not by root or this uid {os.getuid()} (another user's; remove it, or use a "
-                                    f"socket in a directory only you or root can write)")
+        if not _trusted(lst.st_uid) and (entry_owner or todo or stat.S_ISLNK(lst.st_mode)):
+            kind = "symlink" if stat.S_ISLNK(lst.st_mode) else (entry if not todo else "directory")
+            raise error(f"refusing {what} {given}: {kind} {nxt} is owned by uid {lst.st_uid}, "
+                        f"not by root or this uid {os.getuid()} (another user's; remove it, or use "
+                        f"{place} in a directory only you or root can write)")
         if stat.S_ISLNK(lst.st_mode):
             hops += 1
             if hops > _MAX_SYMLINKS:
-                raise UnsafeSocketError(f"refusing unix socket {given}: too many symlinks on the way")
+                raise error(f"refusing {what} {given}: too many symlinks on the way")
             target = os.readlink(nxt)
             if target.startswith("/"):
                 cur = "/"
             todo = [c for c in target.split("/") if c] + todo
             continue
         if todo and not stat.S_ISDIR(lst.st_mode):
-            return False  # not a directory: nothing to connect to (connect names the error)
+            return False  # not a directory: nothing there (the caller's own open names the error)
         cur = nxt
     return True
+
+
+def check_socket_path(path: str | Path) -> bool:
+    """:func:`check_path_owners` of unix socket ``path`` (raises :class:`UnsafeSocketError`)."""
+    return check_path_owners(path)
 
 
 class SocketPathInUseError(ValueError):

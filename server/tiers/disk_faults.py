@@ -28,6 +28,7 @@ from pathlib import Path
 
 import lmdb
 
+from kvtier.addresses import UnsafePathError, check_path_owners
 from kvtier.server.tiers.disk_private import check_private, private_dir
 from kvtier.server.tiers.errors import DiskPathError
 
@@ -114,15 +115,22 @@ def check_disk_path(path: str | Path) -> Path:
         The directory as an absolute :class:`~pathlib.Path`.
 
     The directory (and any parent it creates) is made mode 0700; an existing one, or an LMDB file in
-    it, that another user could read is refused (:mod:`~kvtier.server.tiers.disk_private`).
+    it, that another user could read is refused (:mod:`~kvtier.server.tiers.disk_private`), and so is
+    a path another user could redirect: a directory on the way owned by another uid (not root) or
+    writable by group/others without the sticky bit, or a symlink on the way owned by another uid
+    (:func:`kvtier.addresses.check_path_owners`, the check the socket paths get).
 
     Raises:
         DiskPathError: ``path`` is a file, cannot be created, has a group/other mode bit or another
-            owner (or its LMDB files do), lies on a pseudo filesystem (no storage,
+            owner (or its LMDB files do), can be redirected by another user (above), lies on a pseudo filesystem (no storage,
             e.g. ``/proc``) or a read-only one, or this user cannot write it. The message names the
             path and what to do.
     """
     p = Path(os.path.abspath(os.path.expanduser(str(path))))
+    try:  # another user who controls a directory on the way could point the tier elsewhere (A4-3)
+        check_path_owners(p, "--disk-path", "directory", UnsafePathError, entry_owner=False)  # check_private: its own
+    except UnsafePathError as e:
+        raise DiskPathError(str(e)) from None
     if p.exists() and not p.is_dir():
         raise DiskPathError(f"--disk-path {p} is not a directory; {_WHAT_TO_DO}")
     try:

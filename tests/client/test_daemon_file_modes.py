@@ -173,3 +173,41 @@ def test_a_symlinked_disk_path_is_judged_by_its_directory_and_a_symlinked_lmdb_f
     (real / "data.mdb").symlink_to(elsewhere)
     with pytest.raises(DiskPathError, match=f"file {real / 'data.mdb'} is not a plain file"):
         check_disk_path(link)
+
+
+def test_a_disk_path_another_user_could_redirect_is_refused(open_parent):
+    """Attack pass 4, A4-3: a --disk-path below a directory of uid 65534 was accepted; that user then
+    renamed the disk directory away and put a symlink to any root-owned 0700 directory in its place,
+    and the next start created LMDB there (or served another daemon's records from it). A symlink of
+    another uid at the path (planted in sticky /tmp before the daemon made the directory) was
+    followed and trusted too. Now the way to the path gets the socket paths' check: each directory
+    on it owned by root or this uid and not writable by others without the sticky bit, each symlink
+    owned by root or this uid. Nothing is created in either case."""
+    theirs = open_parent / "nobodys"
+    theirs.mkdir(mode=0o755)
+    os.chown(theirs, NOBODY, NOBODY)
+    with pytest.raises(DiskPathError, match=f"refusing --disk-path {theirs / 'disk'}: directory {theirs} is owned by "
+                                            f"uid {NOBODY}, not by root or this uid 0 \\(another user's"):
+        check_disk_path(theirs / "disk")
+    assert not (theirs / "disk").exists()
+    target = open_parent / "root-private"
+    target.mkdir(mode=0o700)
+    sticky = open_parent / "sticky"
+    sticky.mkdir()
+    os.chmod(sticky, 0o1777)
+    planted = sticky / "kvtier-disk"
+    planted.symlink_to(target)
+    os.lchown(planted, NOBODY, NOBODY)
+    with pytest.raises(DiskPathError, match=f"symlink {planted} is owned by uid {NOBODY}"):
+        check_disk_path(planted)
+    assert list(target.iterdir()) == []
+    loose = open_parent / "loose"
+    loose.mkdir()
+    os.chmod(loose, 0o777)
+    with pytest.raises(DiskPathError, match=rf"directory {loose} \(mode 0777\) is writable by group or others without "
+                                            f"the sticky bit"):
+        check_disk_path(loose / "disk")
+    assert not (loose / "disk").exists()
+    mine = open_parent / "mine"
+    mine.mkdir(mode=0o700)
+    assert check_disk_path(mine / "disk") == mine / "disk"  # a way only root and this uid control: made 0700
