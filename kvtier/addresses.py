@@ -64,6 +64,8 @@ def resolve_address(address: str | None) -> str:
     if not sep or not host or not port.isdigit():
         raise ValueError(f"address must be unix:///path, a socket path such as ./kvtier.sock, or HOST:PORT, "
                          f"got {address!r}")
+    if int(port) > 65535:  # gRPC would take it modulo 65536 (99999 -> 34463) without a word
+        raise ValueError(f"port must be 0-65535 (0: any free port), got {port} in {address!r}")
     return address
 
 

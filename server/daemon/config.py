@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.server.daemon.config_keys import check_known_keys
+from kvtier.server.daemon.private_files import read_trusted_file
 from kvtier.server.daemon.quotas import Quotas
 from kvtier.server.daemon.tenants import DEFAULT_TENANT, TenantSettings, check_tenant_name
 from kvtier.server.daemon.tier_settings import TierSettings
@@ -244,8 +245,9 @@ class DaemonConfig:
             raise ValueError(f"torch_threads must be >= 1, got {self.torch_threads}")
         if not 0 <= self.copy_threads <= 64:
             raise ValueError(f"copy_threads must be 0 (the machine's cores) or 1..64, got {self.copy_threads}")
-        if self.max_message_bytes < 64 * 1024:
-            raise ValueError(f"max_message_bytes must be at least 65536, got {self.max_message_bytes}")
+        if not 64 * 1024 <= self.max_message_bytes <= MAX_MESSAGE_BYTES:
+            raise ValueError(f"max_message_bytes must be 65536..{MAX_MESSAGE_BYTES} (gRPC's limit), got "
+                             f"{self.max_message_bytes}")
         if not MIN_CHUNK_BYTES <= self.chunk_bytes <= self.max_message_bytes - CHUNK_OVERHEAD_BYTES:
             raise ValueError(
                 f"chunk_bytes must be in [{MIN_CHUNK_BYTES}, max_message_bytes - {CHUNK_OVERHEAD_BYTES}] = "
@@ -289,6 +291,10 @@ class DaemonConfig:
             raise ValueError(f"log_format must be one of {LOG_FORMATS}, got {self.log_format!r}")
         if self.grace_seconds < 0:
             raise ValueError(f"grace_seconds must be >= 0, got {self.grace_seconds}")
+        for name in ("stream_idle_seconds", "request_arrival_seconds", "peer_retry_seconds", "close_seconds",
+                     "grace_seconds"):  # a larger value overflows the deadlines built from it (time_t)
+            if getattr(self, name) > MAX_SECONDS:
+                raise ValueError(f"{name} must be at most {MAX_SECONDS:g} (a day), got {getattr(self, name)}")
         ids = [p.pool_id for p in self.pools]
         if len(set(ids)) != len(ids):
             raise ValueError(f"pool ids repeat: {ids}")
@@ -367,14 +373,21 @@ class DaemonConfig:
 
     @classmethod
     def from_toml(cls, path: str | Path) -> DaemonConfig:
-        """Read a TOML file. Raises ValueError (bad keys/values, bad TOML) or OSError."""
-        with open(path, "rb") as f:
-            try:
-                data = tomllib.load(f)
-            except tomllib.TOMLDecodeError as e:
-                raise ValueError(f"{path}: {e}") from None
+        """Read a TOML file, once it passed :func:`~kvtier.server.daemon.private_files.read_trusted_file`
+        (no other user could have written it). Raises ValueError (bad keys/values, bad TOML, a file
+        another user could write) or OSError."""
+        raw = read_trusted_file(path, "--config")
+        try:
+            data = tomllib.loads(raw.decode("utf-8"))
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{path}: {e}") from None
         return cls.from_mapping(data)
 
+
+MAX_SECONDS = 86400.0
+"""Largest value of a ``*_seconds`` setting (a day): deadlines are built from them."""
+MAX_MESSAGE_BYTES = (1 << 31) - 1
+"""gRPC's largest message limit (its channel arguments are C ints)."""
 
 _TYPE_WORDS = {"int": "an integer", "float": "a finite number", "bool": "true or false", "str": "a string",
                "int | None": "an integer"}

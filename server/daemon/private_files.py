@@ -1,10 +1,13 @@
-"""Secrets the daemon reads from files only its own user may read: the ``--auth-tokens`` table
-(:class:`~kvtier.server.daemon.tenants.TokenTable`) and the ``--metrics-token-file`` bearer token.
+"""Files the daemon trusts: secrets it reads from files only its own user may read (the
+``--auth-tokens`` table, :class:`~kvtier.server.daemon.tenants.TokenTable`, and the
+``--metrics-token-file`` bearer token), and its ``--config`` file, which no other user may write.
 
-One check for both (:func:`read_private_file`): a regular file, not a symlink (opened with
-``O_NOFOLLOW``), owned by the daemon's uid, with no permission bit for group or others (0600 or
-0400). Anyone who can read such a file can act with its tokens, so a file that fails the check is
-refused at start with one line saying what to fix; the line never holds the file's contents.
+Secrets (:func:`read_private_file`): a regular file, not a symlink (opened with ``O_NOFOLLOW``),
+owned by the daemon's uid, with no permission bit for group or others (0600 or 0400). Anyone who can
+read such a file can act with its tokens, so a file that fails the check is refused at start with one
+line saying what to fix; the line never holds the file's contents. Settings
+(:func:`read_trusted_file`): owned by root or the daemon's uid, not writable by group or others, on
+a way no other user controls.
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ from __future__ import annotations
 import os
 import stat
 from pathlib import Path
+
+from kvtier.addresses import UnsafePathError, check_path_owners
 
 
 class AuthConfigError(ValueError):
@@ -41,6 +46,39 @@ def read_private_file(path: str | Path, flag: str) -> bytes:
         if mode & 0o077:
             raise AuthConfigError(f"{flag} {path}: mode {mode:04o} lets other users read the tokens; "
                                   f"run chmod 600 {path}")
+        return f.read()
+
+
+def read_trusted_file(path: str | Path, flag: str) -> bytes:
+    """The bytes of a settings file (``--config``) no other user could have written: a regular file
+    owned by root or the daemon's uid, with no write bit for group or others, on a way
+    (:func:`kvtier.addresses.check_path_owners`) no other user could redirect. Others may read it (it
+    names files, it holds no secret). A config file another user can write decides the token file,
+    the attach uids, the disk path and what the metrics endpoint shows: it is refused at start
+    (attack pass 4, A4-5).
+
+    Raises:
+        AuthConfigError: a one-line reason (missing, not a regular file, owner, mode, the way to it).
+    """
+    try:
+        check_path_owners(path, flag, "file", UnsafePathError)
+    except UnsafePathError as e:
+        raise AuthConfigError(str(e)) from None
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as e:
+        raise AuthConfigError(f"{flag} {path}: cannot open it ({e.strerror})") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise AuthConfigError(f"{flag} {path}: not a regular file")
+        if st.st_uid not in (0, os.getuid()):
+            raise AuthConfigError(f"{flag} {path}: owned by uid {st.st_uid}, not by root or the daemon's user "
+                                  f"(uid {os.getuid()}), so that user decides the daemon's settings; chown it")
+        mode = stat.S_IMODE(st.st_mode)
+        if mode & 0o022:
+            raise AuthConfigError(f"{flag} {path}: mode {mode:04o} lets other users change the daemon's settings; "
+                                  f"run chmod go-w {path}")
         return f.read()
 
 

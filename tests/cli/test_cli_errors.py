@@ -485,3 +485,13 @@ def test_a_disk_size_below_what_the_disk_path_holds_is_one_line(tmp_path):
             c.offload("default", f"copy-{i}", slots, free_slots=True)
     line = one_line_error(serve(tmp_path, "--disk-path", str(disk), "--disk-size", "1MiB"))
     assert "--disk-size 1,048,576 bytes is below the" in line and "bytes the disk tier already holds in" in line
+
+
+def test_tls_files_that_are_not_pem_are_one_line_before_anything_is_allocated(tmp_path):
+    """Attack pass 4, A4-4: a --tls-cert/--tls-key that is not PEM gave gRPC's C-core errors and a
+    traceback blaming the address ("Failed to bind"); the files are now loaded first."""
+    bad = tmp_path / "bad.pem"
+    bad.write_text("not pem\n")
+    line = one_line_error(serve(tmp_path, "--tls-cert", str(bad), "--tls-key", str(bad)))
+    assert f"--tls-cert {bad} and --tls-key {bad} cannot be loaded (OpenSSL refused them: not PEM" in line
+    assert not (tmp_path / "kv.sock").exists()

@@ -25,6 +25,10 @@ def test_forms():
     for bad in ("nohost", "host:port", "unix:", "dns:///x", "http://h:1"):  # a scheme is never a relative path
         with pytest.raises(ValueError):
             resolve_address(bad)
+    assert resolve_address("127.0.0.1:65535") == "127.0.0.1:65535"
+    # attack pass 4, A4-4: gRPC took 99999 modulo 65536 and served 127.0.0.1:34463 without a word
+    with pytest.raises(ValueError, match="port must be 0-65535 \\(0: any free port\\), got 99999"):
+        resolve_address("127.0.0.1:99999")
 
 
 @pytest.mark.parametrize("addr,loop", [("127.0.0.1:1", True), ("127.0.0.2:1", True), ("localhost:1", True), ("[::1]:1", True),

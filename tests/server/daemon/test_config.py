@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from kvtier.server.daemon.config import DaemonConfig, PoolSpec, parse_bytes
@@ -39,6 +41,49 @@ def test_bad_values_are_refused():
                    {"max_message_bytes": 1000}, {"log_level": "LOUD"}, {"request_arrival_seconds": 0}):
         with pytest.raises(ValueError):
             DaemonConfig(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"grace_seconds": 1e308}, "grace_seconds must be at most 86400 (a day)"),
+    ({"close_seconds": 86401}, "close_seconds must be at most 86400"),
+    ({"stream_idle_seconds": 1e12}, "stream_idle_seconds must be at most 86400"),
+    ({"request_arrival_seconds": 1e9}, "request_arrival_seconds must be at most 86400"),
+    ({"peer_retry_seconds": 1e9}, "peer_retry_seconds must be at most 86400"),
+    ({"max_message_bytes": 5 << 30}, "max_message_bytes must be 65536..2147483647 (gRPC's limit)"),
+])
+def test_values_too_large_for_the_deadlines_or_grpc_are_refused(kwargs, words):
+    """Attack pass 4, A4-4: ``--grace 1e308`` was accepted and the daemon died at SIGTERM with
+    OverflowError (timestamp out of range) before its shutdown work; ``--max-message-bytes 5GiB``
+    ended in gRPC's OverflowError traceback."""
+    with pytest.raises(ValueError) as e:
+        DaemonConfig(**kwargs)
+    assert str(e.value).startswith(words)
+    DaemonConfig(grace_seconds=86400, max_message_bytes=(1 << 31) - 1, chunk_bytes=1 << 20)  # the bounds are allowed
+
+
+def test_a_config_file_another_user_could_write_is_refused(tmp_path):
+    """Attack pass 4, A4-5: a --config file of uid 65534 and mode 0666 was applied (it names the tokens
+    file, the attach uids, the disk path: everything the strict checks of the tokens file guard).
+    Now it must be owned by root or this uid and not writable by group or others; others may read it."""
+    p = tmp_path / "k.toml"
+    p.write_text('workers = 4\n')
+    p.chmod(0o644)
+    assert DaemonConfig.from_toml(p).workers == 4
+    p.chmod(0o666)
+    with pytest.raises(ValueError, match=f"--config {p}: mode 0666 lets other users change the daemon's settings; "
+                                         f"run chmod go-w {p}"):
+        DaemonConfig.from_toml(p)
+    p.chmod(0o644)
+    os.chown(p, 65534, 65534)  # tests run as root
+    with pytest.raises(ValueError, match=f"refusing --config {p}: file {p} is owned by uid 65534, not by root"):
+        DaemonConfig.from_toml(p)
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    os.chown(theirs, 65534, 65534)
+    q = theirs / "k.toml"
+    q.write_text('workers = 4\n')
+    with pytest.raises(ValueError, match=f"refusing --config {q}: directory {theirs} is owned by uid 65534"):
+        DaemonConfig.from_toml(q)
 
 
 def test_toml(tmp_path):
