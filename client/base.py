@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import os
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -211,6 +212,9 @@ class BaseClient:
             interceptors.append(_CallMetadata(entries))
         self._channel = grpc.intercept_channel(self._raw_channel, *interceptors) if interceptors else self._raw_channel
         self._stubs: dict[type, Any] = {}
+        #: this client's writer id for unit puts (``put_units``): a unit's two parts pair only when one
+        #: writer sent both, so two clients writing the same keys never get their parts joined
+        self.writer_id = uuid.uuid4().bytes
 
     # ----- plumbing for mixins ------------------------------------------------------------------
     def stub(self, stub_cls: type[T]) -> T:

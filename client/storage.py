@@ -136,17 +136,22 @@ class StorageMixin(BaseClient):
         req = storage_pb2.ExistUnitsRequest(space=space.message(), keys=list(keys))
         return self.unary(self._storage.ExistUnits, req, idempotent=True, timeout=timeout).prefix_units
 
-    def _put_requests(self, space: UnitSpaceSpec, keys: list[bytes], part: str, data: np.ndarray) -> Iterator[storage_pb2.PutUnitsRequest]:
+    def _put_requests(self, space: UnitSpaceSpec, keys: list[bytes], part: str, data: np.ndarray,
+                      writer: bytes) -> Iterator[storage_pb2.PutUnitsRequest]:
         mv, step = memoryview(data), self.chunk_bytes
         yield storage_pb2.PutUnitsRequest(space=space.message(), keys=keys, part=_part(part),
-                                          data=bytes(mv[:step]))
+                                          data=bytes(mv[:step]), writer=writer)
         for off in range(step, len(mv), step):
             yield storage_pb2.PutUnitsRequest(data=bytes(mv[off:off + step]))
 
     def put_units(self, space: UnitSpaceSpec, keys: Sequence[bytes], part: str, data: torch.Tensor, *,
-                  timeout: float | None = None) -> PutUnitsResult:
+                  writer: bytes | None = None, timeout: float | None = None) -> PutUnitsResult:
         """Store ``part`` of each key's unit; ``data`` holds the parts in key order, concatenated
         (``len(keys) * space.part_nbytes(part)`` bytes of a contiguous host tensor, any dtype).
+        ``writer`` (at most 64 bytes): who writes; a unit's two parts are joined only when one
+        writer sent both. None: this client's own :attr:`writer_id` (pass one id of your own when an
+        engine sends a unit's parts through different clients); ``b""``: the attach session, else
+        one writer for all the tenant's calls without one.
 
         Raises:
             ValueError: ``data`` too small or not a host tensor (nothing sent).
@@ -154,7 +159,9 @@ class StorageMixin(BaseClient):
         """
         keys = list(keys)
         buf = _flat_bytes(data, len(keys) * space.part_nbytes(part), "data")
-        r = self.client_stream(self._storage.PutUnits, lambda: self._put_requests(space, keys, part, buf), timeout=timeout)
+        writer = self.writer_id if writer is None else writer
+        r = self.client_stream(self._storage.PutUnits, lambda: self._put_requests(space, keys, part, buf, writer),
+                               timeout=timeout)
         return PutUnitsResult(list(r.accepted), r.completed, r.pending)
 
     def get_units(self, space: UnitSpaceSpec, keys: Sequence[bytes], part: str, out: torch.Tensor, *,
@@ -185,9 +192,10 @@ class StorageMixin(BaseClient):
         return self.server_stream(self._storage.GetUnits, req, consume, idempotent=True, timeout=timeout)
 
     def put_units_staged(self, space: UnitSpaceSpec, keys: Sequence[bytes], part: str, buffer: int, offset: int = 0, *,
-                         timeout: float | None = None) -> PutUnitsResult:
+                         writer: bytes | None = None, timeout: float | None = None) -> PutUnitsResult:
         """Store ``part`` of each key's unit from staging buffer ``buffer`` of this client's storage
-        session (unit ``i`` at byte ``offset + i * part_nbytes``; written completely before the call).
+        session (unit ``i`` at byte ``offset + i * part_nbytes``; written completely before the call;
+        ``writer`` as in :meth:`put_units`).
         Call it through :attr:`StagingSession.client <kvtier.client.staging.StagingSession.client>`.
 
         Raises:
@@ -196,7 +204,8 @@ class StorageMixin(BaseClient):
             NotFoundError: the session has ended.
         """
         req = storage_pb2.PutUnitsStagedRequest(space=space.message(), keys=list(keys), part=_part(part),
-                                                staging=storage_pb2.StagingRegion(buffer=buffer, offset=offset))
+                                                staging=storage_pb2.StagingRegion(buffer=buffer, offset=offset),
+                                                writer=self.writer_id if writer is None else writer)
         r = self.unary(self._storage.PutUnitsStaged, req, idempotent=False, timeout=timeout)
         return PutUnitsResult(list(r.accepted), r.completed, r.pending)
 

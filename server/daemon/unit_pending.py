@@ -13,7 +13,12 @@ waiting parts.
 
 A waiting KV part is held as a record-sized tensor with the latent rows already in place (the
 index part, a few KiB a layer, is copied in when it comes); a waiting index part as its own small
-tensor. A part sent again replaces the waiting one.
+tensor. A part sent again by the same writer replaces the waiting one.
+
+Parts pair per writer: a part waits under ``(key, writer)`` and completes only with the other part
+of the same writer. Two engines backing up the same prefix at once (two SGLang servers on one
+daemon) write bytes that need not be bit-identical; joined across writers, one's KV and the other's
+indexer rows were stored as one sealed, checksummed unit and served as a hit (attack pass 4, A4-8).
 
 Locking: one leaf-level lock for the table's dict (level 4 of the daemon's order, beside the offload
 store's lock, never held together with it); nothing is called, logged or allocated under it.
@@ -73,8 +78,9 @@ class PendingTable:
         self._tenant_of = tenant_of or (lambda key: None)
         self._cap_of = cap_of or (lambda tenant: None)
         self._lock = threading.Lock()
-        self._parts: OrderedDict[bytes, PendingPart] = OrderedDict()   # every tenant's, oldest first (timeouts)
-        self._mine: dict[str, OrderedDict[bytes, PendingPart]] = {}    # each tenant's, oldest first (room)
+        # by (tier key, writer)
+        self._parts: OrderedDict[tuple[bytes, bytes], PendingPart] = OrderedDict()   # every tenant's, oldest first
+        self._mine: dict[str, OrderedDict[tuple[bytes, bytes], PendingPart]] = {}    # each tenant's, oldest first
         self._tenant_bytes: dict[str, int] = {}
         self.nbytes = 0
         self.expired = 0
@@ -83,17 +89,21 @@ class PendingTable:
     def __len__(self) -> int:
         return len(self._parts)
 
-    def __contains__(self, key: bytes) -> bool:
-        return key in self._parts
+    def waits(self, key: bytes, writer: bytes = b"") -> bool:
+        """Whether a part of ``key``'s unit from ``writer`` waits."""
+        return (key, writer) in self._parts
 
-    def offer(self, key: bytes, *, kv_rec: torch.Tensor | None = None, index: torch.Tensor | None = None) -> Match | None:
-        """Give one part of ``key``'s unit. If the other part waits, it is taken out and the completed
-        unit returned; else this part waits (returns None), after its tenant's own oldest waiting parts
-        made room for it where it would pass the tenant's cap or the table's budget. A part that
-        finds no such room (larger than the tenant's cap, or the table full of other tenants' parts)
-        is not kept (returns None; counted evicted)."""
+    def offer(self, key: bytes, *, kv_rec: torch.Tensor | None = None, index: torch.Tensor | None = None,
+              writer: bytes = b"") -> Match | None:
+        """Give one part of ``key``'s unit from ``writer``. If that writer's other part waits, it is
+        taken out and the completed unit returned; else this part waits (returns None), after its
+        tenant's own oldest waiting parts made room for it where it would pass the tenant's cap or
+        the table's budget. A part that finds no such room (larger than the tenant's cap, or the
+        table full of other tenants' parts) is not kept (returns None; counted evicted). Another
+        writer's waiting part of the same key is never joined (module docstring)."""
         assert (kv_rec is None) != (index is None)
         tenant = self._tenant_of(key) or ""
+        key = (key, writer)  # type: ignore[assignment]  # the table's own key: parts pair per writer
         cap = self._cap_of(tenant)
         cap = self.budget_bytes if cap is None else min(cap, self.budget_bytes)
         now = self._clock()
@@ -124,10 +134,10 @@ class PendingTable:
             self.nbytes += part.nbytes
             return None
 
-    def _remove(self, key: bytes) -> PendingPart:
-        """Take ``key``'s part out of every ledger (the lock held)."""
+    def _remove(self, key: tuple[bytes, bytes]) -> PendingPart:
+        """Take the part of ``(tier key, writer)`` out of every ledger (the lock held)."""
         part = self._parts.pop(key)
-        tenant = self._tenant_of(key) or ""
+        tenant = self._tenant_of(key[0]) or ""
         mine = self._mine[tenant]
         del mine[key]
         if not mine:
@@ -159,7 +169,7 @@ class PendingTable:
     def drop_prefix(self, prefix: bytes) -> int:
         """Drop every waiting part whose key starts with ``prefix``; returns how many."""
         with self._lock:
-            gone = [k for k in self._parts if k.startswith(prefix)]
+            gone = [k for k in self._parts if k[0].startswith(prefix)]
             for k in gone:
                 self._remove(k)
             return len(gone)
@@ -167,5 +177,5 @@ class PendingTable:
     def count_prefix(self, prefix: bytes) -> tuple[int, int]:
         """``(parts, bytes)`` waiting under keys that start with ``prefix``."""
         with self._lock:
-            parts = [p for k, p in self._parts.items() if k.startswith(prefix)]
+            parts = [p for k, p in self._parts.items() if k[0].startswith(prefix)]
         return len(parts), sum(p.nbytes for p in parts)

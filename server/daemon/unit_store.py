@@ -60,6 +60,7 @@ MAX_KEYS = 4096
 MAX_KEY_BYTES = 256
 _SPACE_CACHE = 256
 VIAS = ("call", "stream", "staged")
+MAX_WRITER_BYTES = 64
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,7 @@ class UnitPut:
         self.bufs: list[torch.Tensor] = []    # allocated as each unit's first byte arrives
         self.views: list[np.ndarray] = []
         self.filled = 0
+        self.writer = b""                     # who writes (set by UnitStore.begin_put)
         self._at = 0
 
     def _next_view(self) -> np.ndarray:
@@ -224,20 +226,28 @@ class UnitStore:
 
     # ----- put ----------------------------------------------------------------------------------
     def begin_put(self, caller: Caller, space: UnitSpace, keys: Sequence[bytes], part: str,
-                  via: str = "call") -> UnitPut:
+                  via: str = "call", writer: bytes = b"") -> UnitPut:
         """Start a put of ``part`` for ``keys``; feed it with :meth:`UnitPut.add`, end with
         :meth:`UnitPut.commit`. Keys must not repeat; ``via`` names how the bytes travel (module
-        docstring; counted). Raises InvalidArgument (keys, part, size)."""
+        docstring; counted); ``writer`` who writes (a unit's parts pair only within one writer:
+        ``unit_pending.py``; empty: the caller's attach session, else one writer for the tenant).
+        Raises InvalidArgument (keys, part, size, a writer of more than 64 bytes)."""
         assert via in VIAS, via
         keys = self.check_keys(keys)
         if len(set(keys)) != len(keys):
             raise InvalidArgument("unit keys of one put must not repeat")
-        return UnitPut(self, caller, space, keys, space.check_part(part), via)
+        if len(writer) > MAX_WRITER_BYTES:
+            raise InvalidArgument(f"a unit writer id takes at most {MAX_WRITER_BYTES} bytes, got {len(writer)}")
+        put = UnitPut(self, caller, space, keys, space.check_part(part), via)
+        # one namespace each, so no id a client sends can name another's session
+        put.writer = (b"w" + bytes(writer) if writer else
+                      b"s" + caller.session.session_id.encode() if caller.session is not None else b"")
+        return put
 
     def put(self, caller: Caller, space: UnitSpace, keys: Sequence[bytes], part: str,
-            data: bytes | memoryview | torch.Tensor, via: str = "call") -> PutResult:
+            data: bytes | memoryview | torch.Tensor, via: str = "call", writer: bytes = b"") -> PutResult:
         """:meth:`begin_put`, one :meth:`UnitPut.add` of all ``data``, :meth:`UnitPut.commit`."""
-        p = self.begin_put(caller, space, keys, part, via)
+        p = self.begin_put(caller, space, keys, part, via, writer)
         p.add(data)
         return p.commit()
 
@@ -261,9 +271,10 @@ class UnitStore:
             if p.part == BOTH or not space.with_index:
                 rec = buf
             else:
-                m = self.pending.offer(tkey, kv_rec=buf) if p.part == KV else self.pending.offer(tkey, index=buf)
+                m = self.pending.offer(tkey, kv_rec=buf, writer=p.writer) if p.part == KV else \
+                    self.pending.offer(tkey, index=buf, writer=p.writer)
                 if m is None:
-                    accepted.append(tkey in self.pending)
+                    accepted.append(self.pending.waits(tkey, p.writer))
                     continue
                 rec, index = m.kv_rec, m.index
             if index is not None:
@@ -279,7 +290,7 @@ class UnitStore:
         if made and self.stack.shared:  # a shared tier (Mooncake Store) keeps them too, if it keeps "u:" keys
             self.stack.publish([k for k, _ in made], lambda i, out: _into(made[i][1], out), source="client",
                                record_size=codec.page_nbytes())
-        n_pending = sum(1 for k in p.keys if prefix + k in self.pending)
+        n_pending = sum(1 for k in p.keys if self.pending.waits(prefix + k, p.writer))
         self._count(p.caller, units_stored=completed, parts_already_stored=stored_before,
                     units_dropped_no_room=sum(1 for a in accepted if not a), put_bytes=p.total,
                     **{f"put_bytes_{p.via}": p.total})

@@ -55,9 +55,10 @@ class StorageServicer(storage_pb2_grpc.StorageServiceServicer):
             first = next(request_iterator, None)
             if first is None or not first.HasField("space"):
                 raise InvalidArgument("PutUnits must start with a message carrying the unit space, keys and part")
-            put = self.units.begin_put(caller, self._space(first.space), first.keys, _part(first.part), "stream")
+            put = self.units.begin_put(caller, self._space(first.space), first.keys, _part(first.part), "stream",
+                                       writer=first.writer)
             for msg in messages.chained(first, request_iterator, touch):
-                if msg is not first and (msg.HasField("space") or msg.keys):
+                if msg is not first and (msg.HasField("space") or msg.keys or msg.writer):
                     raise InvalidArgument("PutUnits takes the space and keys once, in its first message")
                 if msg.data:
                     put.add(msg.data)
@@ -85,7 +86,8 @@ class StorageServicer(storage_pb2_grpc.StorageServiceServicer):
 
     def PutUnitsStaged(self, request: storage_pb2.PutUnitsStagedRequest, context: grpc.ServicerContext) -> storage_pb2.PutUnitsResponse:
         caller = caller_of(context)
-        put = self.units.begin_put(caller, self._space(request.space), request.keys, _part(request.part), "staged")
+        put = self.units.begin_put(caller, self._space(request.space), request.keys, _part(request.part), "staged",
+                                   writer=request.writer)
         put.add(self.state.attach.staging_region(caller, request.staging.buffer, request.staging.offset, put.total))
         r = put.commit()
         return storage_pb2.PutUnitsResponse(accepted=r.accepted, completed=r.completed, pending=r.pending)

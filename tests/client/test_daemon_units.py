@@ -169,3 +169,21 @@ def test_one_tenants_flood_of_waiting_parts_never_drops_anothers(tmp_path):
     finally:
         d.stop()
         d.cleanup()
+
+
+@pytest.mark.parametrize("order", [("A index", "B index", "A kv", "B kv"), ("A index", "B index", "B kv", "A kv"),
+                                   ("A kv", "B kv", "A index", "B index"), ("A kv", "B index", "B kv", "A index")])
+def test_two_clients_writing_one_unit_never_get_their_parts_joined(daemon, order):
+    """Attack pass 4, A4-8, through the daemon: two clients put the same key's parts interleaved;
+    the unit served is whole from one of them (each client is its own writer), never A's KV with
+    B's indexer rows."""
+    key = "-".join(order).encode()
+    with client(daemon) as a, client(daemon) as b:
+        data = {"A": unit_bytes(1), "B": unit_bytes(2)}
+        for step in order:
+            who, part = step.split()
+            c = a if who == "A" else b
+            c.put_units(SPACE, [key], part, data[who][:SPACE.kv_nbytes] if part == "kv" else data[who][SPACE.kv_nbytes:])
+        out = torch.zeros(SPACE.part_nbytes("both"), dtype=torch.uint8)
+        assert a.get_units(SPACE, [key], "both", out) == [True]
+        assert torch.equal(out, data["A"]) or torch.equal(out, data["B"])

@@ -33,6 +33,7 @@ import logging
 import threading
 from collections import deque
 import time
+import uuid
 import weakref
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -124,6 +125,10 @@ class GrpcTransport:
             tls_client_key=settings.tls_client_key or None)
         self._local = threading.local()
         self._call_bytes = settings.staging_bytes
+        # this backend's writer id: a unit's KV and indexer parts pair only when one writer sent both,
+        # whichever way each travelled (gRPC or shared memory), so two engines writing one prefix
+        # never get their parts joined (attack pass 4, A4-8)
+        self.writer = uuid.uuid4().bytes
 
     def call_bytes(self) -> int:
         return self._call_bytes
@@ -142,7 +147,8 @@ class GrpcTransport:
         return self.client.exist_units(space, keys)
 
     def put(self, space: UnitSpaceSpec, keys: list[bytes], part: str, data: Staged) -> list[bool]:
-        return self.client.put_units(space, keys, part, data.tensor[:len(keys) * space.part_nbytes(part)]).accepted
+        return self.client.put_units(space, keys, part, data.tensor[:len(keys) * space.part_nbytes(part)],
+                                     writer=self.writer).accepted
 
     def get(self, space: UnitSpaceSpec, keys: list[bytes], part: str) -> tuple[list[bool], torch.Tensor]:
         out = self._buffer(len(keys) * space.part_nbytes(part))
@@ -363,7 +369,9 @@ class ShmTransport:
             ok = self.grpc.put(space, keys, part, data)
             self._reached()
             return ok
-        ok, _ = self._staged(data.held, lambda c, i: c.put_units_staged(space, keys, part, i).accepted, carry=nbytes)
+        writer = self.grpc.writer
+        ok, _ = self._staged(data.held, lambda c, i: c.put_units_staged(space, keys, part, i, writer=writer).accepted,
+                             carry=nbytes)
         return ok
 
     def get(self, space: UnitSpaceSpec, keys: list[bytes], part: str) -> tuple[list[bool], torch.Tensor]:

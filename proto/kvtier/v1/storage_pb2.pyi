@@ -155,8 +155,14 @@ class PutUnitsRequest(_message.Message):
     KEYS_FIELD_NUMBER: _builtins.int
     PART_FIELD_NUMBER: _builtins.int
     DATA_FIELD_NUMBER: _builtins.int
+    WRITER_FIELD_NUMBER: _builtins.int
     part: Global___UnitPart.ValueType
     data: _builtins.bytes
+    writer: _builtins.bytes
+    """Who writes (first message only; at most 64 bytes; the SGLang backend sends one id per backend
+    instance): a unit's two parts are joined only when one writer sent both. Empty: the caller's
+    attach session if it is in one, else one writer for all such calls of the tenant.
+    """
     @_builtins.property
     def space(self) -> Global___UnitSpace: ...
     @_builtins.property
@@ -168,10 +174,11 @@ class PutUnitsRequest(_message.Message):
         keys: _abc.Iterable[_builtins.bytes] | None = ...,
         part: Global___UnitPart.ValueType = ...,
         data: _builtins.bytes = ...,
+        writer: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["space", b"space"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "keys", b"keys", "part", b"part", "space", b"space"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "keys", b"keys", "part", b"part", "space", b"space", "writer", b"writer"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -311,7 +318,10 @@ class PutUnitsStagedRequest(_message.Message):
     KEYS_FIELD_NUMBER: _builtins.int
     PART_FIELD_NUMBER: _builtins.int
     STAGING_FIELD_NUMBER: _builtins.int
+    WRITER_FIELD_NUMBER: _builtins.int
     part: Global___UnitPart.ValueType
+    writer: _builtins.bytes
+    """as in PutUnitsRequest"""
     @_builtins.property
     def space(self) -> Global___UnitSpace: ...
     @_builtins.property
@@ -325,10 +335,11 @@ class PutUnitsStagedRequest(_message.Message):
         keys: _abc.Iterable[_builtins.bytes] | None = ...,
         part: Global___UnitPart.ValueType = ...,
         staging: Global___StagingRegion | None = ...,
+        writer: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["space", b"space", "staging", b"staging"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["keys", b"keys", "part", b"part", "space", b"space", "staging", b"staging"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["keys", b"keys", "part", b"part", "space", b"space", "staging", b"staging", "writer", b"writer"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

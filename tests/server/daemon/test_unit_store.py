@@ -285,3 +285,26 @@ def test_a_put_whose_other_half_waited_before_a_clear_does_not_bring_it_back(hos
     assert not committer.is_alive() and not clearer.is_alive()
     assert s.exists(ME, sp, [b"a"]) == 0, "a unit made of a part from before the clear came back"
     assert cleared == [1]
+
+
+def test_parts_pair_only_within_one_writer():
+    """Attack pass 4, A4-8: two writers of one key (A's index, B's index, A's KV, B's KV, as two SGLang
+    servers backing up one prefix write them) got A's KV joined with B's indexer rows, stored as one
+    sealed unit and served whole. Parts now pair per writer: the unit is A's, whole."""
+    s = store()
+    sp = s.space(space_req())
+    a, b = parts(1), parts(2)
+    assert s.put(ME, sp, [b"k"], "index", a[1], writer=b"A").pending == 1
+    assert s.put(ME, sp, [b"k"], "index", b[1], writer=b"B").pending == 1  # waits apart, not replacing A's
+    r = s.put(ME, sp, [b"k"], "kv", a[0], writer=b"A")
+    assert r.completed == 1 and r.pending == 0
+    assert torch.equal(read_all(s, ME, sp, [b"k"], "both")[0], torch.cat(a))
+    r = s.put(ME, sp, [b"k"], "kv", b[0], writer=b"B")  # the unit is there: B's KV changes nothing
+    assert r.completed == 0 and r.accepted == [True]
+    assert torch.equal(read_all(s, ME, sp, [b"k"], "both")[0], torch.cat(a))
+    # a KV part of one writer never completes with another writer's index part
+    s.put(ME, sp, [b"j"], "kv", a[0], writer=b"A")
+    assert s.put(ME, sp, [b"j"], "index", b[1], writer=b"B").completed == 0
+    assert s.exists(ME, sp, [b"j"]) == 0 and read_all(s, ME, sp, [b"j"], "both") == {}
+    with pytest.raises(InvalidArgument, match="at most 64 bytes"):
+        s.put(ME, sp, [b"x"], "kv", a[0], writer=b"w" * 65)
