@@ -17,7 +17,7 @@ by another session are never freed, written, moved onto or restored into (FAILED
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +26,7 @@ import torch
 
 from kvtier.server.pool.buffer_info import BufInfos
 from kvtier.server.daemon.config import MIN_CHUNK_BYTES
-from kvtier.server.daemon.errors import FailedPrecondition, InvalidArgument
+from kvtier.server.daemon.errors import Cancelled, FailedPrecondition, InvalidArgument
 from kvtier.server.daemon.offload_store import HostCopy, OffloadStore
 from kvtier.server.daemon.pools import PoolEntry, PoolRegistry
 from kvtier.server.daemon.tenants import Caller
@@ -113,18 +113,38 @@ def plan_segments(entry: PoolEntry, sel: KVSelection, n_slots: int) -> list[Segm
     return segs
 
 
-def allocate_slots(registry: PoolRegistry, caller: Caller, pool_id: str, num_tokens: int) -> tuple[torch.Tensor, int]:
+def _always() -> bool:
+    return True
+
+
+def still_wanted(wanted: Callable[[], bool], call: str) -> None:
+    """Raise Cancelled unless ``wanted()`` (the call is still active: not cancelled, not past its
+    deadline). A call that changes the pool checks it once it holds the pool's lock, before it
+    changes anything: a caller that gave up while the call waited for the lock was told it failed,
+    so the call must change nothing (attack pass 4, A4-6: AllocateSlots and Restore past their
+    deadline still ran, leaking pages nobody knew of and dropping the restored copy)."""
+    if not wanted():
+        raise Cancelled(f"the {call} was cancelled or ran past its deadline while it waited for the pool; "
+                        f"nothing was changed")
+
+
+def allocate_slots(registry: PoolRegistry, caller: Caller, pool_id: str, num_tokens: int,
+                   wanted: Callable[[], bool] = _always) -> tuple[torch.Tensor, int]:
     """Allocate whole pages for ``num_tokens`` (owned by the caller's attach session, if any);
-    returns ``(slots (num_tokens,) int64, page_size)``.
+    returns ``(slots (num_tokens,) int64, page_size)``. ``wanted``: whether the caller is still
+    there (:func:`still_wanted`; the same for every call below that changes the pool).
 
     Raises:
         NotFound: unknown pool, or the caller's session ended. ResourceExhausted: too few free pages.
+        Cancelled: the caller gave up while the call waited for the pool.
     """
     with registry.locked(caller, pool_id, exclusive=True) as entry:
+        still_wanted(wanted, "AllocateSlots")
         return entry.alloc(num_tokens, entry.owner_of(caller)), entry.page_size
 
 
-def free_slots(registry: PoolRegistry, caller: Caller, pool_id: str, slots: Any) -> int:
+def free_slots(registry: PoolRegistry, caller: Caller, pool_id: str, slots: Any,
+               wanted: Callable[[], bool] = _always) -> int:
     """Free every page ``slots`` touch; returns the pages freed.
 
     Raises:
@@ -132,6 +152,7 @@ def free_slots(registry: PoolRegistry, caller: Caller, pool_id: str, slots: Any)
             of another attach session.
     """
     with registry.locked(caller, pool_id, exclusive=True) as entry:
+        still_wanted(wanted, "FreeSlots")
         return entry.free(entry.slots(slots), entry.owner_of(caller))
 
 
@@ -176,13 +197,15 @@ def _gather(entry: PoolEntry, sel: KVSelection, slots: torch.Tensor, segs: list[
         yield seg, t.cpu().contiguous().view(torch.uint8).reshape(-1).numpy()
 
 
-def move_kv(registry: PoolRegistry, caller: Caller, pool_id: str, tgt: Any, src: Any) -> int:
+def move_kv(registry: PoolRegistry, caller: Caller, pool_id: str, tgt: Any, src: Any,
+            wanted: Callable[[], bool] = _always) -> int:
     """Copy the KV of ``src`` slots onto ``tgt`` slots (every layer, latent and indexer); returns the count.
 
     Raises:
         InvalidArgument: bad, unallocated or duplicate target slots, or unequal lengths.
     """
     with registry.locked(caller, pool_id, exclusive=True) as entry:
+        still_wanted(wanted, "MoveKV")
         t = entry.slots(tgt, "tgt_slots", unique=True)
         s = entry.slots(src, "src_slots")
         if t.numel() != s.numel():
@@ -205,7 +228,7 @@ class OffloadResult:
 
 
 def offload(registry: PoolRegistry, store: OffloadStore, caller: Caller, pool_id: str, key: str, slots: Any, *,
-            free_slots: bool) -> OffloadResult:
+            free_slots: bool, wanted: Callable[[], bool] = _always) -> OffloadResult:
     """Copy ``slots`` (latent + live-layer indexer) into ``store`` under ``caller``'s ``key``; optionally free them.
 
     Raises:
@@ -215,6 +238,7 @@ def offload(registry: PoolRegistry, store: OffloadStore, caller: Caller, pool_id
     """
     store.check_key(key)
     with registry.locked(caller, pool_id, exclusive=free_slots) as entry:
+        still_wanted(wanted, "Offload")
         t = entry.slots(slots, unique=True)
         if t.numel() == 0:
             raise InvalidArgument("offload needs at least one slot")
@@ -237,7 +261,7 @@ def _layout_difference(a: dict[str, Any], b: dict[str, Any]) -> str:
 
 
 def restore(registry: PoolRegistry, store: OffloadStore, caller: Caller, pool_id: str, key: str,
-            slots: Sequence[int] | None, *, drop: bool) -> tuple[torch.Tensor, int]:
+            slots: Sequence[int] | None, *, drop: bool, wanted: Callable[[], bool] = _always) -> tuple[torch.Tensor, int]:
     """Load ``caller``'s copy under ``key`` into ``slots`` (or newly allocated slots when None/empty;
     unpinned prefix-cache pages are evicted to make room, as LoadPrefix does).
 
@@ -247,10 +271,13 @@ def restore(registry: PoolRegistry, store: OffloadStore, caller: Caller, pool_id
     Raises:
         NotFound: no copy under ``key`` (or another tenant's). FailedPrecondition: the copy's layout differs from the pool's.
         InvalidArgument: bad slots or a count other than the copy's. ResourceExhausted: no free pages.
+        Cancelled: the caller gave up while the call waited for the pool, or while the copy was
+            loaded (fresh pages are freed again, the copy is kept).
     """
     registry.get(caller, pool_id)  # an unknown pool is NOT_FOUND before the copy is decoded
     hc = store.get(caller, key)
     with registry.locked(caller, pool_id, exclusive=True) as entry:
+        still_wanted(wanted, "Restore")
         if hc.layout_digest != entry.model.fingerprint_digest():
             raise FailedPrecondition(
                 f"copy {key!r} has another layout than pool {pool_id!r}: "
@@ -267,6 +294,7 @@ def restore(registry: PoolRegistry, store: OffloadStore, caller: Caller, pool_id
         entry.changed(torch.unique(t // entry.page_size))
         try:
             entry.pool.load_cpu_copy(hc.copy, t)
+            still_wanted(wanted, "Restore")  # gone while loading: its pages go back, the copy stays
         except BaseException:
             if fresh:
                 entry.free(t, owner)

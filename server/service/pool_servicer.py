@@ -70,14 +70,14 @@ class PoolServicer(pool_pb2_grpc.PoolServiceServicer):
     # ----- slots --------------------------------------------------------------------------------
     def AllocateSlots(self, request: pool_pb2.AllocateSlotsRequest, context: grpc.ServicerContext) -> pool_pb2.AllocateSlotsResponse:
         caller = caller_of(context)
-        slots, ps = kv_ops.allocate_slots(self.pools, caller, request.pool_id, request.num_tokens)
+        slots, ps = kv_ops.allocate_slots(self.pools, caller, request.pool_id, request.num_tokens, context.is_active)
         self.state.counters.add(caller, "slots_allocated", request.num_tokens)
         return pool_pb2.AllocateSlotsResponse(pages=slots[::ps].div(ps, rounding_mode="floor").tolist(),
                                               num_tokens=request.num_tokens, page_size=ps)
 
     def FreeSlots(self, request: pool_pb2.FreeSlotsRequest, context: grpc.ServicerContext) -> pool_pb2.FreeSlotsResponse:
         caller = caller_of(context)
-        freed = kv_ops.free_slots(self.pools, caller, request.pool_id, list(request.slots))
+        freed = kv_ops.free_slots(self.pools, caller, request.pool_id, list(request.slots), context.is_active)
         self.state.counters.add(caller, "pages_freed", freed)
         return pool_pb2.FreeSlotsResponse(freed_pages=freed)
 
@@ -141,7 +141,8 @@ class PoolServicer(pool_pb2_grpc.PoolServiceServicer):
 
     def MoveKV(self, request: pool_pb2.MoveKVRequest, context: grpc.ServicerContext) -> pool_pb2.MoveKVResponse:
         caller = caller_of(context)
-        n = kv_ops.move_kv(self.pools, caller, request.pool_id, list(request.tgt_slots), list(request.src_slots))
+        n = kv_ops.move_kv(self.pools, caller, request.pool_id, list(request.tgt_slots), list(request.src_slots),
+                           context.is_active)
         self.state.counters.add(caller, "kv_moves")
         return pool_pb2.MoveKVResponse(num_slots=n)
 
@@ -149,7 +150,7 @@ class PoolServicer(pool_pb2_grpc.PoolServiceServicer):
     def Offload(self, request: pool_pb2.OffloadRequest, context: grpc.ServicerContext) -> pool_pb2.OffloadResponse:
         caller = caller_of(context)
         r = kv_ops.offload(self.pools, self.state.offload_store, caller, request.pool_id, request.key,
-                           list(request.slots), free_slots=request.free_slots)
+                           list(request.slots), free_slots=request.free_slots, wanted=context.is_active)
         self.state.counters.add(caller, "offloads")
         self.state.counters.add(caller, "offload_bytes", r.nbytes)
         return pool_pb2.OffloadResponse(key=request.key, nbytes=r.nbytes, num_tokens=r.num_tokens, freed_pages=r.freed_pages,
@@ -158,7 +159,7 @@ class PoolServicer(pool_pb2_grpc.PoolServiceServicer):
     def Restore(self, request: pool_pb2.RestoreRequest, context: grpc.ServicerContext) -> pool_pb2.RestoreResponse:
         caller = caller_of(context)
         slots, nbytes = kv_ops.restore(self.pools, self.state.offload_store, caller, request.pool_id, request.key,
-                                       list(request.slots), drop=request.drop)
+                                       list(request.slots), drop=request.drop, wanted=context.is_active)
         self.state.counters.add(caller, "restores")
         self.state.counters.add(caller, "restore_bytes", nbytes)
         return pool_pb2.RestoreResponse(slots=slots.tolist(), nbytes=nbytes)

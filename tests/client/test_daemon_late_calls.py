@@ -1,0 +1,64 @@
+"""A call whose caller gave up while it waited for the pool's lock changes nothing (attack pass 4, A4-6).
+
+Before the fix an AllocateSlots and a Restore(drop=True) that passed their deadline while an Offload
+held the pool's lock still ran once the lock was free: the pages stayed allocated with no owner
+anybody knew of, and the copy was loaded into a page nobody was told about and dropped from every
+tier. Each call that changes the pool (AllocateSlots, FreeSlots, MoveKV, Offload, Restore, and
+WriteKV as before) now checks, once it holds the lock, that its caller is still there.
+
+The lock is held on purpose, not by timing: an Offload with ``free_slots`` holds the pool's lock
+exclusively while a write-through disk tier commits, and the test-only slow-disk hook holds that
+commit until the test releases it.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from kvtier.client import KVTierClient
+from kvtier.client.errors import DeadlineExceededError
+from kvtier.client.spawn import DaemonProcess
+
+PAGES = 16
+
+
+def test_calls_that_gave_up_waiting_for_the_pool_change_nothing(tmp_path):
+    slow = tmp_path / "slow"
+    args = ["--device", "cpu", "--pool", f"glm-5.2:{PAGES * 64}", "--pool-layers", "2", "--host-memory", "1MiB",
+            "--disk-path", str(tmp_path / "disk"), "--disk-size", "64MiB", "--write-through", "--no-disk-write-behind"]
+    with DaemonProcess(extra_args=args, env={"KVTIER_TEST_DISK_SLOW_FILE": str(slow)}) as d, \
+            KVTierClient(d.address, timeout=60) as c:
+        keep = c.allocate_slots("default", 64)
+        c.offload("default", "precious", keep, free_slots=True)  # the only copy of these bytes
+        first = c.restore("default", "precious")  # (restored once to know its bytes)
+        want = c.read_kv("default", first)
+        c.free_slots("default", first)
+        held = c.allocate_slots("default", 64)
+        slow.write_text("")  # from now on every disk commit waits until the file holds a number
+        holder = threading.Thread(target=lambda: c.offload("default", "blocker", held, free_slots=True))
+        holder.start()
+        try:
+            with KVTierClient(d.address, timeout=60, retries=0) as late:
+                for _ in range(200):  # until the Offload holds the pool's lock (a DescribePool waits on it)
+                    try:
+                        late.describe_pool("default", timeout=0.2)
+                    except DeadlineExceededError:
+                        break
+                else:
+                    pytest.fail("the Offload never held the pool's lock")
+                with pytest.raises(DeadlineExceededError):
+                    late.allocate_slots("default", 4 * 64, timeout=1.0)
+                with pytest.raises(DeadlineExceededError):
+                    late.restore("default", "precious", drop=True, timeout=1.0)
+        finally:
+            slow.unlink()  # commits go on at once
+            holder.join(60)
+        assert not holder.is_alive()
+        info = c.describe_pool("default")
+        assert info.free_pages == PAGES  # nothing leaked: every page the test allocated was freed or offloaded
+        got = c.restore("default", "precious", drop=True)  # the copy is still there, whole
+        back = c.read_kv("default", got)
+        assert all(torch.equal(back.latent[l], want.latent[l]) for l in want.latent)
