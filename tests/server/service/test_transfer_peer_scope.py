@@ -97,3 +97,34 @@ def test_pd_peers_lists_unix_sockets_only():
     assert DaemonConfig.from_mapping({"pd_peers": ["unix:///run/a.sock"]}).pd_peers == ("unix:///run/a.sock",)
     with pytest.raises(ValueError, match="TCP peers need no listing"):
         DaemonConfig(pd_peers=("127.0.0.1:5000",))
+
+
+def test_a_unix_peer_socket_of_another_user_gets_nothing(tmp_path):
+    """Attack pass 4, A4-14: a listed unix-socket peer (--pd-peers) whose path another uid took while
+    the real peer was down got the caller's bearer token with every PullKV retry (and could have
+    answered with bytes of its choosing). The daemon now makes the client's own socket check before
+    it sends anything: the socket and the directories on its way owned by root or the daemon's uid."""
+    import os
+    import socket
+
+    sticky = tmp_path / "sticky"
+    sticky.mkdir()
+    sticky.chmod(0o1777)
+    path = sticky / "peer.sock"
+    squatter = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    squatter.bind(str(path))
+    squatter.listen(8)
+    squatter.setblocking(False)
+    os.lchown(path, 65534, 65534)  # tests run as root: the socket is now another user's
+    connector = GrpcPeerConnector([])
+    try:
+        with pytest.raises(Exception) as e:
+            with connector.connect(f"unix://{path}", Caller("b", TOKEN_B)):
+                pass
+        assert type(e.value).__name__ == "FailedPrecondition"
+        assert f"socket {path} is owned by uid 65534" in str(e.value) and "nothing was sent to the peer" in str(e.value)
+        with pytest.raises(BlockingIOError):
+            squatter.accept()  # nobody connected
+    finally:
+        connector.close()
+        squatter.close()
