@@ -46,8 +46,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvtier.addresses import (
-    SocketPathInUseError, UnsafeSocketDirError, UnsafeSocketError, check_socket_path, clear_stale_socket, default_socket_path, is_loopback,
-    is_unix, prepare_private_dir, resolve_address, socket_path,
+    SocketPathInUseError, UnsafePathError, UnsafeSocketDirError, UnsafeSocketError, check_path_owners, check_socket_path,
+    clear_stale_socket, default_socket_path, is_loopback, is_unix, prepare_private_dir, resolve_address, socket_path,
 )
 from kvtier.server.daemon.config import DaemonConfig
 from kvtier.server.daemon.core import Daemon
@@ -360,12 +360,18 @@ def _exit_now(code: int) -> None:
 def check_ready_file(path: str | Path) -> None:
     """Raise :class:`ReadyFileError` unless the daemon can write its ready file at ``path``: its directory
     exists and takes a new file (a temporary one is made and removed), ``path`` is not a directory, and a
-    file already there can be replaced (not another user's in a sticky directory such as ``/tmp``).
+    file already there can be replaced (not another user's in a sticky directory such as ``/tmp``), and
+    no other user controls a directory on the way (:func:`kvtier.addresses.check_path_owners`).
     ``serve`` runs it before allocating anything; the ready file is written only once serving."""
     p = Path(path)
     parent = p.parent
     if not parent.is_dir():
         raise ReadyFileError(f"--ready-file {p}: its directory {parent} does not exist; create it or give another path")
+    try:  # the socket paths' check (attack pass 4, A4-10): the owner of a directory on the way could
+        # replace the file with an address of its own, and a launcher would send its token there
+        check_path_owners(p, "--ready-file", "file", UnsafePathError, entry_owner=False)
+    except UnsafePathError as e:
+        raise ReadyFileError(str(e)) from None
     if p.is_dir() and not p.is_symlink():
         raise ReadyFileError(f"--ready-file {p} is a directory; give the path of a file")
     try:

@@ -495,3 +495,15 @@ def test_tls_files_that_are_not_pem_are_one_line_before_anything_is_allocated(tm
     line = one_line_error(serve(tmp_path, "--tls-cert", str(bad), "--tls-key", str(bad)))
     assert f"--tls-cert {bad} and --tls-key {bad} cannot be loaded (OpenSSL refused them: not PEM" in line
     assert not (tmp_path / "kv.sock").exists()
+
+
+def test_a_ready_file_in_a_directory_another_user_owns_is_refused(tmp_path):
+    """Attack pass 4, A4-10: ``--ready-file DIR/ready`` with DIR owned by uid 65534 was accepted; that
+    user replaced the file with an address of its own, and a launcher reading it would have sent its
+    bearer token there. The way to the ready file now gets the socket paths' check."""
+    theirs = tmp_path / "nobodys"
+    theirs.mkdir()
+    os.chown(theirs, 65534, 65534)
+    line = one_line_error(serve(tmp_path, "--ready-file", str(theirs / "ready")))
+    assert f"refusing --ready-file {theirs / 'ready'}: directory {theirs} is owned by uid 65534" in line
+    assert not (theirs / "ready").exists() and not (tmp_path / "kv.sock").exists()
