@@ -33,6 +33,8 @@ TLS_ENV = {"tls_root_cert": "KVTIER_TLS_CA", "tls_server_name": "KVTIER_TLS_SERV
            "tls_client_cert": "KVTIER_TLS_CERT", "tls_client_key": "KVTIER_TLS_KEY"}
 T = TypeVar("T")
 BUSY_MAX_PAUSE_S = 0.2
+MAX_TIMEOUT_S = 86400.0
+"""Longest deadline a client takes for its calls (a day); a larger, infinite or NaN one is refused."""
 """Longest pause between attempts of a call the daemon answered "changed nothing" (it retries until its deadline)."""
 
 
@@ -166,8 +168,8 @@ class BaseClient:
         tls_client_key: str | Path | None = None,
         metadata: list[tuple[str, str]] | tuple[tuple[str, str], ...] = (),
     ) -> None:
-        if timeout <= 0:
-            raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+        if not 0 < timeout <= MAX_TIMEOUT_S:  # NaN too: every call would fail at once (attack pass 4, A4-13)
+            raise ValueError(f"timeout must be > 0 and at most {MAX_TIMEOUT_S:g} seconds (a day), got {timeout}")
         if not MIN_CHUNK_BYTES <= chunk_bytes <= max_message_bytes - CHUNK_OVERHEAD_BYTES:
             raise ValueError(f"chunk_bytes must be in [{MIN_CHUNK_BYTES}, max_message_bytes - {CHUNK_OVERHEAD_BYTES}], "
                              f"got {chunk_bytes}")

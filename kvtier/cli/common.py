@@ -23,9 +23,27 @@ def _address(_ctx: click.Context, _param: click.Parameter, value: str | None) ->
         raise click.BadParameter(str(e)) from None
 
 
+class _Seconds(click.FloatRange):
+    """A finite number of seconds in a range (click's FloatRange lets NaN and inf through)."""
+
+    name = "seconds"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        import math
+
+        v = super().convert(value, param, ctx)
+        if not math.isfinite(v):
+            self.fail(f"{value!r} is not a finite number of seconds", param, ctx)
+        return v
+
+
+SECONDS = _Seconds(min=0.1, max=86400)
+"""``--timeout``'s type: 0.1 to 86,400 seconds, finite."""
+
+
 def server_options(fn: F) -> F:
     """``--server ADDR`` and ``--timeout SECONDS`` for a command that calls a daemon."""
-    fn = click.option("--timeout", type=click.FloatRange(min=0.1), default=10.0, show_default=True,
+    fn = click.option("--timeout", type=SECONDS, default=10.0, show_default=True,
                       help="Deadline of each call, seconds.")(fn)
     return click.option("--server", "server", default=None, metavar="ADDR", envvar="KVTIER_SERVER", callback=_address,
                         help="Daemon address: unix:///path, a socket path (/run/kvtier/kv.sock) or HOST:PORT "

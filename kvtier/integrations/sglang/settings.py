@@ -59,8 +59,8 @@ class BackendSettings:
         if not isinstance(self.timeout_s, (int, float)) or isinstance(self.timeout_s, bool):
             raise ValueError(f"kvtier backend: timeout_s must be a number of seconds (JSON 30, not \"30\"), "
                              f"got {self.timeout_s!r}")
-        if self.timeout_s <= 0:
-            raise ValueError(f"kvtier backend: timeout_s must be > 0, got {self.timeout_s!r}")
+        if not 0 < self.timeout_s <= 86400:  # NaN and Infinity (JSON allows them) included
+            raise ValueError(f"kvtier backend: timeout_s must be > 0 and at most 86400 seconds, got {self.timeout_s!r}")
         for name in ("address", "token", "model_name", "tls_root_cert", "tls_client_cert", "tls_client_key"):
             if not isinstance(getattr(self, name), str):
                 raise ValueError(f"kvtier backend: {name} must be a string, got {getattr(self, name)!r}")
