@@ -295,9 +295,10 @@ class DaemonConfig:
                      "grace_seconds"):  # a larger value overflows the deadlines built from it (time_t)
             if getattr(self, name) > MAX_SECONDS:
                 raise ValueError(f"{name} must be at most {MAX_SECONDS:g} (a day), got {getattr(self, name)}")
-        ids = [p.pool_id for p in self.pools]
+        ids = [(p.tenant, p.pool_id) for p in self.pools]  # pool ids are per tenant (attack pass 4, A4-11)
         if len(set(ids)) != len(ids):
-            raise ValueError(f"pool ids repeat: {ids}")
+            twice = sorted({f"{t}/{i}" for t, i in ids if ids.count((t, i)) > 1})
+            raise ValueError(f"pool ids repeat within a tenant: {', '.join(twice)}")
 
     def check_metrics_auth(self) -> None:
         """Refuse a metrics endpoint nobody decided how to guard (``kvtier serve`` calls it before

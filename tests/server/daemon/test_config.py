@@ -134,3 +134,19 @@ def test_a_toml_value_of_the_wrong_type_is_one_clear_error(tmp_path, line, words
     with pytest.raises(ValueError) as info:
         DaemonConfig.from_toml(p)
     assert words in str(info.value)
+
+
+def test_pool_ids_are_per_tenant():
+    """Attack pass 4, A4-11: two tenants' start pools could not share an id ("pool ids repeat"),
+    though pool ids are per tenant; a repeat within one tenant is still refused."""
+    a = PoolSpec(model="glm-5.2", pool_id="p", tokens=64, tenant="team-a")
+    b = PoolSpec(model="glm-5.2", pool_id="p", tokens=64, tenant="team-b")
+    assert len(DaemonConfig(pools=(a, b)).pools) == 2
+    from kvtier.server.daemon import Daemon
+    from kvtier.server.daemon.tenants import Caller
+
+    d = Daemon(DaemonConfig(device="cpu", pools=(a, b)))
+    d.create_configured_pools()
+    assert [e.tenant for e in (d.pools.get(Caller("team-a"), "p"), d.pools.get(Caller("team-b"), "p"))] == ["team-a", "team-b"]
+    with pytest.raises(ValueError, match="pool ids repeat within a tenant: team-a/p"):
+        DaemonConfig(pools=(a, a))
