@@ -154,4 +154,9 @@ def open_failure(path: str | Path, exc: BaseException) -> DiskPathError:
     reason = describe_fault(exc)
     if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
         reason = "no space left on the filesystem"
+    if isinstance(exc, (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.InvalidError, lmdb.VersionMismatchError)):
+        # the filesystem is fine, the file is not (attack pass 4, A4-7: the advice named the filesystem)
+        return DiskPathError(f"--disk-path {path}: its LMDB file is damaged or not LMDB ({reason}); move the "
+                             f"directory away (its records are lost) to start with an empty disk tier, or give "
+                             f"another --disk-path")
     return DiskPathError(f"--disk-path {path}: LMDB cannot open its environment there ({reason}); {_WHAT_TO_DO}")

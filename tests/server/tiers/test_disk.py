@@ -494,3 +494,16 @@ def test_a_disk_size_below_what_lmdb_holds_is_refused_and_changes_nothing(tmp_pa
     again = disk_at(tmp_path)  # the lock was released, nothing was dropped
     assert again.contains(list(records)) == [True] * len(records)
     again.close()
+
+
+def test_a_damaged_lmdb_file_is_named_as_such_at_start(tmp_path):
+    """Attack pass 4, A4-7: a damaged data.mdb stopped the start with advice about the filesystem
+    ("pass --disk-path DIR on a local, writable filesystem"); the file, not the filesystem, is bad."""
+    tmp_path.chmod(0o700)
+    (tmp_path / "data.mdb").write_bytes(os.urandom(64 * 1024))
+    (tmp_path / "data.mdb").chmod(0o600)
+    with pytest.raises(disk_module.DiskPathError) as e:
+        disk_at(tmp_path).open()
+    msg = str(e.value)
+    assert f"--disk-path {tmp_path}: its LMDB file is damaged or not LMDB" in msg and "move the directory away" in msg
+    assert "writable filesystem" not in msg
