@@ -29,6 +29,9 @@ from kvtier.server.tiers.policies import resolve_policy
 
 GiB = 1 << 30
 TIER_NAMES = ("host", "disk", "mooncake")
+MIN_READERS, MAX_READERS = 16, 4096
+"""Bounds of ``disk_max_readers``: at least a read transaction for each of the default 16 workers (a
+read waits for no slot: one it cannot get is a miss), at most what a lock.mdb of a few MiB holds."""
 MOONCAKE_BYTE_FIELDS = ("capacity_bytes", "global_segment_bytes", "local_buffer_bytes", "staging_bytes",
                         "max_object_bytes")
 
@@ -84,8 +87,11 @@ class TierSettings:
             raise ValueError(f"tiers.disk_probe_backoff_max_seconds must be > 0, got {self.disk_probe_backoff_max_seconds!r}")
         if not isinstance(self.disk_bytes, int) or self.disk_bytes <= 0:
             raise ValueError(f"tiers.disk_bytes must be a positive byte count, got {self.disk_bytes!r}")
-        if not isinstance(self.disk_max_readers, int) or self.disk_max_readers <= 0:
-            raise ValueError(f"tiers.disk_max_readers must be a positive integer, got {self.disk_max_readers!r}")
+        if isinstance(self.disk_max_readers, bool) or not isinstance(self.disk_max_readers, int) \
+                or not MIN_READERS <= self.disk_max_readers <= MAX_READERS:
+            # fewer slots than the daemon's reading threads turned reader contention into an outage, and
+            # LMDB sizes lock.mdb by the slots (attack pass 4, A4-4, A4-15)
+            raise ValueError(f"tiers.disk_max_readers must be {MIN_READERS}..{MAX_READERS}, got {self.disk_max_readers!r}")
         if not isinstance(self.lease_ttl_seconds, (int, float)) or self.lease_ttl_seconds < 0:
             raise ValueError(f"tiers.lease_ttl_seconds must be >= 0, got {self.lease_ttl_seconds!r}")
         if not 0.0 < float(self.disk_reserve_fraction) < 1.0:

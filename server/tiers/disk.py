@@ -676,6 +676,13 @@ class DiskTier(Tier):
                     codes = copy_records(views, dsts, self.config.verify_reads)  # one native call a window
                 for i in strays:
                     codes[i] = KEY_MISMATCH
+        except lmdb.ReadersFullError:
+            # every reader slot taken: contention, not a failing disk (attack pass 4, A4-15): this read
+            # misses, the tier stays healthy
+            log.warning("disk tier: every LMDB reader slot is taken (--disk-max-readers %d); %d records read as "
+                        "misses", self.config.max_readers, n_keys)
+            self._count(misses=n_keys)
+            return [0] * n_keys, [None] * n_keys
         except Exception as e:
             if not is_io_fault(e):
                 raise

@@ -507,3 +507,32 @@ def test_a_damaged_lmdb_file_is_named_as_such_at_start(tmp_path):
     msg = str(e.value)
     assert f"--disk-path {tmp_path}: its LMDB file is damaged or not LMDB" in msg and "move the directory away" in msg
     assert "writable filesystem" not in msg
+
+
+def test_every_reader_slot_taken_is_a_miss_not_an_unhealthy_tier(tmp_path, records, codec):
+    """Attack pass 4, A4-15: MDB_READERS_FULL (more reading threads than --disk-max-readers) marked
+    the whole disk tier unhealthy, and every copy on it was UNAVAILABLE until a probe. Reader
+    contention is not a failing disk: that read misses, the next one is served."""
+    import threading
+
+    k = next(iter(records))
+    disk = disk_at(tmp_path, max_readers=1, write_behind=False)
+    disk.write([(k, records[k])])
+    env = disk._env()[0]
+    holding, done = threading.Event(), threading.Event()
+
+    def hold_the_slot():
+        with env.begin():
+            holding.set()
+            done.wait(30)
+    t = threading.Thread(target=hold_the_slot)
+    t.start()
+    try:
+        assert holding.wait(30)
+        assert read(disk, k, codec.page_nbytes()) is None  # no slot: a miss
+        assert disk.health.healthy
+    finally:
+        done.set()
+        t.join(30)
+    assert torch.equal(read(disk, k, codec.page_nbytes()), records[k])
+    disk.close()
