@@ -93,6 +93,7 @@ class PoolServicer(pool_pb2_grpc.PoolServiceServicer):
                    else kv_write.begin_write(self.pools, caller, sel))
             try:
                 self._receive(buf, first, request_iterator, touch)
+                touch.daemon_working()  # the commit may wait for the pool: not the client's idleness
                 if buf.reserved:
                     slots, nbytes = kv_write.write_new_kv(self.pools, caller, buf, context.is_active)
                 else:

@@ -102,7 +102,10 @@ class StreamGuard:
     @contextmanager
     def stream(self, context: Any, method: str, *, tenant: str = "",
                idle_bound: bool = True) -> Iterator[Callable[[], None]]:
-        """Hold a stream slot for the ``with`` block; yields ``touch()``, to call whenever a message moved.
+        """Hold a stream slot for the ``with`` block; yields ``touch()``, to call whenever a message moved
+        (and ``touch.daemon_working()``, to call once the client has sent all it will: from then on
+        the daemon, not the client, is the one taking time -- a WriteKV's commit waiting for its pool
+        -- and the stream is no longer cancelled as idle; the client's deadline still bounds it).
         ``tenant``: whose call it is (counted against ``tenant_slots``; "" for calls of no tenant).
         ``idle_bound=False``: the stream is never cancelled for being idle (it only holds a slot).
 
@@ -132,6 +135,11 @@ class StreamGuard:
 
         def touch() -> None:
             entry.last = self._clock()  # a plain store: no lock on the data path
+
+        def daemon_working() -> None:
+            entry.idle_bound = False  # a plain store, read by the watchdog (attack pass 4, A4-16)
+
+        touch.daemon_working = daemon_working  # type: ignore[attr-defined]
 
         try:
             yield touch

@@ -162,6 +162,23 @@ def test_the_guard_cancels_only_streams_that_moved_nothing_for_the_idle_bound():
     assert g.in_flight == 0
 
 
+def test_a_stream_whose_daemon_is_working_is_not_cancelled_as_idle():
+    """Attack pass 4, A4-16: a WriteKV whose client had sent everything, waiting for its pool's lock
+    at commit, was cancelled as idle (CANCELLED, ~50 s into a 300 s deadline): the daemon's own wait
+    was counted as the client's idleness. After ``touch.daemon_working()`` the watchdog leaves it."""
+    from kvtier.server.service.streams import StreamGuard
+
+    now = [0.0]
+    g = StreamGuard(2, idle_seconds=5.0, clock=lambda: now[0])
+    g.close()
+    committing, stalled = _Context(), _Context()
+    with g.stream(committing, "WriteKV") as touch, g.stream(stalled, "WriteKV"):
+        touch.daemon_working()
+        now[0] += 60.0
+        assert g.check_now() == 1
+        assert (committing.cancelled, stalled.cancelled) == (0, 1)
+
+
 def test_the_guard_keeps_each_tenant_to_its_share():
     """StreamGuard with ``tenant_slots=2`` of 4 (two tenants, attack pass 2 F5): a tenant holding 2 is
     refused a third (naming its share, marked "changed nothing") while another tenant gets its own 2;
