@@ -18,6 +18,7 @@ by another session are never freed, written, moved onto or restored into (FAILED
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -263,7 +264,9 @@ def _layout_difference(a: dict[str, Any], b: dict[str, Any]) -> str:
 def restore(registry: PoolRegistry, store: OffloadStore, caller: Caller, pool_id: str, key: str,
             slots: Sequence[int] | None, *, drop: bool, wanted: Callable[[], bool] = _always) -> tuple[torch.Tensor, int]:
     """Load ``caller``'s copy under ``key`` into ``slots`` (or newly allocated slots when None/empty;
-    unpinned prefix-cache pages are evicted to make room, as LoadPrefix does).
+    unpinned prefix-cache pages are evicted to make room, as LoadPrefix does). With ``drop`` the
+    copy is taken (:meth:`OffloadStore.taking`): of two concurrent Restores with drop one gets it,
+    the other is NOT_FOUND.
 
     Returns:
         ``(slots (n,) int64, nbytes)``.
@@ -275,7 +278,16 @@ def restore(registry: PoolRegistry, store: OffloadStore, caller: Caller, pool_id
             loaded (fresh pages are freed again, the copy is kept).
     """
     registry.get(caller, pool_id)  # an unknown pool is NOT_FOUND before the copy is decoded
-    hc = store.get(caller, key)
+    with store.taking(caller, key) if drop else nullcontext(store.get(caller, key)) as hc:
+        t = _restore_into(registry, caller, pool_id, key, hc, slots, wanted)
+        if drop:
+            store.drop(caller, key, known_nbytes=hc.nbytes)
+    return t, hc.nbytes
+
+
+def _restore_into(registry: PoolRegistry, caller: Caller, pool_id: str, key: str, hc: HostCopy,
+                  slots: Sequence[int] | None, wanted: Callable[[], bool]) -> torch.Tensor:
+    """Load ``hc`` into ``slots`` or fresh ones (:func:`restore`); returns the slots."""
     with registry.locked(caller, pool_id, exclusive=True) as entry:
         still_wanted(wanted, "Restore")
         if hc.layout_digest != entry.model.fingerprint_digest():
@@ -299,9 +311,7 @@ def restore(registry: PoolRegistry, store: OffloadStore, caller: Caller, pool_id
             if fresh:
                 entry.free(t, owner)
             raise
-    if drop:
-        store.drop(caller, key, known_nbytes=hc.nbytes)
-    return t, hc.nbytes
+    return t
 
 
 def buffer_infos(registry: PoolRegistry, caller: Caller, pool_id: str) -> tuple[PoolEntry, BufInfos, BufInfos]:

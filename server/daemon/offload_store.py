@@ -28,7 +28,8 @@ after the pool's lock and before the tier index locks; reads take no store lock.
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,6 +81,7 @@ class OffloadStore:
         self.quotas = quotas or Quotas()
         self._sources: dict[tuple[str, str], str] = {}
         self._lock = threading.Lock()
+        self._taken: set[bytes] = set()  # keys a Restore(drop=True) is taking (under _lock)
 
     @staticmethod
     def check_key(key: str) -> bytes:
@@ -202,6 +204,23 @@ class OffloadStore:
         if held is not None:
             raise Unavailable(f"the offloaded copy under key {key!r} is on the {held.name} tier; {self._retry_hint(held)}")
         raise NotFound(f"no offloaded copy under key {key!r}")
+
+    @contextmanager
+    def taking(self, caller: Caller, key: str) -> Iterator[HostCopy]:
+        """The tenant's copy under ``key`` (as :meth:`get`) for a Restore with drop: while the ``with``
+        block runs no other taker gets it (NOT_FOUND, as if the first had already taken it), so two
+        Restore(drop=True) of one copy never both succeed (attack pass 4, A4-12: 449 of 600 copies
+        were restored twice). The block drops the copy once it is loaded; a failure leaves it."""
+        tkey = self._key(caller, key)
+        with self._lock:
+            if tkey in self._taken:
+                raise NotFound(f"no offloaded copy under key {key!r} (another Restore with drop is taking it)")
+            self._taken.add(tkey)
+        try:
+            yield self.get(caller, key)
+        finally:
+            with self._lock:
+                self._taken.discard(tkey)
 
     def drop(self, caller: Caller, key: str, *, known_nbytes: int | None = None) -> int | None:
         """Remove the tenant's copy under ``key`` from every tier; returns its bytes (None if there was

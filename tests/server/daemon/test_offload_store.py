@@ -69,3 +69,30 @@ def test_copies_round_trip_keys_are_checked_and_drop_frees_the_key():
             d.offload_store.get(ME, "req")
     finally:
         d.close()
+
+
+def test_a_copy_a_restore_with_drop_is_taking_is_not_taken_twice():
+    """Attack pass 4, A4-12: Restore(drop=True) was get, load, drop with nothing held between, so
+    concurrent takers each got the copy (449 of 600 copies restored twice). While one Restore with
+    drop has the copy, another is NOT_FOUND; a plain Restore (a read) still reads it; once the first
+    is done the copy is gone; a taker that fails leaves the copy for the next."""
+    d = _daemon(host_memory_bytes=4 << 20)
+    try:
+        _pool(d)
+        slots, rows = _fill(d, "p", PS, seed=5)
+        kv_ops.offload(d.pools, d.offload_store, ME, "p", "k", slots, free_slots=True)
+        with d.offload_store.taking(ME, "k") as hc:  # a first Restore(drop=True), mid-way
+            assert hc.num_tokens == PS
+            with pytest.raises(NotFound, match="another Restore with drop is taking it"):
+                kv_ops.restore(d.pools, d.offload_store, ME, "p", "k", None, drop=True)
+            read, _ = kv_ops.restore(d.pools, d.offload_store, ME, "p", "k", None, drop=False)
+        with pytest.raises(InvalidArgument):  # a taker that fails (wrong slot count) leaves the copy
+            kv_ops.restore(d.pools, d.offload_store, ME, "p", "k", [0, 1, 2], drop=True)
+        back, _ = kv_ops.restore(d.pools, d.offload_store, ME, "p", "k", None, drop=True)
+        with d.pools.locked(ME, "p", exclusive=False) as e:
+            for t in (read, back):
+                assert torch.equal(e.pool.get_kv_buffer_rows(0, t).reshape(PS, -1), rows)
+        with pytest.raises(NotFound):
+            kv_ops.restore(d.pools, d.offload_store, ME, "p", "k", None, drop=True)
+    finally:
+        d.close()
