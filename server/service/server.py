@@ -142,13 +142,19 @@ def _why(e: BaseException, what: str) -> str:
 
 
 def check_tls_files(config: DaemonConfig) -> None:
-    """Load ``--tls-cert``/``--tls-key`` (and ``--tls-client-ca``) as the server will, before anything
+    """Load ``--tls-cert``/``--tls-key`` (and ``--tls-client-ca``, ``--peer-tls-ca``) as the daemon will, before anything
     is allocated: a file that is not PEM, or a key that does not match its certificate, is one line
     (attack pass 4, A4-4: gRPC failed the bind, and the traceback blamed the address).
 
     Raises:
         AddressError: naming the file and what is wrong.
     """
+    if config.peer_tls_ca:  # the CA PullKV checks peers against: loaded now, not at the first pull
+        try:
+            ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cafile=config.peer_tls_ca)
+        except (OSError, ssl.SSLError) as e:
+            raise AddressError(f"--peer-tls-ca {config.peer_tls_ca} cannot be loaded ({_why(e, 'not PEM CA certificates')}): "
+                               f"give the PEM certificate of the peers' certificate authority") from None
     if not config.tls_cert:
         return
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)

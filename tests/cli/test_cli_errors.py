@@ -495,6 +495,8 @@ def test_tls_files_that_are_not_pem_are_one_line_before_anything_is_allocated(tm
     line = one_line_error(serve(tmp_path, "--tls-cert", str(bad), "--tls-key", str(bad)))
     assert f"--tls-cert {bad} and --tls-key {bad} cannot be loaded (OpenSSL refused them: not PEM" in line
     assert not (tmp_path / "kv.sock").exists()
+    line = one_line_error(serve(tmp_path, "--peer-tls-ca", str(bad)))  # was accepted, failing at the first pull
+    assert f"--peer-tls-ca {bad} cannot be loaded (OpenSSL refused them: not PEM CA certificates)" in line
 
 
 def test_a_ready_file_in_a_directory_another_user_owns_is_refused(tmp_path):
