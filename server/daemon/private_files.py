@@ -35,18 +35,8 @@ def read_private_file(path: str | Path, flag: str) -> bytes:
     except OSError as e:
         raise AuthConfigError(f"{flag} {path}: cannot open it ({e.strerror}); it must be a regular "
                               f"file, not a symlink") from None
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode):
-            raise AuthConfigError(f"{flag} {path}: not a regular file")
-        if st.st_uid != os.getuid():
-            raise AuthConfigError(f"{flag} {path}: owned by uid {st.st_uid}, not by the daemon's user "
-                                  f"(uid {os.getuid()}); chown it to that user")
-        mode = stat.S_IMODE(st.st_mode)
-        if mode & 0o077:
-            raise AuthConfigError(f"{flag} {path}: mode {mode:04o} lets other users read the tokens; "
-                                  f"run chmod 600 {path}")
-        return f.read()
+    return _read_checked(fd, path, flag, owners=(os.getuid(),), bad_bits=0o077,
+                         owner_fix="chown it to that user", mode_fix=f"lets other users read the tokens; run chmod 600 {path}")
 
 
 def read_trusted_file(path: str | Path, flag: str) -> bytes:
@@ -68,17 +58,25 @@ def read_trusted_file(path: str | Path, flag: str) -> bytes:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except OSError as e:
         raise AuthConfigError(f"{flag} {path}: cannot open it ({e.strerror})") from None
+    return _read_checked(fd, path, flag, owners=(0, os.getuid()), bad_bits=0o022,
+                         owner_fix="so that user decides the daemon's settings; chown it",
+                         mode_fix=f"lets other users change the daemon's settings; run chmod go-w {path}")
+
+
+def _read_checked(fd: int, path: str | Path, flag: str, *, owners: tuple[int, ...], bad_bits: int, owner_fix: str,
+                  mode_fix: str) -> bytes:
+    """The bytes behind ``fd`` once the file it opened passed the checks: a regular file, owned by one
+    of ``owners``, with none of ``bad_bits`` in its mode (``fd`` is closed either way)."""
     with os.fdopen(fd, "rb") as f:
         st = os.fstat(f.fileno())
         if not stat.S_ISREG(st.st_mode):
             raise AuthConfigError(f"{flag} {path}: not a regular file")
-        if st.st_uid not in (0, os.getuid()):
-            raise AuthConfigError(f"{flag} {path}: owned by uid {st.st_uid}, not by root or the daemon's user "
-                                  f"(uid {os.getuid()}), so that user decides the daemon's settings; chown it")
+        if st.st_uid not in owners:
+            who = "by the daemon's user" if owners == (os.getuid(),) else "by root or the daemon's user"
+            raise AuthConfigError(f"{flag} {path}: owned by uid {st.st_uid}, not {who} (uid {os.getuid()}); {owner_fix}")
         mode = stat.S_IMODE(st.st_mode)
-        if mode & 0o022:
-            raise AuthConfigError(f"{flag} {path}: mode {mode:04o} lets other users change the daemon's settings; "
-                                  f"run chmod go-w {path}")
+        if mode & bad_bits:
+            raise AuthConfigError(f"{flag} {path}: mode {mode:04o} {mode_fix}")
         return f.read()
 
 
