@@ -224,10 +224,10 @@ def idle_daemon():
 
 def _commit_under_a_held_lock(c: KVTierClient, peer: StalledPeer, requests, go: threading.Event, sent: threading.Event):
     """Start the WriteKV ``requests`` (stalled after its first piece until ``go``), hold pool ``p``'s
-    exclusive lock with a PullKV from ``peer``, let the rest of the stream go, and return the status the write ends with while its commit still waits for the lock (the watchdog
-    cancels it after 1 s); then let the pull (page 1 of q onto page 1 of p) finish. Returns ``(code,
-    pull result)``."""
-    call = c._write_kv_raw.future(requests, timeout=30)
+    exclusive lock with a PullKV from ``peer``, let the rest of the stream go, and return the status the write ends with while its commit still waits for the lock (its
+    8 s deadline passes: the idle watchdog leaves a stream whose client sent everything, attack pass
+    4, A4-16); then let the pull (page 1 of q onto page 1 of p) finish. Returns ``(code, pull result)``."""
+    call = c._write_kv_raw.future(requests, timeout=8)
     assert sent.wait(30)
     pulled: dict = {}
 
@@ -250,8 +250,8 @@ def _commit_under_a_held_lock(c: KVTierClient, peer: StalledPeer, requests, go: 
 
 def test_a_write_that_allocates_cancelled_while_its_commit_waits_allocates_nothing(idle_daemon):
     """Regression: the stream of a write that allocates arrived whole, its commit waited for the pool's
-    lock (held by a PullKV) past --stream-idle-seconds and the watchdog cancelled the call -- the
-    client saw CANCELLED, yet the commit went on and granted the 2 pages to no one who knew of them
+    lock (held by a PullKV) past --stream-idle-seconds and the watchdog cancelled the call (now: past
+    the call's deadline) -- the client saw CANCELLED, yet the commit went on and granted the 2 pages to no one who knew of them
     (free pages 13 of 15 afterwards, for good). A commit of a call no longer active gives them back."""
     d, c, peer = idle_daemon
     assert c.allocate_slots("p", PAGE_SIZE).tolist() == slots_of([1], PAGE_SIZE)  # the pull's destination
@@ -260,7 +260,7 @@ def test_a_write_that_allocates_cancelled_while_its_commit_waits_allocates_nothi
     latent, _ = random_kv(128, seed=41, layers=[0], live=[])
     go, sent = threading.Event(), threading.Event()
     code, pulled = _commit_under_a_held_lock(c, peer, _stream(c, "p", latent, 128, stall=go, sent=sent), go, sent)
-    assert code == grpc.StatusCode.CANCELLED
+    assert code == grpc.StatusCode.DEADLINE_EXCEEDED
     assert pulled is not None and pulled.num_pages == 1
     got = c.read_kv("p", slots_of([1], PAGE_SIZE), latent_layers=[0], index_layers=[])  # the pull's page, seed 40
     assert torch.equal(got.latent[0].contiguous().view(torch.uint8).view(PAGE_SIZE, -1), random_kv(PAGE_SIZE, seed=40)[0][0])
@@ -283,7 +283,7 @@ def test_a_write_into_named_slots_cancelled_while_its_commit_waits_writes_nothin
     go, sent = threading.Event(), threading.Event()
     code, _ = _commit_under_a_held_lock(c, peer, _stream(c, "p", latent, 0, slots=target.tolist(), stall=go, sent=sent),
                                         go, sent)
-    assert code == grpc.StatusCode.CANCELLED
+    assert code == grpc.StatusCode.DEADLINE_EXCEEDED
     got = c.read_kv("p", target, latent_layers=[0], index_layers=[])
     assert torch.equal(got.latent[0].contiguous().view(torch.uint8).view(PAGE_SIZE, -1), kept[0])
 
