@@ -7,8 +7,12 @@ The py-lmdb way (DESIGN.md, STYLE.md):
   environment must not cross ``fork()``: a child that inherits an *opened* tier gets
   :class:`EnvironmentInUseError` and never touches the parent's handle (build tiers after forking);
 * ``map_size`` is the ``--disk-size`` budget; kvtier evicts (LRU) to keep its charged bytes under
-  ``map_size * (1 - reserve_fraction)``, so LMDB's own ``MapFullError`` should never happen; if it does,
-  the transaction aborts, nothing of it is visible, and the caller gets :class:`TierFullError`;
+  ``map_size * (1 - reserve_fraction)``. LMDB's own ``MapFullError`` can still happen inside that
+  budget (large records need runs of contiguous pages; churn with readers pinning freed pages leaves
+  short runs: attack pass 4, A4-9). It is a full tier, not a storage fault: the aborted transaction
+  left nothing visible, the tier evicts more in the policy's order (counted, handed to ``on_evict``,
+  or ``on_lost`` for a write-behind job) and retries; only with nothing left to evict does the write
+  fail (:class:`TierFullError`; a write-behind job's records are lost) and the tier stays healthy;
 * every transaction is a ``with env.begin(...)``; reads use ``buffers=True`` and copy out inside it;
 * the LRU order persists in two sub-databases (``seq``: key -> access sequence number, ``order``:
   sequence number -> key), so it survives a restart; new positions (a written record's, a read
@@ -36,8 +40,9 @@ a panicked environment) marks the tier unhealthy instead of failing the caller:
   unread (:meth:`~kvtier.server.tiers.base.Tier.held_while_unhealthy` still knows them); a removal
   is remembered (a tombstone) and applied when the tier recovers, so a dropped copy never comes back;
 * :meth:`DiskTier.probe` (the daemon's monitor calls it with backoff) checks that the filesystem has
-  room for a record like the largest written so far, writes and deletes such a record in a probe
-  sub-database, applies the tombstones, and reloads the index from LMDB; then the tier serves again
+  room for a record like the largest written so far, applies the tombstones, reloads the index from
+  LMDB, and writes and deletes such a record in a probe sub-database (evicting in the policy's order
+  while LMDB's map has no room for it); then the tier serves again
   and every record it held is back. Reads verify every record's checksum, so a record an I/O error
   damaged is a miss (counted ``damaged``), never data.
 """
@@ -898,9 +903,10 @@ class DiskTier(Tier):
         """Check that the tier can serve again and bring it back in step with LMDB.
 
         Checks that the filesystem has room for a record as large as the largest written so far
-        (at least 4 KiB), writes and deletes such a record in the ``probe`` sub-database, deletes the
-        records removed while unhealthy (tombstones) and reloads the index from LMDB (reopening an
-        environment that panicked). Holds the index lock only while it runs, never while waiting.
+        (at least 4 KiB), deletes the records removed while unhealthy (tombstones: first, since with
+        LMDB's map full they make the room), reloads the index from LMDB, and writes and deletes such
+        a record in the ``probe`` sub-database, evicting in the policy's order while the map has no
+        room for it (reopening an environment that panicked). Holds the index lock only while it runs, never while waiting.
 
         Raises:
             OSError: too little free space (ENOSPC).
