@@ -176,7 +176,8 @@ class DiskTier(Tier):
         self._read_arena: HostArena | None = None
         self._chunks = ReadChunks(None)  # borrowed records' buffers; the read arena's once it exists
         self.index.on_touch = self._note_touched
-        self._map_full_evictions = 0  # records evicted because LMDB's map, not the budget, was full
+        self._map_full_evictions = 0
+        self._resyncing = False  # records evicted because LMDB's map, not the budget, was full
         self._writer = WriteBehind(self._apply, self._writer_failed, max_pending_bytes=config.write_behind_bytes,
                                    is_full=lambda e: isinstance(e, lmdb.MapFullError), make_room=self._make_room_for,
                                    room_lock=self.index.lock, after_failure=self._after_writer_failure) \
@@ -496,9 +497,16 @@ class DiskTier(Tier):
         nothing left to evict): delete the tombstones, reload the index from LMDB and take writes
         again -- what the probe does for an unhealthy tier."""
         w = self._writer
-        if w is None or w.failure is None or not self.health.healthy:
+        if w is None or w.failure is None or not self.health.healthy or self._resyncing:
             return
-        self.drain()
+        self._resyncing = True
+        try:
+            self._resync(w)
+        finally:
+            self._resyncing = False
+
+    def _resync(self, w: WriteBehind) -> None:
+        w.drain()
         try:
             self._apply_tombstones(self._env_obj)
         except Exception as e:  # noqa: BLE001 - they stay tombstones (never loaded back); deleted later
@@ -611,6 +619,9 @@ class DiskTier(Tier):
         write-behind; the tier drains by itself before it flushes, closes, removes or reloads."""
         if self._writer is not None:
             self._writer.drain()
+            if self._writer.failure is not None and self.health.healthy and not self._resyncing:
+                with self.index.lock:  # a map-full failure: the index back in step, so presence is true
+                    self._resync_if_due()
 
     def write(self, items: Sequence[tuple[bytes, RecordLike]], *, on_evict: EvictHook | None = None,
               replace: bool = False) -> list[bytes]:
