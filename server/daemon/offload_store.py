@@ -173,8 +173,11 @@ class OffloadStore:
             stored = [t for t in self.stack.cascade if t.persistent and t.name in placed]
             for t in stored:  # durable means committed: wait for the disk tier's write-behind
                 t.drain()
-            if any(not t.health.healthy for t in stored):  # its transaction failed: the copy is not there
-                placed = [n for n in placed if all(t.name != n for t in stored if not t.health.healthy)]
+            # its transaction failed (storage fault: unhealthy; LMDB's map full with nothing left to
+            # evict: the tier serves on without it): the copy is not there, and never reported durable
+            missing = [t for t in stored if not t.health.healthy or not t.contains([tkey])[0]]
+            if missing:
+                placed = [n for n in placed if all(t.name != n for t in missing)]
             if not placed:
                 sick = next((t for t in self.stack.cascade if not t.health.healthy), None)
                 if sick is not None:

@@ -7,8 +7,12 @@ The py-lmdb way (DESIGN.md, STYLE.md):
   environment must not cross ``fork()``: a child that inherits an *opened* tier gets
   :class:`EnvironmentInUseError` and never touches the parent's handle (build tiers after forking);
 * ``map_size`` is the ``--disk-size`` budget; kvtier evicts (LRU) to keep its charged bytes under
-  ``map_size * (1 - reserve_fraction)``, so LMDB's own ``MapFullError`` should never happen; if it does,
-  the transaction aborts, nothing of it is visible, and the caller gets :class:`TierFullError`;
+  ``map_size * (1 - reserve_fraction)``. LMDB's own ``MapFullError`` can still happen inside that
+  budget (large records need runs of contiguous pages; churn with readers pinning freed pages leaves
+  short runs: attack pass 4, A4-9). It is a full tier, not a storage fault: the aborted transaction
+  left nothing visible, the tier evicts more in the policy's order (counted, handed to ``on_evict``,
+  or ``on_lost`` for a write-behind job) and retries; only with nothing left to evict does the write
+  fail (:class:`TierFullError`; a write-behind job's records are lost) and the tier stays healthy;
 * every transaction is a ``with env.begin(...)``; reads use ``buffers=True`` and copy out inside it;
 * the LRU order persists in two sub-databases (``seq``: key -> access sequence number, ``order``:
   sequence number -> key), so it survives a restart; new positions (a written record's, a read
@@ -36,8 +40,9 @@ a panicked environment) marks the tier unhealthy instead of failing the caller:
   unread (:meth:`~kvtier.server.tiers.base.Tier.held_while_unhealthy` still knows them); a removal
   is remembered (a tombstone) and applied when the tier recovers, so a dropped copy never comes back;
 * :meth:`DiskTier.probe` (the daemon's monitor calls it with backoff) checks that the filesystem has
-  room for a record like the largest written so far, writes and deletes such a record in a probe
-  sub-database, applies the tombstones, and reloads the index from LMDB; then the tier serves again
+  room for a record like the largest written so far, applies the tombstones, reloads the index from
+  LMDB, and writes and deletes such a record in a probe sub-database (evicting in the policy's order
+  while LMDB's map has no room for it); then the tier serves again
   and every record it held is back. Reads verify every record's checksum, so a record an I/O error
   damaged is a miss (counted ``damaged``), never data.
 """
@@ -94,6 +99,7 @@ STAMP_BATCH = 64
 
 _SEQ = struct.Struct(">Q")  # big-endian: the order sub-database iterates oldest first
 _PROBE_KEY = b"probe"  # in its own sub-database, so a probe left behind is never taken for a record
+_TICK_KEY = b"tick"  # (probe sub-database) rewritten to make the pages of a delete reusable at once
 _MIN_PROBE_BYTES = 4096
 
 
@@ -114,6 +120,11 @@ def _bytes_view(rec: torch.Tensor) -> ctypes.Array:
             _BYTE_ARRAYS.clear()
         cls = _BYTE_ARRAYS[n] = ctypes.c_char * n
     return cls.from_address(rec.data_ptr())
+
+
+class _Replan(Exception):
+    """A write-behind job was refused because an earlier one failed for want of room in LMDB's map
+    (the tier still serves): the index was resynced with LMDB; the batch is planned once more."""
 
 
 class _Borrowed:
@@ -165,10 +176,16 @@ class DiskTier(Tier):
         self._read_arena: HostArena | None = None
         self._chunks = ReadChunks(None)  # borrowed records' buffers; the read arena's once it exists
         self.index.on_touch = self._note_touched
-        self._writer = WriteBehind(self._apply, self._writer_failed, max_pending_bytes=config.write_behind_bytes) \
+        self._map_full_evictions = 0
+        self._resyncing = False  # records evicted because LMDB's map, not the budget, was full
+        self._writer = WriteBehind(self._apply, self._writer_failed, max_pending_bytes=config.write_behind_bytes,
+                                   is_full=lambda e: isinstance(e, lmdb.MapFullError), make_room=self._make_room_for,
+                                   room_lock=self.index.lock, after_failure=self._after_writer_failure) \
             if config.write_behind else None
         self._pending: dict[bytes, tuple[torch.Tensor, memoryview]] = self._writer.pending if self._writer else {}
-        #: ``(records, bytes)`` lost when a write-behind transaction failed; the stack counts them ``disk->gone``.
+        #: ``(records, bytes)`` that left the tier outside a write call: lost when a write-behind
+        #: transaction failed, or evicted to make room in LMDB's map for a queued one; the stack counts
+        #: them ``disk->gone``.
         self.on_lost: Callable[[int, int], None] | None = None
 
     # ----- environment ------------------------------------------------------------------------
@@ -387,7 +404,7 @@ class DiskTier(Tier):
         self._touched.clear()
         return out
 
-    def _apply(self, job: DiskJob) -> None:
+    def _apply(self, job: DiskJob, pauses: tuple[float, ...] | None = None) -> None:
         """Run a job's transactions: delete the victims (their pages become reusable), then put the
         records and stamps in one transaction, retrying it briefly when LMDB's map is full while
         readers still hold the pages the delete freed. Raises what LMDB raises; nothing of a failed
@@ -405,9 +422,12 @@ class DiskTier(Tier):
                     delete(key, db=seqdb)
                     if s is not None:
                         delete(_SEQ.pack(s), db=orderdb)
+            job.deletes = []  # committed: a retry of the put transaction (map full) does not repeat them
         if not (job.puts or job.stamps):
             return
-        for attempt, pause in enumerate(MAP_FULL_RETRY_PAUSES_S + (None,)):
+        if pauses is None:  # after a round of evictions for room, one short retry: no reader to wait for
+            pauses = MAP_FULL_RETRY_PAUSES_S if not job.room_rounds else MAP_FULL_RETRY_PAUSES_S[:1]
+        for attempt, pause in enumerate(pauses + (None,)):
             try:
                 with self._write_txn(env) as txn:
                     put = txn.put
@@ -441,24 +461,167 @@ class DiskTier(Tier):
         (Index-lock users of ``_tombstones`` drain first, so none iterates it while this runs.)"""
         self._tombstones.update(deleted)
         if isinstance(err, lmdb.MapFullError):
+            # a full tier, not a storage fault: the tier stays healthy and resyncs with LMDB at once
+            # (_after_writer_failure); only these records are lost (nothing was left to evict for them)
             self._count(full_errors=1)
-            self.health.mark_unhealthy(f"write: LMDB map full ({self.config.capacity_bytes} bytes)")
         elif is_io_fault(err):
             self._fault(err, "write")
         else:
             log.error("disk tier: a write-behind transaction failed: %r", err)
             self.health.mark_unhealthy(f"write: {err!r}")
         nbytes = sum(int(r.numel()) for _, r in lost)
+        why = self.health.snapshot().reason or f"LMDB map full ({self.config.capacity_bytes} bytes) with nothing left to evict"
         log.warning("disk tier: %d records (%d bytes) waiting for their LMDB transaction were lost (%s)",
-                    len(lost), nbytes, self.health.snapshot().reason)
+                    len(lost), nbytes, why)
         if lost and self.on_lost is not None:
             self.on_lost(len(lost), nbytes)
+
+    def _after_writer_failure(self, err: BaseException) -> None:
+        """Writer thread, nothing queued, no lock held: after a map-full failure the tier is still
+        healthy, so it resyncs with LMDB now, unless a write (which resyncs first) did it already (a
+        storage fault waits for the probe)."""
+        if not isinstance(err, lmdb.MapFullError):
+            return
+        lock, w = self.index.lock, self._writer
+        while w is not None and w.failure is not None and self.health.healthy:
+            # timed, never blocking: a write holding the lock resyncs by itself and queues jobs
+            # this thread must then be free to apply
+            if lock.acquire(timeout=0.05):
+                try:
+                    self._resync_if_due()
+                finally:
+                    lock.release()
+
+    def _resync_if_due(self) -> None:
+        """(index lock held) After a write-behind failure on a healthy tier (LMDB's map full with
+        nothing left to evict): delete the tombstones, reload the index from LMDB and take writes
+        again -- what the probe does for an unhealthy tier."""
+        w = self._writer
+        if w is None or w.failure is None or not self.health.healthy or self._resyncing:
+            return
+        self._resyncing = True
+        try:
+            self._resync(w)
+        finally:
+            self._resyncing = False
+
+    def _resync(self, w: WriteBehind) -> None:
+        w.drain()
+        try:
+            self._apply_tombstones(self._env_obj)
+        except Exception as e:  # noqa: BLE001 - they stay tombstones (never loaded back); deleted later
+            if not (is_io_fault(e) or isinstance(e, lmdb.MapFullError)):
+                raise
+            log.warning("disk tier: %d pending deletes could not be written yet (%s)", len(self._tombstones),
+                        describe_fault(e))
+        self._load_index(scrub=False)
+        w.resume()
+
+    def _apply_tombstones(self, env: lmdb.Environment) -> None:
+        """(index lock held, drained) Delete the records removed or evicted while they could not be
+        deleted; on a failure they stay tombstones (never loaded back) and the error is raised."""
+        if self._tombstones:
+            with self._write_txn(env) as txn:
+                for k in self._tombstones:
+                    self._delete_stored(txn, k)
+            self._tombstones.clear()
+            self._advance(env)
+
+    def _advance(self, env: lmdb.Environment) -> None:
+        """Commit one small write transaction, so that the pages the last commit freed can be reused
+        by the next one (LMDB reuses pages freed by transaction N from transaction N+2 on). A map with
+        no page left even for this is left as it is."""
+        try:
+            with self._write_txn(env) as txn:
+                txn.put(_TICK_KEY, b"\0", db=self._probe_db)
+        except lmdb.MapFullError:
+            pass
+
+    def _delete_stored(self, txn: lmdb.Transaction, key: bytes) -> None:
+        """Delete ``key``'s record, sum and LRU entries, the order entry found under its stored
+        sequence number too (the in-memory one may be a stamp not committed yet)."""
+        old = txn.get(key, db=self._dbs[1])
+        self._delete(txn, key)
+        if old is not None:
+            txn.delete(bytes(old), db=self._dbs[2])
+
+    def _make_room_for(self, job: DiskJob, busy: set[bytes], on_evict: EvictHook | None = None, *,
+                       healthy: bool = True) -> bool:
+        """(index lock held; no write transaction of the tier open) LMDB's map had no room for
+        ``job`` although the budget had: large records need runs of contiguous pages, and churn with
+        read transactions pinning freed pages leaves the free pages in short runs. Evict records in
+        the policy's order -- twice as many bytes as the job puts, doubling each round -- and commit
+        their deletes, so that the job may fit. Victims are committed records only (not pending, not
+        pinned, not in ``busy``); they are counted evictions and handed to ``on_evict`` (or, outside
+        a write call, to :attr:`on_lost`: ``disk->gone``). Returns False when nothing is left to
+        evict (or the deletes themselves found no room): the job fails."""
+        if (healthy and not self.health.healthy) or self._env_obj is None:
+            return False
+        need = max(sum(disk_charge(int(r.numel())) for _, r in job.puts), 16 * LMDB_PAGE_BYTES) << min(job.room_rounds + 1, 20)
+        job.room_rounds += 1
+        pend, index, sizes = self._pending, self.index, self._sizes
+
+        def can_evict(k: bytes) -> bool:
+            return k in sizes and k not in pend and k not in busy and index.pin_count(k) == 0
+
+        index.apply_touches()
+        victims = index.policy.victims(need, can_evict)
+        if victims is None:  # less than that is left: all of it
+            victims = [k for k in index.policy.order() if can_evict(k)]
+        if not victims:
+            log.warning("disk tier: LMDB's map (%d bytes) is full and nothing is left to evict (%d records, "
+                        "%d of %d charged bytes held)", self.config.capacity_bytes, len(index), index.used, index.capacity)
+            return False
+        try:
+            with self._write_txn(self._env_obj) as txn:
+                for v in victims:
+                    self._delete_stored(txn, v)
+        except lmdb.MapFullError:
+            log.warning("disk tier: LMDB's map (%d bytes) has no page left even to delete %d records",
+                        self.config.capacity_bytes, len(victims))
+            return False
+        except Exception as e:
+            if not is_io_fault(e) or not healthy:
+                raise
+            self._fault(e, "write")
+            return False
+        self._advance(self._env_obj)  # their pages reusable by the retry
+        stored_before = {v: sizes[v] for v in victims}
+        for v in victims:
+            index.evict(v)
+            self._touched.pop(v, None)
+        self._map_full_evictions += len(victims)
+        log.info("disk tier: LMDB's map (%d bytes) was full with %d of %d charged bytes held; evicted %d records "
+                 "(%d bytes) to make room (round %d)", self.config.capacity_bytes, index.used + sum(disk_charge(n) for n in stored_before.values()),
+                 index.capacity, len(victims), sum(stored_before.values()), job.room_rounds)
+        if on_evict is not None:
+            self._settle_evictions(victims, stored_before, on_evict)
+        else:
+            self._settle_evictions(victims, stored_before, None)
+            if self.on_lost is not None:
+                self.on_lost(len(victims), sum(stored_before.values()))
+        return True
+
+    def _apply_making_room(self, job: DiskJob, on_evict: EvictHook | None) -> None:
+        """(index lock held; no write-behind) :meth:`_apply`, evicting for room while LMDB's map is
+        full (:meth:`_make_room_for`); raises ``MapFullError`` when nothing is left to evict."""
+        busy = {k for k, _ in job.puts} | {k for k, _, _ in job.stamps}
+        while True:
+            try:
+                self._apply(job)
+                return
+            except lmdb.MapFullError:
+                if not self._make_room_for(job, busy, on_evict):
+                    raise
 
     def drain(self) -> None:
         """Wait until every write-behind transaction has committed (or failed). A no-op without
         write-behind; the tier drains by itself before it flushes, closes, removes or reloads."""
         if self._writer is not None:
             self._writer.drain()
+            if self._writer.failure is not None and self.health.healthy and not self._resyncing:
+                with self.index.lock:  # a map-full failure: the index back in step, so presence is true
+                    self._resync_if_due()
 
     def write(self, items: Sequence[tuple[bytes, RecordLike]], *, on_evict: EvictHook | None = None,
               replace: bool = False) -> list[bytes]:
@@ -487,7 +650,11 @@ class DiskTier(Tier):
         with self.index.lock:
             for batch in batches:
                 try:
-                    written.extend(self._write_batch(env, records, batch, on_evict, replace))
+                    try:
+                        self._resync_if_due()  # a map-full failure of the writer: back in step first
+                        written.extend(self._write_batch(env, records, batch, on_evict, replace))
+                    except _Replan:  # the writer failed (map full) while this batch was planned: once more
+                        written.extend(self._write_batch(env, records, batch, on_evict, replace, replanned=True))
                 except (TierFullError, TierUnavailableError) as e:  # earlier transactions committed: they stay
                     e.done, e.written = done, tuple(written)
                     raise
@@ -495,7 +662,7 @@ class DiskTier(Tier):
         return written
 
     def _write_batch(self, env: lmdb.Environment, records: lmdb._Database, batch: list[tuple[bytes, torch.Tensor]],
-                     on_evict: EvictHook | None, replace: bool) -> list[bytes]:
+                     on_evict: EvictHook | None, replace: bool, replanned: bool = False) -> list[bytes]:
         """Plan the batch on the index, commit the evictions (their pages become reusable), then put
         the records in one transaction. On any failure the index is reloaded from LMDB, so memory
         and disk agree and nothing of the failed records is visible; a storage failure also marks
@@ -505,6 +672,7 @@ class DiskTier(Tier):
         puts: list[tuple[bytes, torch.Tensor]] = []
         order: list[bytes] = []  # keys in the order memory saw them (touched or inserted)
         replaced: set[bytes] = set()  # removed to be written again (``replace``): not evictions
+        stored_before: dict[bytes, int] = {}
         try:
             for key, rec in batch:
                 if key in self.index:
@@ -517,6 +685,7 @@ class DiskTier(Tier):
                     replaced.add(key)
                 charge = disk_charge(int(rec.numel()))
                 chosen = self.index.plan_insert(key, charge)
+                self._tombstones.discard(key)  # written again: its put replaces what a pending delete was for
                 self.index.commit_insert(key, charge, chosen)
                 victims.extend(chosen)
                 puts.append((key, rec))
@@ -528,15 +697,22 @@ class DiskTier(Tier):
                 puts = [(k, r) for k, r in puts if k in self.index]
             job = self._job(victims, puts, order)
             if self._writer is None:
-                self._apply(job)
+                self._apply_making_room(job, on_evict)
             else:
                 self._writer.submit(job, victims)  # applied on the writer thread, in order
         except BaseException as e:
             if isinstance(e, WriteBehindFailed):  # nothing queued; planned on an index an earlier job's
-                self._reload_or_forget()           # failure made stale: back to what LMDB holds
+                if self.health.healthy:              # failure made stale: back to what LMDB holds
+                    self._resync_if_due()            # (a map-full failure: the tier still serves)
+                    if self._writer is not None and self._writer.failure is None and not replanned:
+                        raise _Replan() from None
+                self._reload_or_forget()
                 raise TierUnavailableError(self.name, f"write: {e}") from None
             if not is_io_fault(e):
                 self._load_index(scrub=False)  # the put transaction aborted: back to exactly what LMDB holds
+                gone = [v for v in dict.fromkeys(victims) if v in stored_before and v not in self.index
+                        and v not in replaced]
+                self._settle_evictions(gone, stored_before, on_evict)  # their delete committed before the put failed
             elif self._reload_or_forget():
                 gone = [v for v in dict.fromkeys(victims) if v in stored_before and v not in self.index]
                 self._settle_evictions(gone, stored_before, on_evict)  # their delete committed
@@ -735,6 +911,7 @@ class DiskTier(Tier):
             self._env()  # first use only (opens and scrubs); once open, stats take no index lock
         s = super().stats()
         s.extra = {"scrubbed": self._scrubbed, "map_size": self.config.capacity_bytes,
+                   "map_full_evictions": self._map_full_evictions,
                    "tombstones": len(self._tombstones),
                    "write_behind_bytes": self._writer.queued_bytes if self._writer is not None else 0}
         return s
@@ -744,9 +921,10 @@ class DiskTier(Tier):
         """Check that the tier can serve again and bring it back in step with LMDB.
 
         Checks that the filesystem has room for a record as large as the largest written so far
-        (at least 4 KiB), writes and deletes such a record in the ``probe`` sub-database, deletes the
-        records removed while unhealthy (tombstones) and reloads the index from LMDB (reopening an
-        environment that panicked). Holds the index lock only while it runs, never while waiting.
+        (at least 4 KiB), deletes the records removed while unhealthy (tombstones: first, since with
+        LMDB's map full they make the room), reloads the index from LMDB, and writes and deletes such
+        a record in the ``probe`` sub-database, evicting in the policy's order while the map has no
+        room for it (reopening an environment that panicked). Holds the index lock only while it runs, never while waiting.
 
         Raises:
             OSError: too little free space (ENOSPC).
@@ -761,19 +939,26 @@ class DiskTier(Tier):
             self.drain()
             try:
                 env, _, _, _ = self._env()
-                with self._write_txn(env) as txn:
-                    txn.put(_PROBE_KEY, bytes(need), db=self._probe_db)
+                # the pending deletes first: with LMDB's map full they are what makes room for the
+                # probe record (the other way round a full map never recovered: attack pass 4, A4-9)
+                self._apply_tombstones(env)
+                self._load_index(scrub=False)
+                probe = DiskJob(puts=[(_PROBE_KEY, torch.empty(0, dtype=torch.uint8))])
+                while True:
+                    try:
+                        with self._write_txn(env) as txn:
+                            txn.put(_PROBE_KEY, bytes(need), db=self._probe_db)
+                        break
+                    except lmdb.MapFullError:
+                        # room as for a write: evict in the policy's order until the probe fits
+                        probe.puts = [(_PROBE_KEY, torch.empty(need, dtype=torch.uint8))]
+                        if not self._make_room_for(probe, set(), None, healthy=False):
+                            raise
                 with self._write_txn(env) as txn:
                     txn.delete(_PROBE_KEY, db=self._probe_db)
             except lmdb.PanicError:
                 self._reopen()
                 raise
-            if self._tombstones:
-                with self._write_txn(env) as txn:
-                    for k in self._tombstones:
-                        self._delete(txn, k)
-                self._tombstones.clear()
-            self._load_index(scrub=False)
             if self._writer is not None:
                 self._writer.resume()  # in step with LMDB again: write-behind jobs are taken again
 
@@ -800,7 +985,7 @@ class DiskTier(Tier):
                         self._tombstones.clear()
                     self._env_obj.sync(True)
                 except Exception as e:
-                    if not is_io_fault(e):
+                    if not (is_io_fault(e) or isinstance(e, lmdb.MapFullError)):
                         raise
                     log.warning("disk tier: flush failed (%s); %d removals were not written and those records "
                                 "may be back after a restart", describe_fault(e), len(self._tombstones))

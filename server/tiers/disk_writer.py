@@ -18,7 +18,17 @@ for the writer: memory stays bounded when the disk is slower than the spills); :
 until every job has committed (the tier drains before any transaction of its own, a reload of its
 index from LMDB, a flush and close).
 
-Failures: a job whose transaction fails (ENOSPC, EIO, LMDB's map full after the retries) is handed to
+LMDB's map full (A4-9): large records need runs of contiguous pages, and churn with read transactions
+pinning freed pages can fill the map while the tier's charged bytes are under budget. A job that meets
+``MapFullError`` (after the tier's short retries) is not failed: the writer holds it back (:attr:`WriteBehind.full`)
+and asks the tier to make room (``make_room``: evict more records in its policy's order, under its
+index lock), then tries the job again; only when nothing is left to evict does the job fail as below.
+``make_room`` runs with the tier's index lock held: the writer only *tries* that lock (a short timed
+acquire, in a loop), and a caller that waits here (:meth:`~WriteBehind.submit`, :meth:`~WriteBehind.drain`)
+while the writer holds a job back makes the room itself (it holds that lock, or takes it: it holds
+nothing the writer needs), so neither waits for the other.
+
+Failures: a job whose transaction fails (ENOSPC, EIO, LMDB's map full with nothing left to evict) is handed to
 ``on_failure`` on the writer thread together with every job still queued; those jobs are dropped
 (nothing of a failed transaction is visible in LMDB) and their records are no longer pending; the
 victims they were to delete are handed over too (the tier deletes them when it recovers, so a record
@@ -32,8 +42,11 @@ would then delete a record counted written, neither evicted nor lost. The tier t
 ``TierUnavailableError`` (the stack passes the record on), so every record is held, evicted or lost. A process killed with jobs queued loses those records the same way: LMDB holds only
 committed transactions, and the index is rebuilt from it at the next start.
 
-Lock order: the writer thread takes only this module's own leaf lock (``_lock``), never the tier's
-index lock; a caller may wait here while it holds the index lock.
+Lock order: the writer thread takes this module's own leaf lock (``_lock``) and, only while it holds
+a job back for room, tries the tier's index lock (a timed acquire, never a blocking one, with nothing
+else held); after a failure (``after_failure``) it may take the index lock with nothing else held and
+nothing queued. A caller may wait here while it holds the index lock: while a job is held back the
+caller makes the room itself instead of waiting for the writer.
 """
 
 from __future__ import annotations
@@ -67,6 +80,8 @@ class DiskJob:
     deletes: list[tuple[bytes, int | None]] = field(default_factory=list)
     puts: list[tuple[bytes, torch.Tensor]] = field(default_factory=list)
     stamps: list[tuple[bytes, int | None, int]] = field(default_factory=list)
+    #: Rounds of evictions made so far to find room in LMDB's map for this job (each evicts twice the last).
+    room_rounds: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -89,14 +104,34 @@ class WriteBehind:
             those jobs were to delete (victims the index no longer holds but LMDB may still have).
         max_pending_bytes: record bytes that may wait before :meth:`submit` blocks.
         name: the thread's name.
+        is_full: whether an error of ``apply`` is LMDB's map full (the job is held back for room).
+        make_room: ``(job, busy) -> bool``, called with ``room_lock`` held while ``job`` is held
+            back: evict records (none of the keys in ``busy``: referenced by queued jobs or by a job
+            being submitted) so the job may fit; False when nothing is left to evict (the job fails).
+        room_lock: the tier's index lock (an ``RLock``), held while ``make_room`` runs.
+        after_failure: called on the writer thread after a failure was handed to ``on_failure``,
+            with nothing queued and no lock held (the tier resyncs with LMDB there when it stays healthy).
     """
 
     def __init__(self, apply: Callable[[DiskJob], None], on_failure: Callable[[BaseException, list[tuple[bytes, torch.Tensor]], list[bytes]], None],
-                 *, max_pending_bytes: int, name: str = "kvtier-disk-writer") -> None:
+                 *, max_pending_bytes: int, name: str = "kvtier-disk-writer",
+                 is_full: Callable[[BaseException], bool] = lambda e: False,
+                 make_room: Callable[[DiskJob, set[bytes]], bool] | None = None,
+                 room_lock: threading.RLock | None = None,  # type: ignore[valid-type]
+                 after_failure: Callable[[BaseException], None] | None = None) -> None:
         if max_pending_bytes <= 0:
             raise ValueError(f"max_pending_bytes must be positive, got {max_pending_bytes}")
         self._apply = apply
         self._on_failure = on_failure
+        self._is_full = is_full
+        self._make_room = make_room
+        self._room_lock = room_lock
+        self._after_failure = after_failure
+        #: The job the writer holds back because LMDB's map had no room for it (None: none), and
+        #: the verdict of the last :meth:`make_room_now` for it (True: try again, False: fail it).
+        self.full: DiskJob | None = None
+        self._room: bool | None = None
+        self.room_rounds = 0
         self.max_pending_bytes = max_pending_bytes
         self.name = name
         self._lock = threading.Lock()  # leaf
@@ -126,32 +161,70 @@ class WriteBehind:
                 while this call waited for room); nothing was queued.
         """
         n = job.nbytes
-        with self._changed:
-            while True:
-                if self.failure is not None:
-                    self.jobs_refused += 1
-                    raise WriteBehindFailed(f"an earlier write-behind transaction failed ({self.failure}); "
-                                            f"no write is queued until the tier has resynced with LMDB")
-                if not (self._bytes and self._bytes + n > self.max_pending_bytes):
-                    break
-                self._changed.wait()
-            pend = self.pending
-            for k in cancelled:
-                pend.pop(k, None)
-            for k, rec in job.puts:
-                pend[k] = (rec, memoryview(rec.numpy()))
-            self._queue.append(job)
-            self._bytes += n
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
-                self._thread.start()
-            self._changed.notify_all()
+        while True:
+            with self._changed:
+                while True:
+                    if self.failure is not None:
+                        self.jobs_refused += 1
+                        raise WriteBehindFailed(f"an earlier write-behind transaction failed ({self.failure}); "
+                                                f"no write is queued until the tier has resynced with LMDB")
+                    if not (self._bytes and self._bytes + n > self.max_pending_bytes):
+                        self._queue_job(job, cancelled, n)
+                        return
+                    if self.full is not None:
+                        break  # the writer holds a job back for room: make it here instead of waiting
+                    self._changed.wait()
+            self.make_room_now(job)  # (not this job's keys: it is not queued yet)
+
+    def _queue_job(self, job: DiskJob, cancelled: list[bytes], n: int) -> None:
+        """(``_lock`` held) Queue ``job``; start the writer if needed."""
+        pend = self.pending
+        for k in cancelled:
+            pend.pop(k, None)
+        for k, rec in job.puts:
+            pend[k] = (rec, memoryview(rec.numpy()))
+        self._queue.append(job)
+        self._bytes += n
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+            self._thread.start()
+        self._changed.notify_all()
 
     def drain(self) -> None:
-        """Wait until every queued job has been applied (or dropped by a failure)."""
-        with self._changed:
-            while self._queue or self._busy:
-                self._changed.wait()
+        """Wait until every queued job has been applied (or dropped by a failure); while the writer
+        holds a job back for room, make it here. A no-op on the writer thread itself."""
+        if threading.current_thread() is self._thread:
+            return
+        while True:
+            with self._changed:
+                while (self._queue or self._busy) and self.full is None:
+                    self._changed.wait()
+                if not (self._queue or self._busy):
+                    return
+            self.make_room_now(None)
+
+    def make_room_now(self, submitting: DiskJob | None) -> None:
+        """If the writer holds a job back for room, have the tier make room for it (under the room
+        lock: re-entered if the caller holds it) and tell the writer the verdict. ``submitting``: a
+        job being submitted (not queued yet), whose keys are left alone."""
+        with self._room_lock:  # type: ignore[union-attr]
+            with self._changed:
+                job = self.full
+                if job is None:
+                    return
+                busy = {k for j in (job, *self._queue, *([submitting] if submitting is not None else []))
+                        for k in (*(k for k, _ in j.puts), *(k for k, _, _ in j.stamps))}
+            ok = False
+            try:
+                ok = bool(self._make_room(job, busy))  # type: ignore[misc]
+            except BaseException:  # noqa: BLE001 - the job fails; the tier already turned unhealthy if it must
+                log.exception("disk tier: making room in LMDB's map failed")
+            with self._changed:
+                if self.full is job:
+                    self.full = None
+                    self._room = ok
+                    self.room_rounds += 1
+                    self._changed.notify_all()
 
     def resume(self) -> None:
         """Take jobs again after a failure: the tier calls it once its index is back in step with
@@ -189,9 +262,14 @@ class WriteBehind:
                 job = self._queue.popleft()
                 self._busy = True
             try:
-                self._apply(job)
+                self._apply_making_room(job)
             except BaseException as e:  # noqa: BLE001 - handed to the tier, which turns unhealthy
                 self._fail(e, job)
+                if self._after_failure is not None:
+                    try:
+                        self._after_failure(e)
+                    except BaseException:  # noqa: BLE001 - the thread must go on serving later jobs
+                        log.exception("disk tier: resyncing after a failed write-behind job failed")
                 continue
             with self._changed:
                 pend = self.pending
@@ -203,6 +281,33 @@ class WriteBehind:
                 self._busy = False
                 self.jobs_applied += 1
                 self._changed.notify_all()
+
+    def _apply_making_room(self, job: DiskJob) -> None:
+        """Apply ``job``; while LMDB's map has no room for it, hold it back until room is made (by
+        this thread, when it gets the room lock, or by a caller waiting here) and try again. Raises
+        the map-full error when nothing was left to evict, or any other error at once."""
+        while True:
+            try:
+                self._apply(job)
+                return
+            except BaseException as e:
+                if self._make_room is None or self._room_lock is None or not self._is_full(e):
+                    raise
+                with self._changed:
+                    self.full, self._room = job, None
+                    self._changed.notify_all()  # a waiting caller makes the room itself
+                while True:
+                    with self._changed:
+                        if self.full is None:
+                            ok = self._room
+                            break
+                    if self._room_lock.acquire(timeout=0.05):
+                        try:
+                            self.make_room_now(None)
+                        finally:
+                            self._room_lock.release()
+                if not ok:
+                    raise
 
     def _fail(self, err: BaseException, job: DiskJob) -> None:
         with self._changed:

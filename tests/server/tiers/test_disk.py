@@ -129,26 +129,29 @@ def test_damaged_record_read_is_a_miss_plus_counter(tmp_path, records, codec, ca
 
 def test_map_full_write_is_rolled_back_and_invisible(tmp_path, records, codec):
     """kvtier's budget is made wrong on purpose (ten times the map), so LMDB itself raises
-    MapFullError half way through a batch: the whole transaction is invisible, the earlier record
-    survives, and memory agrees with LMDB afterwards."""
-    size = codec.page_nbytes()
+    MapFullError half way through a batch: the tier evicts what it holds in the policy's order to
+    make room (counted, handed to ``on_evict``) and, as the batch still cannot fit, fails it: the whole
+    transaction is invisible, the tier stays healthy, and memory agrees with LMDB afterwards."""
     keys = list(records)
     disk = disk_at(tmp_path, capacity=1 * MiB)
     disk.write([(keys[0], records[keys[0]])])
     disk.index.capacity = 10 * MiB
-    before = (disk.index.keys(), disk.index.used)
+    evicted = []
     with pytest.raises(TierFullError, match="map full"):
-        disk.write([(k, records[k]) for k in keys[1:8]])
-    assert (disk.index.keys(), disk.index.used) == before
-    assert disk.contains(keys[:8]) == [True] + [False] * 7
-    assert disk.lmdb_info()["entries"] == 1
-    got = read(disk, keys[0], size)
-    assert got is not None and torch.equal(got, records[keys[0]])
+        disk.write([(k, records[k]) for k in keys[1:8]], on_evict=lambda v, _n: evicted.append(v))
+    assert evicted == [keys[0]] and disk.stats().extra["map_full_evictions"] == 1
+    assert disk.health.healthy and disk.index.keys() == [] and disk.index.used == 0
+    assert disk.contains(keys[:8]) == [False] * 8
+    assert disk.lmdb_info()["entries"] == 0
     assert disk.stats().full_errors == 1
+    disk.index.capacity = disk.config.record_budget
+    disk.write([(keys[1], records[keys[1]])])  # it serves on
+    got = read(disk, keys[1], codec.page_nbytes())
+    assert got is not None and torch.equal(got, records[keys[1]])
     disk.close()
     again = disk_at(tmp_path, capacity=1 * MiB)
     again.open()
-    assert again.index.keys() == [keys[0]]
+    assert again.index.keys() == [keys[1]]
     again.close()
 
 
