@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import stat
 from pathlib import Path
+from typing import Any
 
 from kvtier.addresses import UnsafePathError, check_path_owners
 
@@ -36,7 +37,7 @@ def read_private_file(path: str | Path, flag: str) -> bytes:
         raise AuthConfigError(f"{flag} {path}: cannot open it ({e.strerror}); it must be a regular "
                               f"file, not a symlink") from None
     return _read_checked(fd, path, flag, owners=(os.getuid(),), bad_bits=0o077,
-                         owner_fix="chown it to that user", mode_fix=f"lets other users read the tokens; run chmod 600 {path}")
+                         owner_fix="chown it to that user", mode_fix=f"lets other users read it; run chmod 600 {path}")
 
 
 def read_trusted_file(path: str | Path, flag: str) -> bytes:
@@ -78,6 +79,25 @@ def _read_checked(fd: int, path: str | Path, flag: str, *, owners: tuple[int, ..
         if mode & bad_bits:
             raise AuthConfigError(f"{flag} {path}: mode {mode:04o} {mode_fix}")
         return f.read()
+
+
+def read_tls_files(config: Any) -> dict[str, bytes]:
+    """The TLS files of a daemon config, each checked before it is trusted (attack pass 4/5, A5-2: a
+    ``--tls-client-ca`` in another user's directory let that user swap in its own CA and call the
+    daemon): ``--tls-key`` as a secret (:func:`read_private_file`), ``--tls-cert``,
+    ``--tls-client-ca`` and ``--peer-tls-ca`` as settings (:func:`read_trusted_file`). Returns the
+    bytes by config field name (the fields that are set).
+
+    Raises:
+        AuthConfigError: one line naming the flag, the file and what to fix.
+    """
+    out: dict[str, bytes] = {}
+    for field, flag in (("tls_cert", "--tls-cert"), ("tls_client_ca", "--tls-client-ca"), ("peer_tls_ca", "--peer-tls-ca")):
+        if getattr(config, field):
+            out[field] = read_trusted_file(getattr(config, field), flag)
+    if config.tls_key:
+        out["tls_key"] = read_private_file(config.tls_key, "--tls-key")
+    return out
 
 
 def read_token_file(path: str | Path, flag: str, min_chars: int) -> str:

@@ -51,6 +51,7 @@ from kvtier.addresses import (
 )
 from kvtier.server.daemon.config import DaemonConfig
 from kvtier.server.daemon.core import Daemon
+from kvtier.server.daemon.private_files import AuthConfigError, read_tls_files
 from kvtier.server.daemon.tier_runtime import check_disk_path_free
 from kvtier.private_writes import write_private_file
 from kvtier.server.observe.logs import configure_logging
@@ -127,9 +128,10 @@ def _prepare_unix_socket(path: Path, *, default: bool) -> None:
 def _credentials(config: DaemonConfig) -> grpc.ServerCredentials | None:
     if not config.tls_cert:
         return None
-    pair = [(Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes())]
+    files = read_tls_files(config)  # checked: owner, mode, the way to them
+    pair = [(files["tls_key"], files["tls_cert"])]
     if config.tls_client_ca:
-        return grpc.ssl_server_credentials(pair, root_certificates=Path(config.tls_client_ca).read_bytes(),
+        return grpc.ssl_server_credentials(pair, root_certificates=files["tls_client_ca"],
                                            require_client_auth=True)
     return grpc.ssl_server_credentials(pair)
 
@@ -149,6 +151,10 @@ def check_tls_files(config: DaemonConfig) -> None:
     Raises:
         AddressError: naming the file and what is wrong.
     """
+    try:  # who may write them decides who may call (a client CA) or whom the daemon trusts (A5-2)
+        read_tls_files(config)
+    except AuthConfigError as e:
+        raise AddressError(str(e)) from None
     if config.peer_tls_ca:  # the CA PullKV checks peers against: loaded now, not at the first pull
         try:
             ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cafile=config.peer_tls_ca)

@@ -23,7 +23,6 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -34,6 +33,7 @@ from kvtier.addresses import UnsafeSocketError, check_socket_path, is_loopback, 
 from kvtier.server.daemon.config import DaemonConfig
 from kvtier.server.daemon.errors import RETRY_UNCHANGED, Busy, FailedPrecondition, InvalidArgument, NotFound
 from kvtier.server.daemon.pools import PoolEntry
+from kvtier.server.daemon.private_files import read_tls_files
 from kvtier.server.daemon.tenants import Caller
 from kvtier.server.daemon.transfer import PEER_LAYOUT_TIMEOUT_S, PEER_STREAM_TIMEOUT_S, PeerLayout, PullSpec
 from kvtier.server.service.transfer_messages import COMPONENT_TO_PROTO, peer_layout
@@ -272,8 +272,9 @@ class GrpcPeerConnector:
         """The connector a daemon of ``config`` uses (TLS with ``peer_tls_ca``)."""
         tls = None
         if config.peer_tls_ca:
-            own = (Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes()) if config.tls_cert else (None, None)
-            tls = grpc.ssl_channel_credentials(root_certificates=Path(config.peer_tls_ca).read_bytes(),
+            files = read_tls_files(config)  # checked (owner, mode, the way to them) as at start
+            own = (files["tls_key"], files["tls_cert"]) if config.tls_cert else (None, None)
+            tls = grpc.ssl_channel_credentials(root_certificates=files["peer_tls_ca"],
                                                private_key=own[0], certificate_chain=own[1])
         connector = cls([*config.grpc_options(), *PEER_RECONNECT_OPTIONS], tls)
         connector.retry_s = config.peer_retry_seconds

@@ -509,3 +509,24 @@ def test_a_ready_file_in_a_directory_another_user_owns_is_refused(tmp_path):
     line = one_line_error(serve(tmp_path, "--ready-file", str(theirs / "ready")))
     assert f"refusing --ready-file {theirs / 'ready'}: directory {theirs} is owned by uid 65534" in line
     assert not (theirs / "ready").exists() and not (tmp_path / "kv.sock").exists()
+
+
+def test_tls_files_another_user_could_swap_or_read_are_refused(tmp_path):
+    """Attack pass 5, A5-2: a --tls-client-ca in a directory of uid 65534 was trusted; that user put
+    its own CA there and its client certificates then called the daemon (every pool's KV). The TLS
+    files now get the --config checks (the key: the --auth-tokens checks)."""
+    import sys
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server" / "service"))
+    from pki import make_pki
+
+    pki = make_pki(tmp_path)
+    theirs = tmp_path / "nobodys"
+    theirs.mkdir()
+    shutil.copy(pki["ca.pem"], theirs / "client-ca.pem")
+    os.chown(theirs, 65534, 65534)
+    tls = ["--tls-cert", str(pki["server.pem"]), "--tls-key", str(pki["server.key"])]
+    line = one_line_error(serve(tmp_path, *tls, "--tls-client-ca", str(theirs / "client-ca.pem")))
+    assert f"refusing --tls-client-ca {theirs / 'client-ca.pem'}: directory {theirs} is owned by uid 65534" in line
+    pki["server.key"].chmod(0o644)
+    line = one_line_error(serve(tmp_path, *tls))
+    assert f"--tls-key {pki['server.key']}: mode 0644 lets other users read it; run chmod 600" in line
