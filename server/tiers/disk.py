@@ -97,6 +97,7 @@ BORROW_BATCH = 4
 #: (BENCHMARKS.md, fix 7). A crash loses at most this many positions; those records load as newest.
 STAMP_BATCH = 64
 
+MiB = 1 << 20
 _SEQ = struct.Struct(">Q")  # big-endian: the order sub-database iterates oldest first
 _PROBE_KEY = b"probe"  # in its own sub-database, so a probe left behind is never taken for a record
 _TICK_KEY = b"tick"  # (probe sub-database) rewritten to make the pages of a delete reusable at once
@@ -204,15 +205,18 @@ class DiskTier(Tier):
                 self._pid = os.getpid()
                 env = self._env_obj
                 used = (env.info()["last_pgno"] + 1) * LMDB_PAGE_BYTES
-                if used > self.config.capacity_bytes:
-                    # LMDB raised the map to exactly its used pages: no transaction, not even a delete,
-                    # could get a page, and the tier would stay unhealthy (attack pass 4, A4-2)
+                # the pages in use must fit the records' share of the map, so LMDB keeps the reserve for
+                # copy-on-write (at exactly the used size no transaction, not even a delete, could get
+                # a page and the tier stayed unhealthy: attack pass 4, A4-2, and pass 5, A5-1)
+                needed = -(-int(used / (1 - self.config.reserve_fraction)) // MiB) * MiB
+                if self.config.capacity_bytes < needed:
                     self._env_obj = None
                     close_environment(self.config.path, env)
                     raise DiskPathError(
-                        f"--disk-size {self.config.capacity_bytes:,} bytes is below the {used:,} bytes the disk tier "
-                        f"already holds in {self.config.path}: give --disk-size of at least {used:,} bytes, or move "
-                        f"that directory away to start with an empty disk tier")
+                        f"--disk-size {self.config.capacity_bytes:,} bytes is too small for the {used:,} bytes the disk "
+                        f"tier already holds in {self.config.path} (with LMDB's {self.config.reserve_fraction:.0%} "
+                        f"reserve): give --disk-size of at least {needed:,} bytes, or move that directory away to "
+                        f"start with an empty disk tier")
                 self._dbs = (env.open_db(b"records"), env.open_db(b"seq"), env.open_db(b"order"))
                 self._probe_db = env.open_db(b"probe")
                 self._sums = env.open_db(b"sums")  # key -> its record's checksum field (disk_keysums.py)

@@ -484,7 +484,7 @@ def test_a_disk_size_below_what_the_disk_path_holds_is_one_line(tmp_path):
             slots = c.allocate_slots("default", 64)
             c.offload("default", f"copy-{i}", slots, free_slots=True)
     line = one_line_error(serve(tmp_path, "--disk-path", str(disk), "--disk-size", "1MiB"))
-    assert "--disk-size 1,048,576 bytes is below the" in line and "bytes the disk tier already holds in" in line
+    assert "--disk-size 1,048,576 bytes is too small for the" in line and "bytes the disk tier already holds in" in line
 
 
 def test_tls_files_that_are_not_pem_are_one_line_before_anything_is_allocated(tmp_path):

@@ -491,11 +491,20 @@ def test_a_disk_size_below_what_lmdb_holds_is_refused_and_changes_nothing(tmp_pa
     with pytest.raises(disk_module.DiskPathError) as e:
         small.open()
     msg = str(e.value)
-    m = re.search(rf"--disk-size {MiB:,} bytes is below the ([0-9,]+) bytes the disk tier already holds", msg)
+    m = re.search(rf"--disk-size {MiB:,} bytes is too small for the ([0-9,]+) bytes the disk tier already holds "
+                  rf".*give --disk-size of at least ([0-9,]+) bytes", msg)
     assert m and int(m[1].replace(",", "")) >= used, msg  # (closing stamps the LRU order: a page or two more)
+    needed = int(m[2].replace(",", ""))
+    assert needed >= int(m[1].replace(",", "")) / 0.75 and needed % MiB == 0  # room for LMDB's 25% reserve
     assert "\n" not in msg and "move that directory away" in msg
-    again = disk_at(tmp_path)  # the lock was released, nothing was dropped
-    assert again.contains(list(records)) == [True] * len(records)
+    # attack pass 5, A5-1: the size the message recommends works (at exactly the used size every
+    # delete failed MDB_MAP_FULL): a drop and a write go through and the tier stays healthy
+    again = disk_at(tmp_path, capacity=needed)  # the lock was released, nothing was dropped
+    keys = list(records)
+    assert again.contains(keys) == [True] * len(keys)
+    assert again.remove(keys[:2]) == 2 and again.health.healthy
+    again.write([(keys[0], records[keys[0]])])
+    assert again.health.healthy and torch.equal(read(again, keys[0], records[keys[0]].numel()), records[keys[0]])
     again.close()
 
 
