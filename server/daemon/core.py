@@ -208,11 +208,13 @@ class Daemon:
             hook()  # the channel closes the connection (when the daemon ended the session)
         return True
 
-    def delete_pool(self, caller: Caller, pool_id: str, *, force: bool = False) -> int:
-        """DeletePool: delete ``caller``'s pool (see :meth:`PoolRegistry.delete`) and end the attach
-        sessions on it (their workers' connections are closed). Returns the bytes freed."""
+    def delete_pool(self, caller: Caller, pool_id: str, *, force: bool = False,
+                    wanted: Callable[[], bool] = lambda: True) -> int:
+        """DeletePool: delete ``caller``'s pool (see :meth:`PoolRegistry.delete`; ``wanted``: whether
+        the caller is still there once the pool's lock is held) and end the attach sessions on it
+        (their workers' connections are closed). Returns the bytes freed."""
         entry = self.pools.get(caller, pool_id)
-        freed = self.pools.delete(caller, pool_id, force=force)
+        freed = self.pools.delete(caller, pool_id, force=force, wanted=wanted)
         for session in self.sessions.of_entry(entry):
             self.end_session(session, "its pool was deleted")
         return freed

@@ -23,7 +23,7 @@ import itertools
 import json
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,7 +39,7 @@ from kvtier.server.pool.memory import device_memory, shortfall_message
 from kvtier.server.pool.validation import as_slots
 from kvtier.server.pool_configurator import PoolPlan, exact_pool_bytes, plan_pool
 from kvtier.server.daemon.errors import (
-    AlreadyExists, Busy, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable,
+    AlreadyExists, Busy, Cancelled, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable,
 )
 from kvtier.server.daemon.locks import LockBusy, RWLock
 from kvtier.server.daemon.quotas import Quotas
@@ -538,7 +538,8 @@ class PoolRegistry:
         """Bytes of ``tenant``'s pools together (plain reads)."""
         return sum(e.pool.get_kv_size_bytes() for e in self.list() if e.tenant == tenant)
 
-    def delete(self, caller: Caller, pool_id: str, *, force: bool = False) -> int:
+    def delete(self, caller: Caller, pool_id: str, *, force: bool = False,
+               wanted: Callable[[], bool] = lambda: True) -> int:
         """Delete ``caller``'s pool; returns the bytes freed.
 
         The pool is marked deleted under its exclusive lock and leaves the registry after that lock
@@ -547,8 +548,13 @@ class PoolRegistry:
         Raises:
             NotFound: unknown pool.
             FailedPrecondition: slots are still allocated and ``force`` is false.
+            Cancelled: ``wanted()`` is false once the pool's lock is held (the caller gave up while
+                the call waited: nothing is deleted; attack pass 5, A5-7).
         """
         with self.locked(caller, pool_id, exclusive=True) as entry:
+            if not wanted():
+                raise Cancelled("the DeletePool was cancelled or ran past its deadline while it waited for the pool; "
+                                "nothing was changed")
             if entry.allocator.used_pages and not force:
                 writing = entry.allocator.used_pages - int(entry.page_allocated.sum())
                 held = f" ({writing} of them taken by writes still arriving)" if writing else ""

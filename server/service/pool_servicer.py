@@ -63,7 +63,7 @@ class PoolServicer(pool_pb2_grpc.PoolServiceServicer):
 
     def DeletePool(self, request: pool_pb2.DeletePoolRequest, context: grpc.ServicerContext) -> pool_pb2.DeletePoolResponse:
         caller = caller_of(context)
-        freed = self.state.delete_pool(caller, request.pool_id, force=request.force)
+        freed = self.state.delete_pool(caller, request.pool_id, force=request.force, wanted=context.is_active)
         self.state.counters.add(caller, "pools_deleted")
         return pool_pb2.DeletePoolResponse(freed_bytes=freed)
 

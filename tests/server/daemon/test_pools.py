@@ -120,3 +120,24 @@ def test_deleting_a_pool_under_a_write_in_place_says_the_pages_cannot_be_freed_y
                                                  r"WriteKV still arriving: wait for it to end\)"):
         d.delete_pool(A, "p")
     kv_write.abort_claimed(d.pools, A, buf)
+
+
+def test_a_delete_whose_caller_gave_up_while_it_waited_deletes_nothing():
+    """Attack pass 5, A5-7: a DeletePool(force) that passed its deadline while another call held the
+    pool went on once the lock was free: the pool, and every writer's pages in it, were gone though
+    its caller was told the call failed. Checked once the pool's lock is held, it changes nothing."""
+    from kvtier.server.daemon import Daemon, DaemonConfig
+    from kvtier.server.daemon.errors import Cancelled
+    from kvtier.server.daemon.pools import PoolRequest
+    from kvtier.server.daemon.tenants import Caller
+
+    d = Daemon(DaemonConfig(device="cpu"))
+    me = Caller.default()
+    d.pools.create(me, PoolRequest(pool_id="p", preset="glm-5.2", num_layers=2, size_tokens=256))
+    with d.pools.locked(me, "p", exclusive=True) as e:
+        e.alloc(64)
+    with pytest.raises(Cancelled, match="DeletePool .* while it waited for the pool; nothing was changed"):
+        d.delete_pool(me, "p", force=True, wanted=lambda: False)
+    assert d.pools.get(me, "p").allocator.used_pages == 1
+    assert d.delete_pool(me, "p", force=True) > 0
+    d.close()
