@@ -89,8 +89,10 @@ class PoolServicer(pool_pb2_grpc.PoolServiceServicer):
             if first is None or first.header is None:
                 raise InvalidArgument("WriteKV must start with a message carrying the header")
             sel = _selection(first.header)
+            touch.daemon_working()  # the claim may wait for the pool (attack pass 5, A5-3)
             buf = (kv_write.reserve_write(self.pools, caller, sel, first.allocate_tokens) if first.allocate_tokens
                    else kv_write.begin_write(self.pools, caller, sel))
+            touch.client_turn()
             try:
                 self._receive(buf, first, request_iterator, touch)
                 touch.daemon_working()  # the commit may wait for the pool: not the client's idleness

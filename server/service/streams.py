@@ -103,9 +103,10 @@ class StreamGuard:
     def stream(self, context: Any, method: str, *, tenant: str = "",
                idle_bound: bool = True) -> Iterator[Callable[[], None]]:
         """Hold a stream slot for the ``with`` block; yields ``touch()``, to call whenever a message moved
-        (and ``touch.daemon_working()``, to call once the client has sent all it will: from then on
-        the daemon, not the client, is the one taking time -- a WriteKV's commit waiting for its pool
-        -- and the stream is no longer cancelled as idle; the client's deadline still bounds it).
+        (and ``touch.daemon_working()``, to call while the daemon, not the client, is the one taking
+        time -- a WriteKV's claim of its pages or its commit waiting for the pool -- so the stream is
+        not cancelled as idle meanwhile, the client's deadline still bounding it; ``touch.client_turn()``
+        ends that).
         ``tenant``: whose call it is (counted against ``tenant_slots``; "" for calls of no tenant).
         ``idle_bound=False``: the stream is never cancelled for being idle (it only holds a slot).
 
@@ -139,7 +140,12 @@ class StreamGuard:
         def daemon_working() -> None:
             entry.idle_bound = False  # a plain store, read by the watchdog (attack pass 4, A4-16)
 
+        def client_turn() -> None:  # the client's turn again: the idle bound counts from now
+            entry.last = self._clock()
+            entry.idle_bound = idle_bound
+
         touch.daemon_working = daemon_working  # type: ignore[attr-defined]
+        touch.client_turn = client_turn  # type: ignore[attr-defined]
 
         try:
             yield touch

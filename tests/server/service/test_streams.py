@@ -177,6 +177,11 @@ def test_a_stream_whose_daemon_is_working_is_not_cancelled_as_idle():
         now[0] += 60.0
         assert g.check_now() == 1
         assert (committing.cancelled, stalled.cancelled) == (0, 1)
+        touch.client_turn()  # (pass 5, A5-3: around the claim) the client's turn again: idle counts from now
+        now[0] += 4.0
+        assert g.check_now() == 0
+        now[0] += 2.0
+        assert g.check_now() == 1 and committing.cancelled == 1
 
 
 def test_the_guard_keeps_each_tenant_to_its_share():
