@@ -170,6 +170,8 @@ class BaseClient:
     ) -> None:
         if not 0 < timeout <= MAX_TIMEOUT_S:  # NaN too: every call would fail at once (attack pass 4, A4-13)
             raise ValueError(f"timeout must be > 0 and at most {MAX_TIMEOUT_S:g} seconds (a day), got {timeout}")
+        if not 64 * 1024 <= max_message_bytes <= (1 << 31) - 1:  # gRPC's C int (attack pass 5, A5-4)
+            raise ValueError(f"max_message_bytes must be 65536..2147483647 (gRPC's limit), got {max_message_bytes}")
         if not MIN_CHUNK_BYTES <= chunk_bytes <= max_message_bytes - CHUNK_OVERHEAD_BYTES:
             raise ValueError(f"chunk_bytes must be in [{MIN_CHUNK_BYTES}, max_message_bytes - {CHUNK_OVERHEAD_BYTES}], "
                              f"got {chunk_bytes}")
@@ -240,6 +242,8 @@ class BaseClient:
             KVTierError: the last answer's subclass; DeadlineExceededError when the deadline passes
                 between attempts or during a retry (naming the last answer before it).
         """
+        if timeout is not None and not timeout <= MAX_TIMEOUT_S:  # NaN, inf, 1e308 (attack pass 5, A5-4)
+            raise ValueError(f"timeout must be at most {MAX_TIMEOUT_S:g} seconds (a day), got {timeout}")
         deadline = time.monotonic() + (timeout if timeout is not None else self.timeout)
         plain = busy = 0
         last: KVTierError | None = None

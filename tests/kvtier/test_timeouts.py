@@ -28,3 +28,17 @@ def test_the_cli_refuses_such_a_timeout_in_one_line(bad):
     lines = [x for x in r.stderr.splitlines() if x.strip()]
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert lines[-1].startswith("Error: Invalid value for '--timeout'"), r.stderr
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), 1e308])
+def test_a_per_call_timeout_that_is_not_finite_is_refused_before_the_call(bad):
+    """Attack pass 5, A5-4: a per-call ``timeout=`` of NaN, inf or 1e308 failed every call at once
+    with DEADLINE_EXCEEDED; it is a ValueError before anything is sent."""
+    with KVTierClient("unix:///nonexistent/kv.sock") as c, pytest.raises(ValueError, match="at most 86400 seconds"):
+        c.list_pools(timeout=bad)
+
+
+def test_a_client_message_limit_grpc_cannot_take_is_refused():
+    """Attack pass 5, A5-4: ``max_message_bytes=5 << 30`` ended in gRPC's OverflowError."""
+    with pytest.raises(ValueError, match="max_message_bytes must be 65536..2147483647"):
+        KVTierClient("unix:///nonexistent/kv.sock", max_message_bytes=5 << 30)

@@ -69,6 +69,17 @@ class BackendSettings:
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"kvtier backend: {name} must be a positive integer number of bytes "
                                  f"(JSON 268435456, not \"256MiB\"), got {v!r}")
+        # checked here, where the config is read, not later inside the client (attack pass 5, A5-4)
+        if not 65536 <= self.max_message_bytes <= (1 << 31) - 1:
+            raise ValueError(f"kvtier backend: max_message_bytes must be 65536..2147483647 (gRPC's limit), "
+                             f"got {self.max_message_bytes}")
+        if not 4096 <= self.chunk_bytes <= self.max_message_bytes - 1024:
+            raise ValueError(f"kvtier backend: chunk_bytes must be 4096..max_message_bytes - 1024 "
+                             f"({self.max_message_bytes - 1024}), got {self.chunk_bytes}")
+        if self.staging_bytes > 1 << 40:
+            raise ValueError(f"kvtier backend: staging_bytes must be at most 1 TiB, got {self.staging_bytes}")
+        if self.timeout_s < 0.001:
+            raise ValueError(f"kvtier backend: timeout_s must be at least 0.001 seconds, got {self.timeout_s!r}")
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> BackendSettings:
