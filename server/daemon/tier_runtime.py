@@ -24,6 +24,7 @@ Monitoring (:meth:`TierRuntime.stats`) takes no pool, cache or index lock.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import threading
@@ -166,7 +167,14 @@ class TierRuntime:
         if isinstance(host, HostTier):
             # one host arena for the daemon: host-tier records and pools' host copies, faulted in by a
             # background thread from the start; its one range is host.registration_range()
-            self.pools.host_arena = host.arena
+            try:
+                self.pools.host_arena = host.arena
+            except (MemoryError, OSError) as e:
+                if isinstance(e, OSError) and e.errno != errno.ENOMEM:
+                    raise
+                # a one-line start error, as for a pool too large (attack pass 5, A5-5: a traceback)
+                raise ResourceExhausted(f"--host-memory {state.config.host_memory_bytes:,} bytes cannot be mapped "
+                                        f"(out of memory); give a host tier this machine can hold (`free -b`)") from None
         self._lock = threading.Lock()  # short: creating a pool's cache object only
         for t in self.stack.tiers:
             t.index.set_groups(tenant_of_key, lambda tenant, tier=t.name: self.quotas.tier_bytes(tenant, tier))

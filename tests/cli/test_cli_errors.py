@@ -530,3 +530,9 @@ def test_tls_files_another_user_could_swap_or_read_are_refused(tmp_path):
     pki["server.key"].chmod(0o644)
     line = one_line_error(serve(tmp_path, *tls))
     assert f"--tls-key {pki['server.key']}: mode 0644 lets other users read it; run chmod 600" in line
+
+
+def test_a_host_tier_the_machine_cannot_map_is_one_line(tmp_path):
+    """Attack pass 5, A5-5: ``--host-memory 1000000000GiB`` ended in an mmap traceback."""
+    line = one_line_error(serve(tmp_path, "--host-memory", "1000000000GiB"))
+    assert "--host-memory 1,073,741,824,000,000,000 bytes cannot be mapped (out of memory)" in line
