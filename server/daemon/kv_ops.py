@@ -281,7 +281,7 @@ def restore(registry: PoolRegistry, store: OffloadStore, caller: Caller, pool_id
     with store.taking(caller, key) if drop else nullcontext(store.get(caller, key)) as hc:
         t = _restore_into(registry, caller, pool_id, key, hc, slots, wanted)
         if drop:
-            store.drop(caller, key, known_nbytes=hc.nbytes)
+            store.drop_taken(caller, key, hc.nbytes)  # the copy it took, never a newer one
     return t, hc.nbytes
 
 

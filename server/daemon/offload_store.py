@@ -81,7 +81,9 @@ class OffloadStore:
         self.quotas = quotas or Quotas()
         self._sources: dict[tuple[str, str], str] = {}
         self._lock = threading.Lock()
-        self._taken: set[bytes] = set()  # keys a Restore(drop=True) is taking (under _lock)
+        self._taken: dict[bytes, int] = {}  # keys a Restore(drop=True) is taking -> the put it took (under _lock)
+        self._puts: dict[bytes, int] = {}  # key -> a number of its latest put (under _lock)
+        self._put_seq = 0
 
     @staticmethod
     def check_key(key: str) -> bytes:
@@ -184,6 +186,8 @@ class OffloadStore:
                     raise Unavailable(f"no tier could take the {rec.numel()}-byte copy {key!r}; {self._retry_hint(sick)}")
                 raise self._refusal(caller.tenant, key, int(rec.numel()))
             self._sources[(caller.tenant, key)] = copy.source_pool
+            self._put_seq += 1
+            self._puts[tkey] = self._put_seq
             return any(t.persistent for t in self.stack.cascade if t.name in placed)
 
     def get(self, caller: Caller, key: str) -> HostCopy:
@@ -218,12 +222,25 @@ class OffloadStore:
         with self._lock:
             if tkey in self._taken:
                 raise NotFound(f"no offloaded copy under key {key!r} (another Restore with drop is taking it)")
-            self._taken.add(tkey)
+            self._taken[tkey] = self._puts.get(tkey, 0)
         try:
             yield self.get(caller, key)
         finally:
             with self._lock:
-                self._taken.discard(tkey)
+                self._taken.pop(tkey, None)
+
+    def drop_taken(self, caller: Caller, key: str, nbytes: int) -> bool:
+        """Inside :meth:`taking`: drop the copy that was taken -- only if no newer copy was put under
+        ``key`` since (a Drop and a new Offload meanwhile must not lose the new one: attack pass 5,
+        A5-6). Returns whether it dropped."""
+        tkey = self._key(caller, key)
+        with self._lock:  # (as a put: its stack work under this lock, so no put lands in between)
+            if self._puts.get(tkey, 0) != self._taken.get(tkey):
+                return False
+            self.stack.remove([tkey])
+            self._sources.pop((caller.tenant, key), None)
+            self._puts.pop(tkey, None)
+            return True
 
     def drop(self, caller: Caller, key: str, *, known_nbytes: int | None = None) -> int | None:
         """Remove the tenant's copy under ``key`` from every tier; returns its bytes (None if there was
@@ -248,6 +265,7 @@ class OffloadStore:
         self.stack.remove([tkey])
         with self._lock:
             self._sources.pop((caller.tenant, key), None)
+            self._puts.pop(tkey, None)
         return nbytes
 
     def contains(self, caller: Caller, key: str) -> bool:

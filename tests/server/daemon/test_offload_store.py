@@ -96,3 +96,24 @@ def test_a_copy_a_restore_with_drop_is_taking_is_not_taken_twice():
             kv_ops.restore(d.pools, d.offload_store, ME, "p", "k", None, drop=True)
     finally:
         d.close()
+
+
+def test_a_restore_with_drop_never_drops_a_newer_copy_of_its_key():
+    """Attack pass 5, A5-6: while a Restore(drop=True) loaded copy v1, another client dropped the key
+    and offloaded v2 under it (acknowledged); the Restore's final drop then removed v2. It now drops
+    only the copy it took."""
+    d = _daemon(host_memory_bytes=4 << 20)
+    try:
+        _pool(d)
+        kv_ops.offload(d.pools, d.offload_store, ME, "p", "k", _fill(d, "p", PS, seed=6)[0], free_slots=True)
+        new_slots, new_rows = _fill(d, "p", PS, seed=7)
+        with d.offload_store.taking(ME, "k") as hc:  # the Restore(drop=True) has taken v1 and is loading it
+            assert d.offload_store.drop(ME, "k") is not None  # meanwhile: v1 dropped, v2 offloaded
+            kv_ops.offload(d.pools, d.offload_store, ME, "p", "k", new_slots, free_slots=True)
+            assert d.offload_store.drop_taken(ME, "k", hc.nbytes) is False
+        back, _ = kv_ops.restore(d.pools, d.offload_store, ME, "p", "k", None, drop=True)  # v2 is there, whole
+        with d.pools.locked(ME, "p", exclusive=False) as e:
+            assert torch.equal(e.pool.get_kv_buffer_rows(0, back).reshape(PS, -1), new_rows)
+        assert not d.offload_store.contains(ME, "k")
+    finally:
+        d.close()
