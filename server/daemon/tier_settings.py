@@ -83,8 +83,11 @@ class TierSettings:
             resolve_policy(self.policy)
         except ValueError as e:
             raise ValueError(f"tiers.policy: {e}") from None
-        if not isinstance(self.disk_probe_backoff_max_seconds, (int, float)) or self.disk_probe_backoff_max_seconds <= 0:
-            raise ValueError(f"tiers.disk_probe_backoff_max_seconds must be > 0, got {self.disk_probe_backoff_max_seconds!r}")
+        # finite and at most a day (NaN compared false and passed: a NaN lease TTL never expired; attack pass 5, A5-8)
+        if isinstance(self.disk_probe_backoff_max_seconds, bool) or not isinstance(self.disk_probe_backoff_max_seconds, (int, float)) \
+                or not 0 < self.disk_probe_backoff_max_seconds <= 86400:
+            raise ValueError(f"tiers.disk_probe_backoff_max_seconds must be > 0 and at most 86400, got "
+                             f"{self.disk_probe_backoff_max_seconds!r}")
         if not isinstance(self.disk_bytes, int) or self.disk_bytes <= 0:
             raise ValueError(f"tiers.disk_bytes must be a positive byte count, got {self.disk_bytes!r}")
         if isinstance(self.disk_max_readers, bool) or not isinstance(self.disk_max_readers, int) \
@@ -92,8 +95,9 @@ class TierSettings:
             # fewer slots than the daemon's reading threads turned reader contention into an outage, and
             # LMDB sizes lock.mdb by the slots (attack pass 4, A4-4, A4-15)
             raise ValueError(f"tiers.disk_max_readers must be {MIN_READERS}..{MAX_READERS}, got {self.disk_max_readers!r}")
-        if not isinstance(self.lease_ttl_seconds, (int, float)) or self.lease_ttl_seconds < 0:
-            raise ValueError(f"tiers.lease_ttl_seconds must be >= 0, got {self.lease_ttl_seconds!r}")
+        if isinstance(self.lease_ttl_seconds, bool) or not isinstance(self.lease_ttl_seconds, (int, float)) \
+                or not 0 <= self.lease_ttl_seconds <= 86400:
+            raise ValueError(f"tiers.lease_ttl_seconds must be 0..86400, got {self.lease_ttl_seconds!r}")
         if not 0.0 < float(self.disk_reserve_fraction) < 1.0:
             raise ValueError(f"tiers.disk_reserve_fraction must lie in (0, 1), got {self.disk_reserve_fraction!r}")
         object.__setattr__(self, "stack", parse_stack(self.stack))

@@ -38,6 +38,11 @@ def test_tiers_table_with_a_stack_list_and_a_mooncake_table():
     ({"stack": ["mooncake"], "mooncake": {"master_addr": "x:1"}}, r"unknown \[tiers.mooncake\] keys \['master_addr'\]"),
     ({"stack": ["mooncake"], "mooncake": {"protocol": "udp"}}, "protocol"),
     ({"mooncake": {"global_segment_bytes": "lots"}}, "tiers.mooncake.global_segment_bytes"),
+    # attack pass 5, A5-8: NaN compared false and passed (a NaN lease TTL never expired), so did 1e308 and inf
+    ({"lease_ttl_seconds": float("nan")}, "lease_ttl_seconds must be 0..86400"),
+    ({"lease_ttl_seconds": 1e308}, "lease_ttl_seconds must be 0..86400"),
+    ({"disk_probe_backoff_max_seconds": float("inf")}, "disk_probe_backoff_max_seconds must be > 0 and at most 86400"),
+    ({"disk_max_readers": 1}, "disk_max_readers must be 16..4096"),
 ])
 def test_bad_stack_or_mooncake_settings_name_the_problem(table, match):
     with pytest.raises(ValueError, match=match):
