@@ -97,7 +97,6 @@ BORROW_BATCH = 4
 #: (BENCHMARKS.md, fix 7). A crash loses at most this many positions; those records load as newest.
 STAMP_BATCH = 64
 
-MiB = 1 << 20
 _SEQ = struct.Struct(">Q")  # big-endian: the order sub-database iterates oldest first
 _PROBE_KEY = b"probe"  # in its own sub-database, so a probe left behind is never taken for a record
 _TICK_KEY = b"tick"  # (probe sub-database) rewritten to make the pages of a delete reusable at once
@@ -208,7 +207,7 @@ class DiskTier(Tier):
                 # the pages in use must fit the records' share of the map, so LMDB keeps the reserve for
                 # copy-on-write (at exactly the used size no transaction, not even a delete, could get
                 # a page and the tier stayed unhealthy: attack pass 4, A4-2, and pass 5, A5-1)
-                needed = -(-int(used / (1 - self.config.reserve_fraction)) // MiB) * MiB
+                needed = -(-int(used / (1 - self.config.reserve_fraction)) // LMDB_PAGE_BYTES) * LMDB_PAGE_BYTES
                 if self.config.capacity_bytes < needed:
                     self._env_obj = None
                     close_environment(self.config.path, env)

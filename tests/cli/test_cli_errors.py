@@ -296,7 +296,7 @@ def test_a_metrics_token_file_others_could_read_or_that_holds_no_token_is_refuse
         given = tmp_path / "fifo.token"
         os.mkfifo(given, 0o600)
     line = one_line_error(serve(tmp_path, "--metrics-port", "0", "--metrics-token-file", str(given), timeout=60))
-    expected = {"mode-0644": f"mode 0644 lets other users read the tokens; run chmod 600 {token}",
+    expected = {"mode-0644": f"mode 0644 lets other users read it; run chmod 600 {token}",
                 "other-owner": "owned by uid 65534, not by the daemon's user", "symlink": "not a symlink",
                 "short": "shorter than 16 characters", "two-words": "one word of visible ASCII",
                 "fifo": "not a regular file"}[problem]
@@ -492,6 +492,7 @@ def test_tls_files_that_are_not_pem_are_one_line_before_anything_is_allocated(tm
     traceback blaming the address ("Failed to bind"); the files are now loaded first."""
     bad = tmp_path / "bad.pem"
     bad.write_text("not pem\n")
+    bad.chmod(0o600)  # (a key others could read is refused before it is loaded)
     line = one_line_error(serve(tmp_path, "--tls-cert", str(bad), "--tls-key", str(bad)))
     assert f"--tls-cert {bad} and --tls-key {bad} cannot be loaded (OpenSSL refused them: not PEM" in line
     assert not (tmp_path / "kv.sock").exists()
