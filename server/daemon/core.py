@@ -32,6 +32,7 @@ from typing import Any
 from kvtier import __version__
 from kvtier.server.daemon.attach import AttachService
 from kvtier.server.daemon.config import MAX_ATTACH_SESSIONS, DaemonConfig
+from kvtier.server.daemon.errors import always
 from kvtier.server.daemon.offload_store import OffloadStore
 from kvtier.server.daemon.pools import PoolEntry, PoolRegistry, PoolRequest
 from kvtier.server.daemon.sessions import AttachSession, SessionRegistry
@@ -209,7 +210,7 @@ class Daemon:
         return True
 
     def delete_pool(self, caller: Caller, pool_id: str, *, force: bool = False,
-                    wanted: Callable[[], bool] = lambda: True) -> int:
+                    wanted: Callable[[], bool] = always) -> int:
         """DeletePool: delete ``caller``'s pool (see :meth:`PoolRegistry.delete`; ``wanted``: whether
         the caller is still there once the pool's lock is held) and end the attach sessions on it
         (their workers' connections are closed). Returns the bytes freed."""

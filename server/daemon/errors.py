@@ -8,6 +8,8 @@ tier's "full" error subclasses :class:`ResourceExhausted`); the mapping then app
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 
 class KVTierError(Exception):
     """Base of every domain error; the message says what was wrong (it reaches the client).
@@ -75,3 +77,19 @@ class Cancelled(KVTierError):
 
 class Unauthenticated(KVTierError):
     """A call without a valid bearer token on a daemon with tenants (UNAUTHENTICATED)."""
+
+
+def always() -> bool:
+    """The default ``wanted`` of a call made in process (no client that could give up)."""
+    return True
+
+
+def still_wanted(wanted: Callable[[], bool], call: str) -> None:
+    """Raise Cancelled unless ``wanted()`` (the call is still active: not cancelled, not past its
+    deadline). A call that changes the pool checks it once it holds the pool's lock, before it
+    changes anything: a caller that gave up while the call waited for the lock was told it failed,
+    so the call must change nothing (attack pass 4, A4-6: AllocateSlots and Restore past their
+    deadline still ran, leaking pages nobody knew of and dropping the restored copy)."""
+    if not wanted():
+        raise Cancelled(f"the {call} was cancelled or ran past its deadline while it waited for the pool; "
+                        f"nothing was changed")

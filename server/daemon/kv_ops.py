@@ -27,7 +27,7 @@ import torch
 
 from kvtier.server.pool.buffer_info import BufInfos
 from kvtier.server.daemon.config import MIN_CHUNK_BYTES
-from kvtier.server.daemon.errors import Cancelled, FailedPrecondition, InvalidArgument
+from kvtier.server.daemon.errors import FailedPrecondition, InvalidArgument, always, still_wanted
 from kvtier.server.daemon.offload_store import HostCopy, OffloadStore
 from kvtier.server.daemon.pools import PoolEntry, PoolRegistry
 from kvtier.server.daemon.tenants import Caller
@@ -114,23 +114,8 @@ def plan_segments(entry: PoolEntry, sel: KVSelection, n_slots: int) -> list[Segm
     return segs
 
 
-def _always() -> bool:
-    return True
-
-
-def still_wanted(wanted: Callable[[], bool], call: str) -> None:
-    """Raise Cancelled unless ``wanted()`` (the call is still active: not cancelled, not past its
-    deadline). A call that changes the pool checks it once it holds the pool's lock, before it
-    changes anything: a caller that gave up while the call waited for the lock was told it failed,
-    so the call must change nothing (attack pass 4, A4-6: AllocateSlots and Restore past their
-    deadline still ran, leaking pages nobody knew of and dropping the restored copy)."""
-    if not wanted():
-        raise Cancelled(f"the {call} was cancelled or ran past its deadline while it waited for the pool; "
-                        f"nothing was changed")
-
-
 def allocate_slots(registry: PoolRegistry, caller: Caller, pool_id: str, num_tokens: int,
-                   wanted: Callable[[], bool] = _always) -> tuple[torch.Tensor, int]:
+                   wanted: Callable[[], bool] = always) -> tuple[torch.Tensor, int]:
     """Allocate whole pages for ``num_tokens`` (owned by the caller's attach session, if any);
     returns ``(slots (num_tokens,) int64, page_size)``. ``wanted``: whether the caller is still
     there (:func:`still_wanted`; the same for every call below that changes the pool).
@@ -145,7 +130,7 @@ def allocate_slots(registry: PoolRegistry, caller: Caller, pool_id: str, num_tok
 
 
 def free_slots(registry: PoolRegistry, caller: Caller, pool_id: str, slots: Any,
-               wanted: Callable[[], bool] = _always) -> int:
+               wanted: Callable[[], bool] = always) -> int:
     """Free every page ``slots`` touch; returns the pages freed.
 
     Raises:
@@ -199,7 +184,7 @@ def _gather(entry: PoolEntry, sel: KVSelection, slots: torch.Tensor, segs: list[
 
 
 def move_kv(registry: PoolRegistry, caller: Caller, pool_id: str, tgt: Any, src: Any,
-            wanted: Callable[[], bool] = _always) -> int:
+            wanted: Callable[[], bool] = always) -> int:
     """Copy the KV of ``src`` slots onto ``tgt`` slots (every layer, latent and indexer); returns the count.
 
     Raises:
@@ -229,7 +214,7 @@ class OffloadResult:
 
 
 def offload(registry: PoolRegistry, store: OffloadStore, caller: Caller, pool_id: str, key: str, slots: Any, *,
-            free_slots: bool, wanted: Callable[[], bool] = _always) -> OffloadResult:
+            free_slots: bool, wanted: Callable[[], bool] = always) -> OffloadResult:
     """Copy ``slots`` (latent + live-layer indexer) into ``store`` under ``caller``'s ``key``; optionally free them.
 
     Raises:
@@ -262,7 +247,7 @@ def _layout_difference(a: dict[str, Any], b: dict[str, Any]) -> str:
 
 
 def restore(registry: PoolRegistry, store: OffloadStore, caller: Caller, pool_id: str, key: str,
-            slots: Sequence[int] | None, *, drop: bool, wanted: Callable[[], bool] = _always) -> tuple[torch.Tensor, int]:
+            slots: Sequence[int] | None, *, drop: bool, wanted: Callable[[], bool] = always) -> tuple[torch.Tensor, int]:
     """Load ``caller``'s copy under ``key`` into ``slots`` (or newly allocated slots when None/empty;
     unpinned prefix-cache pages are evicted to make room, as LoadPrefix does). With ``drop`` the
     copy is taken (:meth:`OffloadStore.taking`): of two concurrent Restores with drop one gets it,

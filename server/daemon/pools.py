@@ -39,7 +39,8 @@ from kvtier.server.pool.memory import device_memory, shortfall_message
 from kvtier.server.pool.validation import as_slots
 from kvtier.server.pool_configurator import PoolPlan, exact_pool_bytes, plan_pool
 from kvtier.server.daemon.errors import (
-    AlreadyExists, Busy, Cancelled, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable,
+    AlreadyExists, Busy, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable, always,
+    still_wanted,
 )
 from kvtier.server.daemon.locks import LockBusy, RWLock
 from kvtier.server.daemon.quotas import Quotas
@@ -539,7 +540,7 @@ class PoolRegistry:
         return sum(e.pool.get_kv_size_bytes() for e in self.list() if e.tenant == tenant)
 
     def delete(self, caller: Caller, pool_id: str, *, force: bool = False,
-               wanted: Callable[[], bool] = lambda: True) -> int:
+               wanted: Callable[[], bool] = always) -> int:
         """Delete ``caller``'s pool; returns the bytes freed.
 
         The pool is marked deleted under its exclusive lock and leaves the registry after that lock
@@ -552,9 +553,7 @@ class PoolRegistry:
                 the call waited: nothing is deleted; attack pass 5, A5-7).
         """
         with self.locked(caller, pool_id, exclusive=True) as entry:
-            if not wanted():
-                raise Cancelled("the DeletePool was cancelled or ran past its deadline while it waited for the pool; "
-                                "nothing was changed")
+            still_wanted(wanted, "DeletePool")
             if entry.allocator.used_pages and not force:
                 writing = entry.allocator.used_pages - int(entry.page_allocated.sum())
                 held = f" ({writing} of them taken by writes still arriving)" if writing else ""
