@@ -187,6 +187,7 @@ class BaseClient:
         self.max_message_bytes = max_message_bytes
         self.chunk_bytes = chunk_bytes
         self.retries = retries
+        self._closed = False
         options: list[tuple[str, Any]] = [("grpc.max_send_message_length", max_message_bytes),
                                           ("grpc.max_receive_message_length", max_message_bytes)]
         source = "token" if token is not None else f"${TOKEN_ENV}"
@@ -236,7 +237,10 @@ class BaseClient:
         slot taken) is sent again, writes too, until the deadline, pausing 0.05 s then doubling to at
         most :data:`BUSY_MAX_PAUSE_S` (the claim or the slot lasts as long as another stream); any
         other UNAVAILABLE only for an idempotent call, at most :attr:`retries` times (0.05, 0.1,
-        0.2 s ...); any other error is not retried. ``retries=0`` turns both off.
+        0.2 s ...); a CANCELLED this client did not ask for (it never cancels a call it waits on, but
+        :meth:`close` does) likewise: the daemon cancels a call whose request message reached it too
+        late, before reading it (``server/service/arrival.py``). Any other error is not retried.
+        ``retries=0`` turns both off.
 
         Raises:
             KVTierError: the last answer's subclass; DeadlineExceededError when the deadline passes
@@ -265,7 +269,8 @@ class BaseClient:
             if last.unchanged:  # whatever its code (UNAVAILABLE busy, RESOURCE_EXHAUSTED --max-streams)
                 busy += 1
                 pause = min(0.05 * 2 ** (busy - 1), BUSY_MAX_PAUSE_S)
-            elif last.code == grpc.StatusCode.UNAVAILABLE and idempotent and plain < self.retries:
+            elif idempotent and plain < self.retries and (last.code == grpc.StatusCode.UNAVAILABLE or
+                                                          last.code == grpc.StatusCode.CANCELLED and not self._closed):
                 plain += 1
                 pause = 0.05 * 2 ** (plain - 1)
             else:
@@ -324,7 +329,8 @@ class BaseClient:
             time.sleep(0.05)
 
     def close(self) -> None:
-        """Close the channel (calls in flight are cancelled)."""
+        """Close the channel (calls in flight are cancelled, and not retried)."""
+        self._closed = True
         self._raw_channel.close()
 
     def __enter__(self) -> BaseClient:

@@ -27,6 +27,15 @@ and hands it to the method. While the read waits, the call is on a watchlist; a 
   that sends its message with its headers (every unary stub does) is read within milliseconds and
   never counts as late.
 
+Both late bounds are for a daemon that gets the CPU. When it does not (a loaded machine: other
+processes on the cores, or many busy threads of its own waiting for the GIL), a message that is
+there reaches its thread late too, because gRPC's polling thread and the reading thread wait for the
+CPU like every other: on a 2-core machine under a soak of 32 client threads, a health check was
+cancelled as late (a CI failure). The watchdog measures that wait on itself -- how much later than
+its period it woke -- and every late bound grows by :data:`LAG_FACTOR` times the largest such lag
+of the last :data:`LAG_WINDOW_SECONDS` (at most to half the arrival deadline). A client cannot raise
+it by sending slowly: a call that waits costs the daemon no CPU.
+
 A flood of calls that send nothing (attack pass 3, N2: 300 body-less health checks held a health
 check from a new client for 46 s) thus costs each monitor thread 0.05-0.075 s a call, not 0.5-0.75 s.
 A call the authentication refuses from its headers alone (no token, an unknown token: its behavior is
@@ -65,6 +74,11 @@ LATE_SECONDS = 0.5
 the arrival deadline): a client sends it with the call's headers, so it is read within milliseconds."""
 SMALL_LATE_SECONDS = 0.05
 """The late bound of a thread pool whose methods take requests of a few bytes (the monitor threads)."""
+
+LAG_FACTOR = 10.0
+"""The late bound grows by this many times the watchdog's recent scheduling lag (below)."""
+LAG_WINDOW_SECONDS = 2.0
+"""How long a lag the watchdog measured keeps raising the late bound."""
 
 LOG_EVERY_SECONDS = 10.0
 """At most one warning line this often about cancelled calls (a flood of them must not flood the log)."""
@@ -127,6 +141,8 @@ class RequestArrival(grpc.ServerInterceptor):
         self._unlogged = {"deadline": 0, "late": 0}  # cancelled since the last warning line (watchdog thread only)
         self._unlogged_methods: set[str] = set()
         self._logged_at = -LOG_EVERY_SECONDS
+        self._lag = 0.0  # the largest scheduling lag the watchdog measured lately (seconds), and when
+        self._lag_at = -LAG_WINDOW_SECONDS
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="kvtier-arrival-watchdog", daemon=True)
         self._thread.start()
@@ -198,6 +214,26 @@ class RequestArrival(grpc.ServerInterceptor):
             log.info("%s: the request message cannot be deserialized", method, exc_info=True)
             context.abort(grpc.StatusCode.INTERNAL, "Exception deserializing request!")
 
+    def note_lag(self, lag: float) -> None:
+        """Record that the watchdog woke ``lag`` seconds later than it asked to (the daemon waited for
+        the CPU that long); the late bounds grow with the largest lag of the last
+        :data:`LAG_WINDOW_SECONDS` (module docstring). The watchdog calls this on every scan."""
+        now = self._clock()
+        with self._lock:
+            if lag >= self._lag or now - self._lag_at > LAG_WINDOW_SECONDS:
+                self._lag, self._lag_at = max(lag, 0.0), now
+
+    def late_bound(self, pool: str) -> float:
+        """Seconds a call of ``pool`` may wait for its message now before it counts as late: its
+        pool's bound plus :data:`LAG_FACTOR` times the recent scheduling lag, at most half the
+        arrival deadline."""
+        with self._lock:
+            return self._late_bound(self.lates.get(pool, self.late), self._clock())
+
+    def _late_bound(self, base: float, now: float) -> float:
+        lag = self._lag if now - self._lag_at <= LAG_WINDOW_SECONDS else 0.0
+        return max(base, min(base + LAG_FACTOR * lag, self.seconds / 2))
+
     def _due(self) -> list[_Waiting]:
         """Take the calls to cancel now off the watchlist and mark them (the deadline first, then the cap)."""
         now = self._clock()
@@ -208,7 +244,7 @@ class RequestArrival(grpc.ServerInterceptor):
                 if now - w.since > self.seconds:
                     w.why = "deadline"
                     due.append(w)
-                elif now - w.since > w.late:
+                elif now - w.since > self._late_bound(w.late, now):
                     late_by_pool.setdefault(w.pool, []).append(w)
             for pool, late in late_by_pool.items():
                 if not self._queued.get(pool, 0):  # they keep no call from a thread: left to the deadline
@@ -252,8 +288,11 @@ class RequestArrival(grpc.ServerInterceptor):
 
     def _watch(self) -> None:
         period = min(max(min(self.lates.values(), default=self.late) / 2, 0.02), 1.0)
+        asked = time.monotonic() + period
         while not self._stop.wait(period):
+            self.note_lag(time.monotonic() - asked)
             self.check_now()
+            asked = time.monotonic() + period
 
     def close(self) -> None:
         """Stop the watchdog (at shutdown)."""

@@ -1,4 +1,5 @@
-"""Client rules: it never imports the server; only idempotent calls are retried, only on UNAVAILABLE."""
+"""Client rules: it never imports the server; only idempotent calls are retried, only on UNAVAILABLE
+or a CANCELLED the client did not ask for."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import subprocess
 import sys
 import threading
 
+import grpc
 import pytest
 
 from kvtier.client import KVTierClient, UnavailableError
@@ -35,6 +37,52 @@ def test_change_is_not_retried_read_is(tmp_path):
     finally:
         d.stop()
         d.cleanup()
+
+
+class _Refused(grpc.RpcError):
+    def __init__(self, code: grpc.StatusCode) -> None:
+        self._code = code
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return "CANCELLED"
+
+
+def test_a_cancelled_the_client_did_not_ask_for_is_retried_for_an_idempotent_call(tmp_path):
+    """CI failure: on a loaded machine the daemon cancelled a health check whose message reached its
+    thread late (it cancels such calls before reading them), and the soak's monitor saw CANCELLED.
+    An idempotent call cancelled so is sent again (within its deadline and ``retries``); a write is
+    not; after ``close`` (which cancels calls in flight) nothing is retried."""
+    from kvtier.client import CancelledError
+
+    c = KVTierClient(f"unix://{tmp_path}/none.sock", timeout=10, retries=2)
+    attempts: list[float] = []
+
+    def cancelled_once(left: float) -> str:
+        attempts.append(left)
+        if len(attempts) == 1:
+            raise _Refused(grpc.StatusCode.CANCELLED)
+        return "answer"
+    assert c._run(cancelled_once, idempotent=True, timeout=10) == "answer" and len(attempts) == 2
+    attempts.clear()
+    with pytest.raises(CancelledError):
+        c._run(cancelled_once, idempotent=False, timeout=10)
+    assert len(attempts) == 1
+
+    def always(left: float) -> str:
+        attempts.append(left)
+        raise _Refused(grpc.StatusCode.CANCELLED)
+    attempts.clear()
+    with pytest.raises(CancelledError):
+        c._run(always, idempotent=True, timeout=10)
+    assert len(attempts) == 3  # the first and 2 retries
+    c.close()
+    attempts.clear()
+    with pytest.raises(CancelledError):
+        c._run(cancelled_once, idempotent=True, timeout=10)
+    assert len(attempts) == 1
 
 
 def test_attach_imports_only_the_pool_core_of_the_server(tmp_path):

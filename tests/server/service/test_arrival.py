@@ -319,6 +319,42 @@ def test_a_small_pool_counts_a_call_late_after_50_ms():
         t.join(30)
 
 
+def test_a_daemon_waiting_for_the_cpu_counts_calls_late_only_after_ten_times_its_lag():
+    """CI failure (a soak on 2 cores): a health check whose message was there, but reached its thread
+    only after the daemon's threads had waited for the CPU, was cancelled as late at 0.05 s. Once the
+    watchdog measured a 30 ms lag on itself, a monitor call is late after 0.05 + 10 x 0.03 = 0.35 s,
+    not 0.05 s; 2 s after the lag (no lag since), after 0.05 s again; the bound never passes half
+    the arrival deadline."""
+    clock = Clock()
+    guard = RequestArrival(10.0, {"monitor": 1}, lambda _m: "monitor", clock=clock,
+                           small_pools=frozenset({"monitor"}))
+    guard.close()
+    assert guard.late_bound("monitor") == pytest.approx(0.05)
+    guard.note_lag(0.03)
+    assert guard.late_bound("monitor") == pytest.approx(0.35)
+    call = _echo_handler(guard)
+    contexts, threads = [], []
+    for _ in range(2):
+        c, t = _start_stalled(call, 1)
+        contexts += c
+        threads += t
+        _wait_waiting(guard, len(contexts))
+    _hand_over(guard, 1)
+    clock.now = 0.3
+    assert guard.check_now() == 0  # 0.3 s waited: late before the lag, not now
+    guard.note_lag(0.001)  # a smaller lag does not lower the bound within the window
+    clock.now = 0.36
+    assert guard.check_now() == 1 and [c.cancelled.is_set() for c in contexts] == [True, False]
+    clock.now = 2.5  # the 30 ms lag is 2.5 s old; the 1 ms one too (it was not recorded)
+    assert guard.late_bound("monitor") == pytest.approx(0.05)
+    guard.note_lag(100.0)  # a stall: the bound is capped at half the arrival deadline
+    assert guard.late_bound("monitor") == pytest.approx(5.0)
+    clock.now = 10.01
+    assert guard.check_now() == 1
+    for t in threads:
+        t.join(30)
+
+
 def test_a_refusal_from_the_headers_is_answered_without_waiting_for_the_message():
     """A behavior the authentication marked as a refusal (no token) never looks at its request: the
     guard runs it at once, so a client without a token that sends no message holds no thread."""
