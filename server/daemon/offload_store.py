@@ -28,14 +28,15 @@ after the pool's lock and before the tier index locks; reads take no store lock.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from kvtier.server.daemon.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from kvtier.server.daemon.errors import (AlreadyExists, InvalidArgument, NotFound, ResourceExhausted, Unavailable,
+                                         always, still_wanted)
 from kvtier.server.daemon.quotas import Quotas
 from kvtier.server.daemon.tenants import Caller, tenant_key
 from kvtier.server.tiers import RecordCodec, RecordError, TierStack, disk_charge
@@ -242,12 +243,18 @@ class OffloadStore:
             self._puts.pop(tkey, None)
             return True
 
-    def drop(self, caller: Caller, key: str, *, known_nbytes: int | None = None) -> int | None:
+    def drop(self, caller: Caller, key: str, *, known_nbytes: int | None = None,
+             wanted: Callable[[], bool] = always) -> int | None:
         """Remove the tenant's copy under ``key`` from every tier; returns its bytes (None if there was
         none). A copy on an unhealthy tier is dropped too (deleted there when the tier recovers); it
         cannot be read then, so its bytes are unknown and 0 is returned. ``known_nbytes``: the
         caller has just read the copy (a Restore with drop) and knows its bytes, so no tier reads it
-        again to learn them (a 7 MB disk record was read and checksummed twice)."""
+        again to learn them (a 7 MB disk record was read and checksummed twice).
+
+        Raises:
+            Cancelled: ``wanted()`` turned false (the caller cancelled, or its deadline passed)
+                while the drop waited for the tiers (checked holding their locks,
+                :meth:`TierStack.remove`): nothing is dropped (attack pass 5, A5-7)."""
         tkey = self._key(caller, key)
         nbytes = known_nbytes
         for tier in self.stack.cascade if known_nbytes is None else ():
@@ -262,7 +269,7 @@ class OffloadStore:
             if self._unhealthy_holder(tkey) is None:
                 return None
             nbytes = 0
-        self.stack.remove([tkey])
+        self.stack.remove([tkey], ready=lambda: still_wanted(wanted, "Drop"))
         with self._lock:
             self._sources.pop((caller.tenant, key), None)
             self._puts.pop(tkey, None)

@@ -28,13 +28,13 @@ import errno
 import logging
 import os
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvtier.server.daemon.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from kvtier.server.daemon.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable, always, still_wanted
 from kvtier.server.daemon.pools import PoolEntry
 from kvtier.server.daemon.quotas import Quotas
 from kvtier.server.daemon.tenants import Caller, key_body, tenant_key, tenant_of_key
@@ -249,11 +249,16 @@ class TierRuntime:
             return ld
 
     def store(self, caller: Caller, pool_id: str, lease: str, keys: Sequence[bytes], slots: Sequence[int], *,
-              release: bool = False) -> int:
+              release: bool = False, wanted: Callable[[], bool] = always) -> int:
         """Hand the lease's fresh pages at ``slots`` to the prefix cache under ``keys``; with ``release``
-        then end the lease in the same call (one call per request instead of two; not if the store fails)."""
+        then end the lease in the same call (one call per request instead of two; not if the store fails).
+
+        Raises:
+            Cancelled: ``wanted()`` was false once the pool's lock was held (the caller is gone):
+                nothing is stored or released."""
         keys = self.check_keys(keys)
         with self._session_cache(caller, pool_id) as (entry, c, session):
+            still_wanted(wanted, "StorePrefix")
             _check_lease_owner(entry, lease, session)
             n = c.store(lease, keys, torch.tensor(list(slots), dtype=torch.int64))
             if release:
@@ -261,9 +266,14 @@ class TierRuntime:
                 _forget_lease(entry, lease, session)
             return n
 
-    def release(self, caller: Caller, pool_id: str, lease: str) -> None:
-        """End a lease: unpin its pages, free the fresh pages it did not store."""
+    def release(self, caller: Caller, pool_id: str, lease: str, wanted: Callable[[], bool] = always) -> None:
+        """End a lease: unpin its pages, free the fresh pages it did not store.
+
+        Raises:
+            Cancelled: ``wanted()`` was false once the pool's lock was held: the lease stays (its
+                TTL, or a later release, ends it)."""
         with self._session_cache(caller, pool_id) as (entry, c, session):
+            still_wanted(wanted, "ReleasePrefix")
             _check_lease_owner(entry, lease, session)
             c.release(lease)
             _forget_lease(entry, lease, session)

@@ -38,13 +38,13 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from kvtier.server.daemon.errors import InvalidArgument
+from kvtier.server.daemon.errors import InvalidArgument, always, still_wanted
 from kvtier.server.daemon.locks import RWLock
 from kvtier.server.daemon.quotas import Quotas
 from kvtier.server.daemon.tenants import Caller, tenant_key, tenant_of_key
@@ -365,14 +365,19 @@ class UnitStore:
         return found
 
     # ----- housekeeping -------------------------------------------------------------------------
-    def clear(self, caller: Caller, space: UnitSpace) -> int:
+    def clear(self, caller: Caller, space: UnitSpace, wanted: Callable[[], bool] = always) -> int:
         """Remove the caller's units of ``space`` from every tier and its waiting parts; returns how
-        many. None of them comes back afterwards (module docstring)."""
+        many. None of them comes back afterwards (module docstring).
+
+        Raises:
+            Cancelled: ``wanted()`` turned false while the clear waited for the units' writers and
+                the tiers: nothing is removed (attack pass 5, A5-7)."""
         prefix = self._space_prefix(caller, space)
-        with self._guard.exclusive():
+        with self._guard.exclusive():  # no put commits, no read promotes: the order below is free
+            # a unit may lie in several tiers: counted once
+            units = self.stack.remove_prefix(prefix, ready=lambda: still_wanted(wanted, "ClearUnits"))
             self.clears += 1
             removed = self.pending.drop_prefix(prefix)
-            units = self.stack.remove_prefix(prefix)  # a unit may lie in several tiers: counted once
         self._count(caller, cleared=removed + len(units))
         return removed + len(units)
 

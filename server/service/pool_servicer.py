@@ -169,7 +169,7 @@ class PoolServicer(pool_pb2_grpc.PoolServiceServicer):
 
     def Drop(self, request: pool_pb2.DropRequest, context: grpc.ServicerContext) -> pool_pb2.DropResponse:
         caller = caller_of(context)
-        nbytes = self.state.offload_store.drop(caller, request.key)
+        nbytes = self.state.offload_store.drop(caller, request.key, wanted=context.is_active)
         self.state.counters.add(caller, "drops")
         return pool_pb2.DropResponse(dropped=nbytes is not None, nbytes=nbytes or 0)
 

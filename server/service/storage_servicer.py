@@ -79,7 +79,8 @@ class StorageServicer(storage_pb2_grpc.StorageServiceServicer):
                     yield storage_pb2.GetUnitsResponse(unit=i, offset=off, data=bytes(mv[off:off + chunk]))
 
     def ClearUnits(self, request: storage_pb2.ClearUnitsRequest, context: grpc.ServicerContext) -> storage_pb2.ClearUnitsResponse:
-        return storage_pb2.ClearUnitsResponse(removed=self.units.clear(caller_of(context), self._space(request.space)))
+        return storage_pb2.ClearUnitsResponse(removed=self.units.clear(caller_of(context), self._space(request.space),
+                                                                       context.is_active))
 
     def GetUnitStats(self, request: storage_pb2.UnitStatsRequest, context: grpc.ServicerContext) -> storage_pb2.UnitStatsResponse:
         return storage_pb2.UnitStatsResponse(counters=self.units.stats(caller_of(context)))

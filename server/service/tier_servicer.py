@@ -38,11 +38,11 @@ class TierServicer(tier_pb2_grpc.TierServiceServicer):
 
     def StorePrefix(self, request: tier_pb2.StorePrefixRequest, context: grpc.ServicerContext) -> tier_pb2.StorePrefixResponse:
         n = self.tiers.store(caller_of(context), request.pool_id, request.lease_id, request.page_keys, request.slots,
-                             release=request.release)
+                             release=request.release, wanted=context.is_active)
         return tier_pb2.StorePrefixResponse(stored_pages=n)
 
     def ReleasePrefix(self, request: tier_pb2.ReleasePrefixRequest, context: grpc.ServicerContext) -> tier_pb2.ReleasePrefixResponse:
-        self.tiers.release(caller_of(context), request.pool_id, request.lease_id)
+        self.tiers.release(caller_of(context), request.pool_id, request.lease_id, context.is_active)
         return tier_pb2.ReleasePrefixResponse()
 
     def WhereIs(self, request: tier_pb2.WhereIsRequest, context: grpc.ServicerContext) -> tier_pb2.WhereIsResponse:

@@ -30,6 +30,7 @@ waiting between two tiers for the flights that left the one above before they re
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import threading
@@ -178,6 +179,14 @@ class TierStack:
         if not done:
             log.warning("records in flight between tiers did not land within %g s; removing without them", timeout)
         return done
+
+    def quiesce(self, match: Callable[[bytes], bool]) -> None:
+        """Wait for what a removal of the keys ``match`` es would wait for, holding no lock: their
+        records in flight between two tiers (:meth:`settle`) and every tier's acknowledged writes
+        (``drain``: the disk tier's write-behind)."""
+        self.settle(match)
+        for tier in self.cascade[1:]:
+            tier.drain()
 
     # ----- writes and the cascade ---------------------------------------------------------------
     def put(self, key: bytes, rec: RecordLike, *, source: str, level: int = 0, count_gone: bool = True) -> list[str]:
@@ -362,22 +371,49 @@ class TierStack:
                 written += len(done)
         return written
 
-    def remove(self, keys: Sequence[bytes]) -> int:
+    def remove(self, keys: Sequence[bytes], *, ready: Callable[[], None] | None = None) -> int:
         """Drop ``keys`` from every tier, also those on their way down between two tiers (the
         removal waits for them to land, :meth:`settle`, so none lands after it); returns records
-        dropped."""
-        wanted = set(keys)
-        return self._remove_where(lambda tier: list(keys), wanted.__contains__)[0]
+        dropped.
 
-    def remove_prefix(self, prefix: bytes) -> set[bytes]:
+        ``ready``: called once every wait is over, holding every tier's index lock (stack order,
+        lock level 6), just before the first record goes; whatever it raises propagates and nothing
+        is removed. A call that must change nothing once its caller is gone checks there (attack
+        pass 5, A5-7: a Drop that waited on a slow disk past its caller's deadline dropped the copy
+        anyway)."""
+        wanted = set(keys)
+        return self._remove_where(lambda tier: list(keys), wanted.__contains__, ready)[0]
+
+    def remove_prefix(self, prefix: bytes, *, ready: Callable[[], None] | None = None) -> set[bytes]:
         """Drop every record whose key starts with ``prefix`` from every tier, as :meth:`remove`
-        (those on their way down too); returns the keys dropped (a key held by two tiers once)."""
+        (those on their way down too; ``ready`` as there); returns the keys dropped (a key held by
+        two tiers once)."""
         def match(k: object) -> bool:
             return isinstance(k, bytes) and k.startswith(prefix)
-        return self._remove_where(lambda tier: [k for k in tier.index.keys() if match(k)], match)[1]
+        return self._remove_where(lambda tier: [k for k in tier.index.keys() if match(k)], match, ready)[1]
 
-    def _remove_where(self, keys_of: Callable[[Tier], list[bytes]],
-                      match: Callable[[bytes], bool]) -> tuple[int, set[bytes]]:
+    def _remove_where(self, keys_of: Callable[[Tier], list[bytes]], match: Callable[[bytes], bool],
+                      ready: Callable[[], None] | None = None) -> tuple[int, set[bytes]]:
+        """:meth:`_remove_each`, or with ``ready``: wait for flights and writes holding no lock
+        (:meth:`quiesce`), take every tier's index lock in stack order, call ``ready``, then remove
+        (a record that set off down after the wait lands after the removal, as a put that raced it)."""
+        if ready is None:
+            return self._remove_each(keys_of, match)
+        self.quiesce(match)
+        with contextlib.ExitStack() as held:
+            for tier in self.tiers:
+                held.enter_context(tier.index.lock)
+            ready()
+            n, asked = 0, set()
+            for tier in self.tiers:
+                mine = keys_of(tier)
+                if mine:
+                    n += tier.remove(mine)
+                    asked.update(mine)
+            return n, asked
+
+    def _remove_each(self, keys_of: Callable[[Tier], list[bytes]],
+                     match: Callable[[bytes], bool]) -> tuple[int, set[bytes]]:
         """Remove ``keys_of(tier)`` from each tier, fastest first. Before each cascade tier below the
         first, wait for the matching records on their way down to it (evicted from the tier above
         before that was cleared; one evicted later was written after the removal began). Returns

@@ -62,3 +62,69 @@ def test_calls_that_gave_up_waiting_for_the_pool_change_nothing(tmp_path):
         got = c.restore("default", "precious", drop=True)  # the copy is still there, whole
         back = c.read_kv("default", got)
         assert all(torch.equal(back.latent[l], want.latent[l]) for l in want.latent)
+
+
+def test_drop_clear_units_and_prefix_calls_that_gave_up_waiting_change_nothing(tmp_path):
+    """Attack pass 5, A5-7: a Drop and a ClearUnits told DEADLINE_EXCEEDED while they waited for a
+    disk commit still removed the copy and the units once the disk went on; StorePrefix and
+    ReleasePrefix had the same shape (no check once the pool's lock was held). Each now checks its
+    caller holding the locks it waited for: after the disk goes on, the copy restores byte-exact,
+    the unit reads back whole, nothing was stored under the prefix keys, and both leases are still
+    open (a store and a release of them then work)."""
+    from kvtier.client.storage import UnitSpaceSpec
+
+    space = UnitSpaceSpec("GLM-5.2", num_layers=2, start_layer=0, kv_lora_rank=512, qk_rope_head_dim=64,
+                          index_head_dim=128, kv_cache_dtype="fp8", page_size=64, latent_row_bytes=656,
+                          skip_mask="FF")
+    unit = torch.randint(0, 256, (space.part_nbytes("both"),), dtype=torch.uint8,
+                         generator=torch.Generator().manual_seed(7))
+    slow = tmp_path / "slow"
+    args = ["--device", "cpu", "--pool", f"glm-5.2:{PAGES * 64}", "--pool-layers", "2", "--host-memory", "1MiB",
+            "--disk-path", str(tmp_path / "disk"), "--disk-size", "64MiB", "--write-through", "--no-disk-write-behind"]
+    with DaemonProcess(extra_args=args, env={"KVTIER_TEST_DISK_SLOW_FILE": str(slow)}) as d, \
+            KVTierClient(d.address, timeout=60) as c:
+        keep = c.allocate_slots("default", 64)
+        want = c.read_kv("default", keep)
+        c.offload("default", "precious", keep, free_slots=True)
+        assert c.put_units(space, [b"u1"], "both", unit).completed == 1
+        keys = [b"p0", b"p1"]
+        store_lease = c.load_prefix("default", keys, 128)
+        release_lease = c.load_prefix("default", [b"q0"], 64)
+        held = c.allocate_slots("default", 64)
+        free_before = c.describe_pool("default").free_pages
+        slow.write_text("")  # from now on every disk commit waits until the file holds a number
+        holder = threading.Thread(target=lambda: c.offload("default", "blocker", held, free_slots=True))
+        holder.start()
+        late_answers: dict[str, str] = {}
+        try:
+            with KVTierClient(d.address, timeout=60, retries=0) as late:
+                for _ in range(200):  # until the Offload holds the pool's lock (a DescribePool waits on it)
+                    try:
+                        late.describe_pool("default", timeout=0.2)
+                    except DeadlineExceededError:
+                        break
+                else:
+                    pytest.fail("the Offload never held the pool's lock")
+                for name, call in (("drop", lambda: late.drop("precious", timeout=1.0)),
+                                   ("clear_units", lambda: late.clear_units(space, timeout=1.0)),
+                                   ("store_prefix", lambda: late.store_prefix(store_lease, keys, store_lease.slots,
+                                                                              timeout=1.0)),
+                                   ("release_prefix", lambda: late.release_prefix(release_lease, timeout=1.0))):
+                    try:
+                        late_answers[name] = f"answered {call()!r}"
+                    except DeadlineExceededError:
+                        late_answers[name] = "deadline"
+        finally:
+            slow.unlink()  # commits go on at once
+            holder.join(60)
+        assert not holder.is_alive()
+        assert late_answers == dict.fromkeys(("drop", "clear_units", "store_prefix", "release_prefix"), "deadline")
+        assert c.describe_pool("default").free_pages == free_before + 1  # the blocker's page freed, nothing else
+        out = torch.zeros_like(unit)
+        assert c.get_units(space, [b"u1"], "both", out) == [True] and torch.equal(out, unit)
+        assert c.lookup_prefix("default", keys).tiers == []  # nothing stored under the keys
+        got = c.restore("default", "precious", drop=True)
+        back = c.read_kv("default", got)
+        assert all(torch.equal(back.latent[l], want.latent[l]) for l in want.latent)
+        assert c.store_prefix(store_lease, keys, store_lease.slots, release=True) == 2
+        c.release_prefix(release_lease)
