@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -270,10 +271,11 @@ class DaemonConfig:
             raise ValueError(f"close_seconds must be > 0, got {self.close_seconds}")
         if not isinstance(self.tenants, dict) or not all(isinstance(v, TenantSettings) for v in self.tenants.values()):
             raise ValueError("tenants must map tenant names to TenantSettings (a [tenants.<name>] table in TOML)")
-        if self.attach_staging_bytes < 0:
-            raise ValueError(f"attach_staging_bytes must be >= 0, got {self.attach_staging_bytes}")
-        if self.attach_staging_tenant_bytes < 0:
-            raise ValueError(f"attach_staging_tenant_bytes must be >= 0, got {self.attach_staging_tenant_bytes}")
+        memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        for name in ("attach_staging_bytes", "attach_staging_tenant_bytes"):  # attack pass 5: 10^18 was taken
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= memory:
+                raise ValueError(f"{name} must be 0..{memory} (the machine's memory), got {value!r}")
         if isinstance(self.attach_sessions_per_tenant, bool) or not isinstance(self.attach_sessions_per_tenant, int) \
                 or not 1 <= self.attach_sessions_per_tenant <= MAX_ATTACH_SESSIONS:
             raise ValueError(f"attach_sessions_per_tenant must be 1..{MAX_ATTACH_SESSIONS}, got "

@@ -50,6 +50,8 @@ def test_bad_values_are_refused():
     ({"request_arrival_seconds": 1e9}, "request_arrival_seconds must be at most 86400"),
     ({"peer_retry_seconds": 1e9}, "peer_retry_seconds must be at most 86400"),
     ({"max_message_bytes": 5 << 30}, "max_message_bytes must be 65536..2147483647 (gRPC's limit)"),
+    ({"attach_staging_bytes": 10 ** 18}, "attach_staging_bytes must be 0.."),  # attack pass 5 (with A5-8)
+    ({"attach_staging_tenant_bytes": -1}, "attach_staging_tenant_bytes must be 0.."),
 ])
 def test_values_too_large_for_the_deadlines_or_grpc_are_refused(kwargs, words):
     """Attack pass 4, A4-4: ``--grace 1e308`` was accepted and the daemon died at SIGTERM with
