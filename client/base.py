@@ -18,7 +18,8 @@ from typing import Any, TypeVar
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvtier.addresses import UnsafeSocketError, check_socket_path, is_loopback, is_unix, resolve_address, socket_path
+from kvtier.addresses import (UnsafeSocketError, check_loopback_listener, check_socket_path, is_loopback, is_unix,
+                              resolve_address, socket_path)
 from kvtier.bearer import check_token
 from kvtier.client.errors import DeadlineExceededError, FailedPreconditionError, KVTierError, from_rpc_error
 
@@ -94,19 +95,24 @@ class _SocketCheck(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInter
                    grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
     """Before every call on a unix socket: :func:`kvtier.addresses.check_socket_path` (the way to the
     socket only root's or this uid's, the socket too), so a token never goes to a socket another local
-    user put there. A refusal is a FailedPreconditionError naming the path and the reason; a missing
-    socket is UNAVAILABLE without dialing (gRPC would wait for one to appear, whoever makes it)."""
+    user put there; on a loopback TCP address without TLS: :func:`kvtier.addresses.check_loopback_listener`
+    (whatever listens there is root's or this uid's: a port has no owner). A refusal is a
+    FailedPreconditionError naming the address and the reason; a missing socket is UNAVAILABLE without
+    dialing (gRPC would wait for one to appear, whoever makes it)."""
 
-    def __init__(self, path: str) -> None:
-        self._path = path
+    def __init__(self, address: str) -> None:
+        self._address = address
+        self._path = socket_path(address) if is_unix(address) else None
 
     def _check(self) -> None:
         try:
-            exists = check_socket_path(self._path)
+            exists = check_socket_path(self._path) if self._path is not None else True
+            if self._path is None:
+                check_loopback_listener(self._address)
         except UnsafeSocketError as e:
             raise FailedPreconditionError(str(e)) from None
         if not exists:
-            raise _NoSocket(self._path)
+            raise _NoSocket(str(self._path))
 
     def intercept_unary_unary(self, continuation, client_call_details, request):  # type: ignore[no-untyped-def]
         self._check()
@@ -212,7 +218,8 @@ class BaseClient:
         else:
             self._raw_channel = grpc.insecure_channel(self.address, options=options)
         entries = ([("authorization", f"Bearer {token}")] if token else []) + [(k, v) for k, v in metadata]
-        interceptors: list[Any] = [_SocketCheck(socket_path(self.address))] if is_unix(self.address) else []
+        checked = is_unix(self.address) or (not tls and is_loopback(self.address))
+        interceptors: list[Any] = [_SocketCheck(self.address)] if checked else []
         if entries:
             interceptors.append(_CallMetadata(entries))
         self._channel = grpc.intercept_channel(self._raw_channel, *interceptors) if interceptors else self._raw_channel

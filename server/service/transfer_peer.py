@@ -29,7 +29,7 @@ import grpc
 import numpy as np
 import torch
 
-from kvtier.addresses import UnsafeSocketError, check_socket_path, is_loopback, is_unix, socket_path
+from kvtier.addresses import UnsafeSocketError, check_loopback_listener, check_socket_path, is_loopback, is_unix, socket_path
 from kvtier.server.daemon.config import DaemonConfig
 from kvtier.server.daemon.errors import RETRY_UNCHANGED, Busy, FailedPrecondition, InvalidArgument, NotFound
 from kvtier.server.daemon.pools import PoolEntry
@@ -282,11 +282,13 @@ class GrpcPeerConnector:
 
     @contextmanager
     def connect(self, address: str, caller: Caller) -> Iterator[GrpcPeerLink]:
-        if is_unix(address):  # the client's own check, before anything is sent (attack pass 4, A4-14):
-            try:              # another uid that took a listed peer's path got the caller's token
+        try:  # the client's own checks, before anything is sent: another uid that took a listed peer's
+            if is_unix(address):  # path (attack pass 4, A4-14) or a loopback peer's port got the token
                 check_socket_path(socket_path(address))
-            except UnsafeSocketError as e:
-                raise FailedPrecondition(f"{e}; nothing was sent to the peer") from None
+            elif self.tls is None and is_loopback(address):
+                check_loopback_listener(address)
+        except UnsafeSocketError as e:
+            raise FailedPrecondition(f"{e}; nothing was sent to the peer") from None
         metadata: list[tuple[str, str]] = []
         if caller.token:
             if self.tls is None and not is_loopback(address):

@@ -199,3 +199,86 @@ def test_the_client_sends_nothing_to_a_socket_another_user_made(parent, where):
     owned = f"directory {made}" if made else f"socket {path}"
     assert f"refusing unix socket {path}: {owned} is owned by uid {NOBODY}" in message, message
     assert squat.result() == {"connected": False, "token_seen": False}
+
+
+# ----- a loopback TCP port another user took ----------------------------------------------------------
+# Run as nobody: listen on HOST:0, say the port, wait for stdin to close, then report whether a
+# connection is waiting in the backlog (as _SQUAT).
+_SQUAT_TCP = """
+import json, socket, sys
+host = sys.argv[1]
+s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+s.bind((host, 0)); s.listen(8); s.setblocking(False)
+print(s.getsockname()[1], flush=True)
+sys.stdin.read()
+try:
+    c, _ = s.accept(); c.setblocking(True); c.settimeout(5)
+    got = c.recv(65536)
+    print(json.dumps({"connected": True, "token_seen": b"S3cret" in got}))
+except BlockingIOError:
+    print(json.dumps({"connected": False, "token_seen": False}))
+"""
+
+
+class TcpSquatter(Squatter):
+    """A TCP listener of uid nobody on ``host`` (a port the kernel picks: :attr:`port`)."""
+
+    def __init__(self, host: str) -> None:
+        self.proc = as_nobody(_SQUAT_TCP, host, background=True)
+        line = self.proc.stdout.readline().strip()
+        assert line.isdigit(), self.proc.stderr.read()
+        self.port = int(line)
+
+
+@pytest.mark.parametrize("host, address", [("127.0.0.1", "127.0.0.1"), ("0.0.0.0", "localhost"), ("::", "[::1]")])
+def test_the_client_sends_nothing_to_a_loopback_port_another_user_took(host, address):
+    """Attack pass 5, the TCP twin of A4-14: a loopback port has no owner, so while the daemon is down
+    another uid may listen on it (on the address itself or a wildcard one) and receive the token of
+    every client that dials it, and answer with bytes of its choosing. The client, on plaintext
+    loopback TCP, now asks the kernel (/proc/net/tcp, tcp6) who listens there before every call:
+    refused in one line naming the owner, and the squatter sees no connection."""
+    squat = TcpSquatter(host)
+    target = f"{address}:{squat.port}"
+    try:
+        r = subprocess.run([sys.executable, "-m", "kvtier.cli", "status", "--timeout", "5", "--server", target],
+                           capture_output=True, text=True, timeout=60, env={**os.environ, "KVTIER_TOKEN": TOKEN})
+        lines = [line for line in r.stderr.splitlines() if line.strip()]
+        assert r.returncode == 1 and len(lines) == 1, r.stderr
+        assert f"refusing {target}: the port is listened on by uid {NOBODY}" in lines[0], lines[0]
+        with pytest.raises(FailedPreconditionError):  # without a token too: its answers are not trusted either
+            with KVTierClient(target, timeout=5) as c:
+                c.health()
+    finally:
+        squat.proc.stdin.close()
+    assert squat.result() == {"connected": False, "token_seen": False}
+
+
+def test_loopback_listeners_reads_the_kernels_tables():
+    """:func:`kvtier.addresses.loopback_listeners` against listeners of known owners: root's on
+    127.0.0.1 and on ``::`` (a dual-stack wildcard takes IPv4 loopback too), nobody's on 127.0.0.2
+    (not where 127.0.0.1 lands); nothing on a port nobody listens on."""
+    from kvtier.addresses import check_loopback_listener, loopback_listeners
+
+    mine = socket.socket()
+    mine.bind(("127.0.0.1", 0))
+    mine.listen()
+    wild = socket.socket(socket.AF_INET6)
+    wild.bind(("::", 0))
+    wild.listen()
+    other = TcpSquatter("127.0.0.2")
+    free = socket.socket()
+    free.bind(("127.0.0.1", 0))  # bound, not listening: its port is free of listeners
+    try:
+        p, w = mine.getsockname()[1], wild.getsockname()[1]
+        assert loopback_listeners(f"127.0.0.1:{p}") == [0] and check_loopback_listener(f"localhost:{p}") is True
+        assert loopback_listeners(f"127.0.0.1:{w}") == [0] and loopback_listeners(f"[::1]:{w}") == [0]
+        assert loopback_listeners(f"127.0.0.1:{other.port}") == []
+        assert loopback_listeners(f"127.0.0.2:{other.port}") == [NOBODY]
+        assert check_loopback_listener(f"127.0.0.1:{free.getsockname()[1]}") is False
+        with pytest.raises(ValueError, match="not a loopback TCP address"):
+            loopback_listeners("10.1.2.3:80")
+    finally:
+        other.proc.stdin.close()
+        other.result()
+        for s in (mine, wild, free):
+            s.close()

@@ -99,6 +99,43 @@ def test_pd_peers_lists_unix_sockets_only():
         DaemonConfig(pd_peers=("127.0.0.1:5000",))
 
 
+_TCP_SQUAT = """
+import socket, sys
+s = socket.socket(); s.bind(("127.0.0.1", 0)); s.listen(8); s.setblocking(False)
+print(s.getsockname()[1], flush=True)
+sys.stdin.read()
+try:
+    s.accept(); print("connected")
+except BlockingIOError:
+    print("nothing")
+"""
+
+
+def test_a_loopback_tcp_peer_port_of_another_user_gets_nothing():
+    """Attack pass 5, the TCP twin of A4-14: a PullKV may name any TCP peer, and a token goes in
+    plaintext to a loopback one; a loopback port has no owner, so another uid that listens on the
+    prefill daemon's port while it is down got the caller's token. The daemon now asks the kernel who
+    listens there first (``kvtier.addresses.check_loopback_listener``): FAILED_PRECONDITION naming
+    the owner, and the squatter sees no connection."""
+    import subprocess
+    import sys
+
+    squat = subprocess.Popen(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--", sys.executable,
+                              "-I", "-c", _TCP_SQUAT], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    connector = GrpcPeerConnector([])
+    try:
+        port = int(squat.stdout.readline())
+        with pytest.raises(Exception) as e:
+            with connector.connect(f"127.0.0.1:{port}", Caller("b", TOKEN_B)):
+                pass
+        assert type(e.value).__name__ == "FailedPrecondition"
+        assert f"the port is listened on by uid 65534" in str(e.value) and "nothing was sent" in str(e.value)
+    finally:
+        connector.close()
+        squat.stdin.close()
+    assert squat.stdout.read().strip() == "nothing" and squat.wait(30) == 0
+
+
 def test_a_unix_peer_socket_of_another_user_gets_nothing(tmp_path):
     """Attack pass 4, A4-14: a listed unix-socket peer (--pd-peers) whose path another uid took while
     the real peer was down got the caller's bearer token with every PullKV retry (and could have
