@@ -33,8 +33,12 @@ there reaches its thread late too, because gRPC's polling thread and the reading
 CPU like every other: on a 2-core machine under a soak of 32 client threads, a health check was
 cancelled as late (a CI failure). The watchdog measures that wait on itself -- how much later than
 its period it woke -- and every late bound grows by :data:`LAG_FACTOR` times the largest such lag
-of the last :data:`LAG_WINDOW_SECONDS` (at most to half the arrival deadline). A client cannot raise
-it by sending slowly: a call that waits costs the daemon no CPU.
+of the last :data:`LAG_WINDOW_SECONDS` (a message reaches its thread after two or three such waits:
+the polling thread's and the reader's). It grows at most to :data:`LATE_SECONDS` on the monitor
+threads (a flood of body-less health checks on a loaded machine costs each thread at most what it
+cost before N2's fix) and to half the arrival deadline on the workers. A client cannot raise it by
+sending slowly: a call that waits costs the daemon no CPU. The client also sends an idempotent call
+the daemon cancelled so again (``client/base.py``).
 
 A flood of calls that send nothing (attack pass 3, N2: 300 body-less health checks held a health
 check from a new client for 46 s) thus costs each monitor thread 0.05-0.075 s a call, not 0.5-0.75 s.
@@ -75,7 +79,7 @@ the arrival deadline): a client sends it with the call's headers, so it is read 
 SMALL_LATE_SECONDS = 0.05
 """The late bound of a thread pool whose methods take requests of a few bytes (the monitor threads)."""
 
-LAG_FACTOR = 10.0
+LAG_FACTOR = 4.0
 """The late bound grows by this many times the watchdog's recent scheduling lag (below)."""
 LAG_WINDOW_SECONDS = 2.0
 """How long a lag the watchdog measured keeps raising the late bound."""
@@ -130,6 +134,7 @@ class RequestArrival(grpc.ServerInterceptor):
         self.seconds = seconds
         self.late = late_seconds(seconds)
         self.lates = {pool: late_seconds(seconds, pool in small_pools) for pool in caps}
+        self.ceilings = {pool: late_seconds(seconds) if pool in small_pools else seconds / 2 for pool in caps}
         self.caps = dict(caps)
         self._queued = dict.fromkeys(caps, 0)  # calls handed to a pool whose behavior has not started yet
         self._pool_of = pool_of
@@ -225,14 +230,15 @@ class RequestArrival(grpc.ServerInterceptor):
 
     def late_bound(self, pool: str) -> float:
         """Seconds a call of ``pool`` may wait for its message now before it counts as late: its
-        pool's bound plus :data:`LAG_FACTOR` times the recent scheduling lag, at most half the
-        arrival deadline."""
+        pool's bound plus :data:`LAG_FACTOR` times the recent scheduling lag, at most
+        :data:`LATE_SECONDS` on a small pool, half the arrival deadline on the others."""
         with self._lock:
-            return self._late_bound(self.lates.get(pool, self.late), self._clock())
+            return self._late_bound(pool, self._clock())
 
-    def _late_bound(self, base: float, now: float) -> float:
+    def _late_bound(self, pool: str, now: float) -> float:
+        base = self.lates.get(pool, self.late)
         lag = self._lag if now - self._lag_at <= LAG_WINDOW_SECONDS else 0.0
-        return max(base, min(base + LAG_FACTOR * lag, self.seconds / 2))
+        return max(base, min(base + LAG_FACTOR * lag, self.ceilings.get(pool, self.seconds / 2)))
 
     def _due(self) -> list[_Waiting]:
         """Take the calls to cancel now off the watchlist and mark them (the deadline first, then the cap)."""
@@ -244,7 +250,7 @@ class RequestArrival(grpc.ServerInterceptor):
                 if now - w.since > self.seconds:
                     w.why = "deadline"
                     due.append(w)
-                elif now - w.since > self._late_bound(w.late, now):
+                elif now - w.since > self._late_bound(w.pool, now):
                     late_by_pool.setdefault(w.pool, []).append(w)
             for pool, late in late_by_pool.items():
                 if not self._queued.get(pool, 0):  # they keep no call from a thread: left to the deadline
