@@ -8,7 +8,9 @@ Feature mixins (``client/pool.py``, and e.g. ``client/tiers.py``, ``client/trans
 from __future__ import annotations
 
 import collections
+import logging
 import os
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -33,6 +35,7 @@ TOKEN_ENV = "KVTIER_TOKEN"
 TLS_ENV = {"tls_root_cert": "KVTIER_TLS_CA", "tls_server_name": "KVTIER_TLS_SERVER_NAME",
            "tls_client_cert": "KVTIER_TLS_CERT", "tls_client_key": "KVTIER_TLS_KEY"}
 T = TypeVar("T")
+log = logging.getLogger("kvtier.client")
 BUSY_MAX_PAUSE_S = 0.2
 MAX_TIMEOUT_S = 86400.0
 """Longest deadline a client takes for its calls (a day); a larger, infinite or NaN one is refused."""
@@ -335,10 +338,26 @@ class BaseClient:
                 pass
             time.sleep(0.05)
 
+    close_wait_s: float = 5.0
+    """How long :meth:`close` waits for gRPC's channel close (normally it returns at once)."""
+
     def close(self) -> None:
-        """Close the channel (calls in flight are cancelled, and not retried)."""
+        """Close the channel (calls in flight are cancelled, and not retried). Returns within
+        :attr:`close_wait_s`: gRPC's close waits for every call of the channel to end, and a call
+        whose gRPC thread could not start (a machine out of threads: "can't start new thread") never
+        ends, so that close would wait forever (seen in the suite); then the close is left to a
+        background thread, or skipped when no thread can start, with a WARNING."""
         self._closed = True
-        self._raw_channel.close()
+        try:
+            closer = threading.Thread(target=self._raw_channel.close, name="kvtier-client-close", daemon=True)
+            closer.start()
+        except RuntimeError as e:
+            log.warning("did not close the channel to %s: %s (no thread to spare)", self.address, e)
+            return
+        closer.join(self.close_wait_s)
+        if closer.is_alive():
+            log.warning("closing the channel to %s took more than %g s (a call that never started?); it goes on in "
+                        "the background", self.address, self.close_wait_s)
 
     def __enter__(self) -> BaseClient:
         return self

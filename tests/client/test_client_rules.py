@@ -145,3 +145,29 @@ def test_a_token_a_header_cannot_carry_is_refused_before_any_call(monkeypatch, b
         KVTierClient("unix:///nonexistent/kv.sock")
     monkeypatch.setenv("KVTIER_TOKEN", "x" * 43)  # a good token still works
     KVTierClient("unix:///nonexistent/kv.sock").close()
+
+
+def test_close_returns_though_grpcs_close_never_does(tmp_path, caplog):
+    """Seen in the suite on a machine out of threads: a call whose gRPC thread could not start
+    ("can't start new thread") never ends, and gRPC's channel close waits for every call, so the
+    client's close (a fixture's teardown) waited forever. It now returns after ``close_wait_s`` with
+    a WARNING, the channel's close going on in the background."""
+    import time
+
+    c = KVTierClient(f"unix://{tmp_path}/none.sock", timeout=10)
+    real = c._raw_channel
+    stuck = threading.Event()
+
+    class NeverCloses:
+        def close(self) -> None:
+            stuck.wait(60)
+
+    c._raw_channel = NeverCloses()
+    c.close_wait_s = 0.3
+    t0 = time.monotonic()
+    with caplog.at_level("WARNING", logger="kvtier.client"):
+        c.close()
+    assert time.monotonic() - t0 < 5
+    assert "took more than 0.3 s" in caplog.text
+    stuck.set()
+    real.close()
