@@ -97,6 +97,11 @@ BORROW_BATCH = 4
 #: (BENCHMARKS.md, fix 7). A crash loses at most this many positions; those records load as newest.
 STAMP_BATCH = 64
 
+MIN_FREE_PAGES = 64
+"""Free LMDB pages a disk tier needs at start beside the pages in use (256 KiB): a delete copies
+every page on its way down each B-tree it changes (records, seq, order, sums: four trees of a few
+levels) and writes the freelist."""
+
 _SEQ = struct.Struct(">Q")  # big-endian: the order sub-database iterates oldest first
 _PROBE_KEY = b"probe"  # in its own sub-database, so a probe left behind is never taken for a record
 _TICK_KEY = b"tick"  # (probe sub-database) rewritten to make the pages of a delete reusable at once
@@ -203,27 +208,45 @@ class DiskTier(Tier):
                 )
                 self._pid = os.getpid()
                 env = self._env_obj
-                used = (env.info()["last_pgno"] + 1) * LMDB_PAGE_BYTES
-                # the pages in use must fit the records' share of the map, so LMDB keeps the reserve for
-                # copy-on-write (at exactly the used size no transaction, not even a delete, could get
-                # a page and the tier stayed unhealthy: attack pass 4, A4-2, and pass 5, A5-1)
-                needed = -(-int(used / (1 - self.config.reserve_fraction)) // LMDB_PAGE_BYTES) * LMDB_PAGE_BYTES
-                if self.config.capacity_bytes < needed:
-                    self._env_obj = None
-                    close_environment(self.config.path, env)
-                    raise DiskPathError(
-                        f"--disk-size {self.config.capacity_bytes:,} bytes is too small for the {used:,} bytes the disk "
-                        f"tier already holds in {self.config.path} (with LMDB's {self.config.reserve_fraction:.0%} "
-                        f"reserve): give --disk-size of at least {needed:,} bytes, or move that directory away to "
-                        f"start with an empty disk tier")
                 self._dbs = (env.open_db(b"records"), env.open_db(b"seq"), env.open_db(b"order"))
                 self._probe_db = env.open_db(b"probe")
                 self._sums = env.open_db(b"sums")  # key -> its record's checksum field (disk_keysums.py)
+                self._check_map_fits(env)
                 if self.config.read_buffer_bytes > 0 and self._read_arena is None:
                     self._read_arena = HostArena(self.config.read_buffer_bytes, pin=False, name="kvtier-disk-reads")
                     self._chunks = ReadChunks(self._read_arena)
                 self._load_index(scrub=self.config.scrub_on_open)
             return (self._env_obj, *self._dbs)
+
+    def _pages_in_use(self, env: lmdb.Environment) -> int:
+        """LMDB pages that hold data now: the two meta pages and every database's branch, leaf and
+        overflow pages (not the pages freed and kept for reuse, which ``last_pgno`` counts)."""
+        pages = 2
+        with env.begin() as txn:
+            for s in (env.stat(), *(txn.stat(db) for db in (*self._dbs, self._probe_db, self._sums))):
+                pages += s["branch_pages"] + s["leaf_pages"] + s["overflow_pages"]
+        return pages
+
+    def _check_map_fits(self, env: lmdb.Environment) -> None:
+        """(opening) Refuse a ``--disk-size`` the directory's data does not fit with room to change
+        it: LMDB raises a map smaller than its file to the file's size, and with no free page no
+        transaction, not even a delete, can commit, so the tier stayed unhealthy (attack pass 4,
+        A4-2; at the size that refusal recommended, pass 5, A5-1). The map must reach the file's last
+        page and leave :data:`MIN_FREE_PAGES` free beside the pages in use. A daemon restarted with
+        its own size always passes: its records keep to the budget, under the map's reserve (a
+        refusal based on the file's last page, which counts freed pages too, refused that)."""
+        last = env.info()["last_pgno"] + 1
+        in_use = self._pages_in_use(env)
+        needed = max(last, in_use + MIN_FREE_PAGES) * LMDB_PAGE_BYTES
+        if self.config.capacity_bytes >= needed:
+            return
+        self._env_obj = None
+        close_environment(self.config.path, env)
+        raise DiskPathError(
+            f"--disk-size {self.config.capacity_bytes:,} bytes is too small for the {in_use * LMDB_PAGE_BYTES:,} bytes "
+            f"the disk tier already holds in {self.config.path} (its file reaches {last * LMDB_PAGE_BYTES:,} bytes, and "
+            f"LMDB needs free pages to change anything): give --disk-size of at least {needed:,} bytes, or move that "
+            f"directory away to start with an empty disk tier")
 
     def open(self) -> None:
         """Open the environment now (and run the startup scrub); otherwise the first use opens it.
@@ -486,7 +509,9 @@ class DiskTier(Tier):
         if not isinstance(err, lmdb.MapFullError):
             return
         lock, w = self.index.lock, self._writer
-        while w is not None and w.failure is not None and self.health.healthy:
+        # not while the tier closes: close holds the index lock until this thread ends (a daemon
+        # stopped after a map-full failure waited 30 s for it, then was killed)
+        while w is not None and w.failure is not None and self.health.healthy and not w.closing:
             # timed, never blocking: a write holding the lock resyncs by itself and queues jobs
             # this thread must then be free to apply
             if lock.acquire(timeout=0.05):

@@ -233,6 +233,11 @@ class WriteBehind:
             self.failure = None
 
     @property
+    def closing(self) -> bool:
+        """:meth:`close` has begun (the thread is to end once the queue is empty); a plain read."""
+        return self._closed
+
+    @property
     def queued_bytes(self) -> int:
         """Record bytes waiting for (or in) a transaction (monitoring: no lock)."""
         return self._bytes
