@@ -20,8 +20,7 @@ from typing import Any, TypeVar
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvtier.addresses import (UnsafeSocketError, check_loopback_listener, check_socket_path, is_loopback, is_unix,
-                              resolve_address, socket_path)
+from kvtier.addresses import UnsafeSocketError, check_socket_path, is_unix, resolve_address, socket_path
 from kvtier.bearer import check_token
 from kvtier.client.errors import DeadlineExceededError, FailedPreconditionError, KVTierError, from_rpc_error
 
@@ -97,25 +96,21 @@ class _NoSocket(grpc.RpcError):
 class _SocketCheck(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
                    grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
     """Before every call on a unix socket: :func:`kvtier.addresses.check_socket_path` (the way to the
-    socket only root's or this uid's, the socket too), so a token never goes to a socket another local
-    user put there; on a loopback TCP address without TLS: :func:`kvtier.addresses.check_loopback_listener`
-    (whatever listens there is root's or this uid's: a port has no owner). A refusal is a
-    FailedPreconditionError naming the address and the reason; a missing socket is UNAVAILABLE without
+    socket only root's or this uid's, the socket too; no directory others may write, sticky or not),
+    so a token never goes to a socket another local user put there. A refusal is a
+    FailedPreconditionError naming the path and the reason; a missing socket is UNAVAILABLE without
     dialing (gRPC would wait for one to appear, whoever makes it)."""
 
-    def __init__(self, address: str) -> None:
-        self._address = address
-        self._path = socket_path(address) if is_unix(address) else None
+    def __init__(self, path: str) -> None:
+        self._path = path
 
     def _check(self) -> None:
         try:
-            exists = check_socket_path(self._path) if self._path is not None else True
-            if self._path is None:
-                check_loopback_listener(self._address)
+            exists = check_socket_path(self._path)
         except UnsafeSocketError as e:
             raise FailedPreconditionError(str(e)) from None
         if not exists:
-            raise _NoSocket(str(self._path))
+            raise _NoSocket(self._path)
 
     def intercept_unary_unary(self, continuation, client_call_details, request):  # type: ignore[no-untyped-def]
         self._check()
@@ -158,8 +153,9 @@ class BaseClient:
 
     Raises:
         ValueError: bad address or sizes, a token that is not visible ASCII (:func:`check_token`),
-            or a token for a TCP address beyond loopback without TLS (a token is never sent across a
-            network in the clear).
+            or a token for a TCP address without TLS, loopback included (a port has no owner: another
+            local user can take it while the daemon is down, or take over gRPC's reconnect, and
+            receive the token; attack pass 6, A6-1). Use the unix socket, or TLS.
     """
 
     def __init__(
@@ -207,9 +203,10 @@ class BaseClient:
         self._tls = {"tls_root_cert": tls_root_cert, "tls_server_name": tls_server_name,
                      "tls_client_cert": tls_client_cert, "tls_client_key": tls_client_key}
         tls = tls_root_cert is not None or tls_client_cert is not None
-        if token and not tls and not is_loopback(self.address):
-            raise ValueError(f"refusing to send a token to {self.address} without TLS: pass tls_root_cert "
-                             f"(or use a loopback address or unix socket)")
+        if token and not tls and not is_unix(self.address):
+            raise ValueError(f"refusing to send a token to {self.address} in plaintext: another local user could take "
+                             f"a TCP port, loopback included, and receive it; use the daemon's unix socket, or TLS "
+                             f"(tls_root_cert, $KVTIER_TLS_CA)")
         if tls:
             creds = grpc.ssl_channel_credentials(
                 root_certificates=Path(tls_root_cert).read_bytes() if tls_root_cert else None,
@@ -221,8 +218,7 @@ class BaseClient:
         else:
             self._raw_channel = grpc.insecure_channel(self.address, options=options)
         entries = ([("authorization", f"Bearer {token}")] if token else []) + [(k, v) for k, v in metadata]
-        checked = is_unix(self.address) or (not tls and is_loopback(self.address))
-        interceptors: list[Any] = [_SocketCheck(self.address)] if checked else []
+        interceptors: list[Any] = [_SocketCheck(socket_path(self.address))] if is_unix(self.address) else []
         if entries:
             interceptors.append(_CallMetadata(entries))
         self._channel = grpc.intercept_channel(self._raw_channel, *interceptors) if interceptors else self._raw_channel

@@ -23,7 +23,6 @@ import ipaddress
 import os
 import socket
 import stat
-import sys
 import tempfile
 from pathlib import Path
 
@@ -176,7 +175,8 @@ def _trusted(uid: int) -> bool:
 
 
 def check_path_owners(path: str | Path, what: str = "unix socket", entry: str = "socket",
-                      error: type[UnsafePathError] = UnsafeSocketError, *, entry_owner: bool = True) -> bool:
+                      error: type[UnsafePathError] = UnsafeSocketError, *, entry_owner: bool = True,
+                      private_dir: bool = False) -> bool:
     """Check the way to ``path`` before the daemon trusts what lies there (a socket it listens on or
     sends a token to, the disk tier's directory). Every directory a name is looked up in (symlinks
     followed, each checked) must be owned by root or this uid and not writable by group/others unless
@@ -189,6 +189,10 @@ def check_path_owners(path: str | Path, what: str = "unix socket", entry: str = 
         entry: what the last name is (``socket``, ``directory``), for messages.
         error: the exception class to raise.
         entry_owner: check the owner of the entry itself (False: the caller checks it, stricter).
+        private_dir: the directory holding the entry must not be writable by group or others even
+            with the sticky bit (a socket: while none is there, or between a daemon's unlink and
+            bind, another user could make one, and a client's reconnect would reach it; attack
+            pass 6, A6-9 and A6-11).
 
     Returns:
         True when the path exists, False when a name on the way is missing (whoever could create it
@@ -214,6 +218,10 @@ def check_path_owners(path: str | Path, what: str = "unix socket", entry: str = 
             raise error(f"refusing {what} {given}: directory {cur} is owned by uid {st.st_uid}, "
                         f"not by root or this uid {os.getuid()}, so that user could swap the {entry}; use {place} in a "
                         f"directory you own")
+        if private_dir and not todo and stat.S_IMODE(st.st_mode) & 0o022:
+            raise error(f"refusing {what} {given}: directory {cur} (mode {stat.S_IMODE(st.st_mode):04o}) is writable "
+                        f"by group or others, so another user could put {place} there while none is (sticky bit "
+                        f"or not); `chmod go-w {cur}`, or use a directory only you or root can write")
         if stat.S_IMODE(st.st_mode) & 0o022 and not st.st_mode & stat.S_ISVTX:
             raise error(f"refusing {what} {given}: directory {cur} (mode "
                         f"{stat.S_IMODE(st.st_mode):04o}) is writable by group or others without the "
@@ -245,82 +253,9 @@ def check_path_owners(path: str | Path, what: str = "unix socket", entry: str = 
 
 
 def check_socket_path(path: str | Path) -> bool:
-    """:func:`check_path_owners` of unix socket ``path`` (raises :class:`UnsafeSocketError`)."""
-    return check_path_owners(path)
-
-
-_TCP_LISTEN = "0A"  # a socket's state in /proc/net/tcp{,6}: TCP_LISTEN
-_PROC_NET = {socket.AF_INET: "/proc/net/tcp", socket.AF_INET6: "/proc/net/tcp6"}
-
-
-def _proc_address(hexed: str) -> bytes:
-    """An address as /proc/net/tcp{,6} prints it (32-bit words in the host's byte order, each ``%08X``)
-    as its network-order bytes."""
-    return b"".join(int(hexed[i:i + 8], 16).to_bytes(4, sys.byteorder) for i in range(0, len(hexed), 8))
-
-
-def _loopback_targets(host: str) -> list[tuple[int, bytes]]:
-    """``(family, address bytes)`` a client may dial for loopback ``host`` (``localhost``: both)."""
-    if host == "localhost":
-        return [(socket.AF_INET, socket.inet_pton(socket.AF_INET, "127.0.0.1")),
-                (socket.AF_INET6, socket.inet_pton(socket.AF_INET6, "::1"))]
-    ip = ipaddress.ip_address(host)
-    return [(socket.AF_INET if ip.version == 4 else socket.AF_INET6, ip.packed)]
-
-
-def loopback_listeners(address: str) -> list[int]:
-    """The uids of the sockets listening where a connection to loopback TCP ``address`` can land:
-    on its address or a wildcard one (``0.0.0.0``, ``::``, and for IPv4 its ``::ffff:`` form), read
-    from ``/proc/net/tcp`` and ``/proc/net/tcp6`` (this network namespace's).
-
-    Raises:
-        ValueError: ``address`` is not a loopback ``HOST:PORT``.
-        OSError: /proc/net cannot be read.
-    """
-    if is_unix(address) or not is_loopback(address):
-        raise ValueError(f"not a loopback TCP address: {address}")
-    host, _, port = address.rpartition(":")
-    want_port = f"{int(port):04X}"
-    accept: dict[int, set[bytes]] = {socket.AF_INET: set(), socket.AF_INET6: {bytes(16)}}
-    for family, packed in _loopback_targets(host.strip("[]")):
-        accept[family].add(packed)
-        if family == socket.AF_INET:
-            accept[socket.AF_INET].add(bytes(4))
-            accept[socket.AF_INET6].add(bytes(10) + b"\xff\xff" + packed)
-    uids = []
-    for family, table in _PROC_NET.items():
-        try:
-            lines = Path(table).read_text().splitlines()[1:]
-        except FileNotFoundError:  # no IPv6 in this kernel: nothing listens there
-            continue
-        for line in lines:
-            f = line.split()  # sl local_address rem_address st tx:rx tr:when retrnsmt uid ...
-            local, _, lport = f[1].partition(":")
-            if f[3] == _TCP_LISTEN and lport == want_port and _proc_address(local) in accept[family]:
-                uids.append(int(f[7]))
-    return uids
-
-
-def check_loopback_listener(address: str) -> bool:
-    """Before a token or a request goes in plaintext to loopback TCP ``address``: every socket that
-    listens where the connection can land (:func:`loopback_listeners`) must be root's or this uid's.
-    A loopback port has no owner: another local user who took a peer's port while it was down would
-    otherwise receive the caller's token and answer with bytes of its choosing (attack pass 5, the TCP
-    twin of A4-14). Returns whether something listens there.
-
-    Raises:
-        UnsafeSocketError: another uid listens there, or /proc/net cannot be read (one line).
-    """
-    try:
-        uids = loopback_listeners(address)
-    except OSError as e:
-        raise UnsafeSocketError(f"cannot tell who listens at {address} ({e.strerror or e}): refusing to send "
-                                f"anything there in plaintext") from None
-    others = sorted({u for u in uids if not _trusted(u)})
-    if others:
-        raise UnsafeSocketError(f"refusing {address}: the port is listened on by uid {others[0]}, not by root or "
-                                f"uid {os.getuid()} (another local user may have taken it)")
-    return bool(uids)
+    """:func:`check_path_owners` of unix socket ``path``, in a directory only root or this uid may
+    write (raises :class:`UnsafeSocketError`)."""
+    return check_path_owners(path, private_dir=True)
 
 
 class SocketPathInUseError(ValueError):

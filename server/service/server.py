@@ -180,9 +180,9 @@ def check_tls_files(config: DaemonConfig) -> None:
 
 
 def check_listen_address(config: DaemonConfig) -> str:
-    """The resolved listen address, checked (loopback with tokens, mutual TLS or
-    ``allow_unauthenticated``, or beyond loopback with TLS and tokens; a unix socket's directory
-    private and no daemon on it) and its socket directory prepared. ``serve`` runs it before
+    """The resolved listen address, checked (loopback TCP with TLS and tokens or mutual TLS, or
+    plaintext and tokenless with ``allow_unauthenticated``; beyond loopback with TLS and tokens; a
+    unix socket's directory private and no daemon on it) and its socket directory prepared. ``serve`` runs it before
     allocating anything.
 
     Raises:
@@ -201,11 +201,22 @@ def check_listen_address(config: DaemonConfig) -> str:
             raise AddressError(f"refusing to listen on {address} without --auth-tokens: with one tenant any client "
                                f"that reaches it could use every pool; use a loopback host or a unix socket, or give "
                                f"--auth-tokens FILE")
+    elif not is_unix(address) and not config.tls_cert:
+        if config.auth_tokens:  # attack pass 6, A6-1
+            raise AddressError(f"refusing to listen on {address} with --auth-tokens but without TLS: a loopback port has "
+                               f"no owner, so another local user could take it while the daemon is down and receive "
+                               f"the clients' tokens (clients refuse to send them there); use a unix socket, or give "
+                               f"--tls-cert and --tls-key")
+        if not config.allow_unauthenticated:
+            raise AddressError(f"refusing to listen on {address} without TLS: any local user, whatever its uid, could "
+                               f"read, overwrite and free every pool's KV through a TCP port, or take the port while "
+                               f"the daemon is down and answer its clients; use a unix socket (private to this user), "
+                               f"give --tls-cert and --tls-key with --auth-tokens or --tls-client-ca, or pass "
+                               f"--allow-unauthenticated to accept that")
     elif not is_unix(address) and not (config.auth_tokens or config.tls_client_ca or config.allow_unauthenticated):
-        raise AddressError(f"refusing to listen on {address} without --auth-tokens: any local user, whatever its uid, "
-                           f"could read, overwrite and free every pool's KV through a TCP port; give --auth-tokens "
-                           f"FILE (or mutual TLS, --tls-client-ca), use a unix socket (private to this user), or "
-                           f"pass --allow-unauthenticated to accept that")
+        raise AddressError(f"refusing to listen on {address} over TLS without --auth-tokens or --tls-client-ca: any "
+                           f"local user could read, overwrite and free every pool's KV; give one, or pass "
+                           f"--allow-unauthenticated to accept that")
     if is_unix(address):
         path = Path(socket_path(address))
         _prepare_unix_socket(path, default=not config.listen or path == default_socket_path())

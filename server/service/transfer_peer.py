@@ -11,8 +11,10 @@ Credentials: PullKV presents the *caller's* bearer token to the peer (``authoriz
 the peer serves the pool of the tenant that token names there (run both daemons with the same
 tokens file for PD pairs). With ``peer_tls_ca`` set, peers are reached over TLS checked against that
 CA, and the daemon's own ``tls_cert``/``tls_key`` are its client certificate (for peers that require
-mutual TLS). Without it, peers are reached in plaintext, and a token is sent only to a loopback or
-unix-socket peer (else FAILED_PRECONDITION: a bearer token never crosses a network in the clear).
+mutual TLS). Without it, peers are reached in plaintext, and a token is sent only to a unix-socket
+peer (else FAILED_PRECONDITION: a bearer token never crosses a network in the clear, and a TCP port,
+loopback included, has no owner: another local user could take it, or take over the channel's
+reconnect, and receive the token; attack pass 6, A6-1).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import grpc
 import numpy as np
 import torch
 
-from kvtier.addresses import UnsafeSocketError, check_loopback_listener, check_socket_path, is_loopback, is_unix, socket_path
+from kvtier.addresses import UnsafeSocketError, check_socket_path, is_unix, socket_path
 from kvtier.server.daemon.config import DaemonConfig
 from kvtier.server.daemon.errors import RETRY_UNCHANGED, Busy, FailedPrecondition, InvalidArgument, NotFound
 from kvtier.server.daemon.pools import PoolEntry
@@ -282,18 +284,17 @@ class GrpcPeerConnector:
 
     @contextmanager
     def connect(self, address: str, caller: Caller) -> Iterator[GrpcPeerLink]:
-        try:  # the client's own checks, before anything is sent: another uid that took a listed peer's
-            if is_unix(address):  # path (attack pass 4, A4-14) or a loopback peer's port got the token
+        if is_unix(address):  # the client's own check, before anything is sent (attack pass 4, A4-14):
+            try:              # another uid that took a listed peer's path got the caller's token
                 check_socket_path(socket_path(address))
-            elif self.tls is None and is_loopback(address):
-                check_loopback_listener(address)
-        except UnsafeSocketError as e:
-            raise FailedPrecondition(f"{e}; nothing was sent to the peer") from None
+            except UnsafeSocketError as e:
+                raise FailedPrecondition(f"{e}; nothing was sent to the peer") from None
         metadata: list[tuple[str, str]] = []
         if caller.token:
-            if self.tls is None and not is_loopback(address):
-                raise FailedPrecondition(f"refusing to send the caller's token to peer {address} in plaintext: give the "
-                                         f"daemon --peer-tls-ca (peers over TLS), or use a loopback/unix peer")
+            if self.tls is None and not is_unix(address):
+                raise FailedPrecondition(f"refusing to send the caller's token to peer {address} in plaintext (another "
+                                         f"local user could take a TCP port, loopback included): give the daemon "
+                                         f"--peer-tls-ca (peers over TLS), or use a unix-socket peer (--pd-peers)")
             metadata.append(("authorization", f"Bearer {caller.token}"))
         held = self._acquire(address)
         try:

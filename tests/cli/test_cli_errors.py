@@ -461,10 +461,19 @@ def test_a_token_a_header_cannot_carry_is_one_line_before_any_call(command):
 def test_a_loopback_tcp_listen_without_tokens_is_refused_unless_allowed(tmp_path):
     """Attack pass 3, N7: ``--listen 127.0.0.1:PORT`` without ``--auth-tokens`` served every local
     uid (read, overwrite, free every pool's KV) and nothing said so. Now it is refused in one line
-    before anything is allocated; ``--allow-unauthenticated`` serves it with a WARNING at start."""
+    before anything is allocated; ``--allow-unauthenticated`` serves it with a WARNING at start.
+    With tokens but without TLS it is refused too (attack pass 6, A6-1)."""
     line = one_line_error(kvtier("serve", "--listen", "127.0.0.1:0", *SMALL_POOL))
-    assert "refusing to listen on 127.0.0.1:0 without --auth-tokens: any local user" in line
+    assert "refusing to listen on 127.0.0.1:0 without TLS: any local user" in line
     assert "--allow-unauthenticated" in line and "unix socket" in line
+    # attack pass 6, A6-1: a loopback port has no owner, so tokens never go there in plaintext
+    tokens = tmp_path / "tokens.toml"
+    tokens.write_text('[tokens]\n"a-token-of-team-a-0123456789abc" = "a"\n')
+    tokens.chmod(0o600)
+    for extra in ([], ["--allow-unauthenticated"]):
+        line = one_line_error(kvtier("serve", "--listen", "127.0.0.1:0", "--auth-tokens", str(tokens), *extra,
+                                     *SMALL_POOL))
+        assert "refusing to listen on 127.0.0.1:0 with --auth-tokens but without TLS" in line and "unix socket" in line
     with DaemonProcess("127.0.0.1:0", allow_unauthenticated=True, extra_args=SMALL_POOL) as d:
         log = d.log_path.read_text()
         assert f"serving {d.address} without --auth-tokens (--allow-unauthenticated): any local user" in log

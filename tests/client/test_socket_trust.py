@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import stat
@@ -150,21 +151,20 @@ def test_listen_in_a_directory_of_another_user_is_refused(parent):
 
 
 @pytest.mark.parametrize("parent", ["sticky"], indirect=True)
-def test_listen_in_a_sticky_directory_serves_and_a_squatted_name_is_refused(parent):
-    """A sticky world-writable directory (like /tmp) is accepted: nobody may not rename or remove the
-    daemon's socket there (EPERM), and the client talks to it with its token. A name nobody took first
-    is refused by the daemon (and by the client)."""
-    with DaemonProcess(f"unix://{parent}/kv.sock", extra_args=POOL_ARGS) as d:
+def test_listen_in_a_sticky_directory_is_refused_and_a_private_one_under_it_serves(parent):
+    """Attack pass 6, A6-11 (and A6-9 for PD peers): a sticky world-writable directory (like /tmp)
+    was accepted, since nobody may rename or remove the daemon's socket there. But while no socket is
+    there (the daemon down, or between its unlink and bind at a restart) nobody may make one, and a
+    client's background reconnect reaches it: no check before a call sees that. So the directory
+    holding a socket must be writable by nobody else, sticky or not; a 0700 directory under /tmp is
+    fine (the way to it may be sticky)."""
+    r = serve(f"unix://{parent}/kv.sock")
+    assert r.returncode == 1 and f"directory {parent} (mode 1777) is writable by group or others" in r.stderr, r.stderr
+    mine = parent / "mine"
+    mine.mkdir(mode=0o700)
+    with DaemonProcess(f"unix://{mine}/kv.sock", extra_args=POOL_ARGS) as d:
         with KVTierClient(d.address, token=TOKEN) as c:
             assert c.health() == "SERVING"
-        assert json.loads(as_nobody(_RENAME, str(parent / "kv.sock"), str(parent / "moved")).stdout) == 1  # EPERM
-    squat = Squatter(parent / "taken.sock")
-    try:
-        r = serve(f"unix://{parent}/taken.sock")
-        assert r.returncode == 1 and f"socket {parent}/taken.sock is owned by uid {NOBODY}" in r.stderr, r.stderr
-    finally:
-        squat.proc.stdin.close()
-    assert squat.result() == {"connected": False, "token_seen": False}
 
 
 # ----- the client: a socket another user made -------------------------------------------------------
@@ -196,89 +196,21 @@ def test_the_client_sends_nothing_to_a_socket_another_user_made(parent, where):
     finally:
         squat.proc.stdin.close()
     message = str(e.value) if where == "attach" else lines[0]
-    owned = f"directory {made}" if made else f"socket {path}"
-    assert f"refusing unix socket {path}: {owned} is owned by uid {NOBODY}" in message, message
+    if made:  # the directory is nobody's
+        assert f"refusing unix socket {path}: directory {made} is owned by uid {NOBODY}" in message, message
+    else:  # the socket is nobody's, in a sticky directory: the directory alone is reason enough now
+        assert f"refusing unix socket {path}: directory {parent} (mode 1777) is writable by group or others" in message
+
     assert squat.result() == {"connected": False, "token_seen": False}
 
 
-# ----- a loopback TCP port another user took ----------------------------------------------------------
-# Run as nobody: listen on HOST:0, say the port, wait for stdin to close, then report whether a
-# connection is waiting in the backlog (as _SQUAT).
-_SQUAT_TCP = """
-import json, socket, sys
-host = sys.argv[1]
-s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-s.bind((host, 0)); s.listen(8); s.setblocking(False)
-print(s.getsockname()[1], flush=True)
-sys.stdin.read()
-try:
-    c, _ = s.accept(); c.setblocking(True); c.settimeout(5)
-    got = c.recv(65536)
-    print(json.dumps({"connected": True, "token_seen": b"S3cret" in got}))
-except BlockingIOError:
-    print(json.dumps({"connected": False, "token_seen": False}))
-"""
-
-
-class TcpSquatter(Squatter):
-    """A TCP listener of uid nobody on ``host`` (a port the kernel picks: :attr:`port`)."""
-
-    def __init__(self, host: str) -> None:
-        self.proc = as_nobody(_SQUAT_TCP, host, background=True)
-        line = self.proc.stdout.readline().strip()
-        assert line.isdigit(), self.proc.stderr.read()
-        self.port = int(line)
-
-
-@pytest.mark.parametrize("host, address", [("127.0.0.1", "127.0.0.1"), ("0.0.0.0", "localhost"), ("::", "[::1]")])
-def test_the_client_sends_nothing_to_a_loopback_port_another_user_took(host, address):
-    """Attack pass 5, the TCP twin of A4-14: a loopback port has no owner, so while the daemon is down
-    another uid may listen on it (on the address itself or a wildcard one) and receive the token of
-    every client that dials it, and answer with bytes of its choosing. The client, on plaintext
-    loopback TCP, now asks the kernel (/proc/net/tcp, tcp6) who listens there before every call:
-    refused in one line naming the owner, and the squatter sees no connection."""
-    squat = TcpSquatter(host)
-    target = f"{address}:{squat.port}"
-    try:
-        r = subprocess.run([sys.executable, "-m", "kvtier.cli", "status", "--timeout", "5", "--server", target],
-                           capture_output=True, text=True, timeout=60, env={**os.environ, "KVTIER_TOKEN": TOKEN})
-        lines = [line for line in r.stderr.splitlines() if line.strip()]
-        assert r.returncode == 1 and len(lines) == 1, r.stderr
-        assert f"refusing {target}: the port is listened on by uid {NOBODY}" in lines[0], lines[0]
-        with pytest.raises(FailedPreconditionError):  # without a token too: its answers are not trusted either
-            with KVTierClient(target, timeout=5) as c:
-                c.health()
-    finally:
-        squat.proc.stdin.close()
-    assert squat.result() == {"connected": False, "token_seen": False}
-
-
-def test_loopback_listeners_reads_the_kernels_tables():
-    """:func:`kvtier.addresses.loopback_listeners` against listeners of known owners: root's on
-    127.0.0.1 and on ``::`` (a dual-stack wildcard takes IPv4 loopback too), nobody's on 127.0.0.2
-    (not where 127.0.0.1 lands); nothing on a port nobody listens on."""
-    from kvtier.addresses import check_loopback_listener, loopback_listeners
-
-    mine = socket.socket()
-    mine.bind(("127.0.0.1", 0))
-    mine.listen()
-    wild = socket.socket(socket.AF_INET6)
-    wild.bind(("::", 0))
-    wild.listen()
-    other = TcpSquatter("127.0.0.2")
-    free = socket.socket()
-    free.bind(("127.0.0.1", 0))  # bound, not listening: its port is free of listeners
-    try:
-        p, w = mine.getsockname()[1], wild.getsockname()[1]
-        assert loopback_listeners(f"127.0.0.1:{p}") == [0] and check_loopback_listener(f"localhost:{p}") is True
-        assert loopback_listeners(f"127.0.0.1:{w}") == [0] and loopback_listeners(f"[::1]:{w}") == [0]
-        assert loopback_listeners(f"127.0.0.1:{other.port}") == []
-        assert loopback_listeners(f"127.0.0.2:{other.port}") == [NOBODY]
-        assert check_loopback_listener(f"127.0.0.1:{free.getsockname()[1]}") is False
-        with pytest.raises(ValueError, match="not a loopback TCP address"):
-            loopback_listeners("10.1.2.3:80")
-    finally:
-        other.proc.stdin.close()
-        other.result()
-        for s in (mine, wild, free):
-            s.close()
+# ----- a loopback TCP port has no owner --------------------------------------------------------------
+def test_no_token_goes_to_a_tcp_address_in_plaintext_loopback_included():
+    """Attack pass 6, A6-1: a loopback port has no owner. Another uid that bound it while the daemon
+    was down (or took over gRPC's background reconnect, which no check before a call can see: a
+    listener check, tried first, was bypassed that way) received every client's bearer token. The
+    client now refuses a token over plaintext TCP at all, before it connects."""
+    for address in ("127.0.0.1:50051", "localhost:50051", "[::1]:50051"):
+        with pytest.raises(ValueError, match=f"refusing to send a token to {re.escape(address)} in plaintext"):
+            KVTierClient(address, token=TOKEN)
+    KVTierClient("127.0.0.1:50051").close()  # without a token: the caller's own choice (single-user machines)

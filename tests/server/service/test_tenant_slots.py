@@ -53,7 +53,10 @@ def d(tmp_path_factory):
     tokens = tmp / "tokens.toml"
     tokens.write_text(f'[tokens]\n"{TOKEN_A}" = "team-a"\n"{TOKEN_B}" = "team-b"\n')
     os.chmod(tokens, 0o600)
-    with DaemonProcess(extra_args=[*ARGS, "--auth-tokens", str(tokens)]) as dp:
+    # the stalling peer's unix socket, listed (a token goes to no plaintext TCP peer: attack pass 6, A6-1)
+    dp_peer = tmp / "peer.sock"
+    with DaemonProcess(extra_args=[*ARGS, "--auth-tokens", str(tokens), "--pd-peers", f"unix://{dp_peer}"]) as dp:
+        dp.peer_socket = dp_peer
         with KVTierClient(dp.address, token=TOKEN_A, timeout=60) as a, KVTierClient(dp.address, token=TOKEN_B, timeout=60) as b:
             a.create_pool("glm-5.2", num_layers=8, size_tokens=8192, pool_id="pa")
             a.allocate_slots("pa", 120 * PS)  # pages 1..120: what A's stalled streams read
@@ -144,10 +147,10 @@ def test_a_tenant_holding_its_share_of_streams_leaves_the_rest_to_others(d):
 
 
 class StallingPeer:
-    """A gRPC "peer" on 127.0.0.1 whose GetTransferLayout never answers until :meth:`release`; it
-    counts the layout requests it holds."""
+    """A gRPC "peer" on unix socket ``path`` whose GetTransferLayout never answers until
+    :meth:`release`; it counts the layout requests it holds."""
 
-    def __init__(self) -> None:
+    def __init__(self, path) -> None:
         self.held = 0
         self.cond = threading.Condition()
         self.released = threading.Event()
@@ -163,7 +166,9 @@ class StallingPeer:
 
         self.server = grpc.server(futures.ThreadPoolExecutor(16))
         transfer_pb2_grpc.add_TransferServiceServicer_to_server(Stall(), self.server)
-        self.address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
+        path.unlink(missing_ok=True)
+        self.address = f"unix://{path}"
+        self.server.add_insecure_port(self.address)
         self.server.start()
 
     def wait_held(self, n: int) -> None:
@@ -186,7 +191,7 @@ def test_pulls_to_a_peer_that_never_answers_hold_only_the_tenants_share(d):
     """F6: A's 2 pulls wait on the stalling peer (it holds both); A's third is refused for its share
     at once, before asking the peer, and marked "changed nothing"; B's AllocateSlots and LoadPrefix
     are served without a retry, and B's own pull, without a retry, gets a slot (the peer holds it too)."""
-    peer = StallingPeer()
+    peer = StallingPeer(d.peer_socket)
     with KVTierClient(d.address, token=TOKEN_A, timeout=60) as a:
         slots = a.allocate_slots("pa", PS)
     ends: list[BaseException | object] = []

@@ -35,7 +35,7 @@ def test_pull_from_another_daemons_unix_socket_is_refused_and_changes_nothing(tm
     base = ["--device", "cpu", "--host-memory", "16MiB", "--pool-memory", "256MiB", "--log-level", "WARNING"]
     # private: a tokenless single-tenant daemon on a unix socket in its own 0700 directory
     with DaemonProcess(extra_args=[*base, "--pool", "glm-5.2:1024", "--pool-layers", "8"]) as private, \
-            DaemonProcess("127.0.0.1:0", allow_unauthenticated=True, extra_args=[*base, "--auth-tokens", str(tokens)]) as shared:
+            DaemonProcess(f"unix://{tmp_path}/shared.sock", extra_args=[*base, "--auth-tokens", str(tokens)]) as shared:
         assert private.address.startswith("unix://")
         with KVTierClient(private.address) as p:
             secret = p.allocate_slots("default", PS)
@@ -99,55 +99,40 @@ def test_pd_peers_lists_unix_sockets_only():
         DaemonConfig(pd_peers=("127.0.0.1:5000",))
 
 
-_TCP_SQUAT = """
-import socket, sys
-s = socket.socket(); s.bind(("127.0.0.1", 0)); s.listen(8); s.setblocking(False)
-print(s.getsockname()[1], flush=True)
-sys.stdin.read()
-try:
-    s.accept(); print("connected")
-except BlockingIOError:
-    print("nothing")
-"""
-
-
-def test_a_loopback_tcp_peer_port_of_another_user_gets_nothing():
-    """Attack pass 5, the TCP twin of A4-14: a PullKV may name any TCP peer, and a token goes in
-    plaintext to a loopback one; a loopback port has no owner, so another uid that listens on the
-    prefill daemon's port while it is down got the caller's token. The daemon now asks the kernel who
-    listens there first (``kvtier.addresses.check_loopback_listener``): FAILED_PRECONDITION naming
-    the owner, and the squatter sees no connection."""
-    import subprocess
-    import sys
-
-    squat = subprocess.Popen(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--", sys.executable,
-                              "-I", "-c", _TCP_SQUAT], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+def test_a_token_goes_to_no_plaintext_tcp_peer_loopback_included():
+    """Attack pass 6, A6-1: PullKV sent the caller's token in plaintext to loopback TCP peers, and a
+    loopback port has no owner: another uid that took the prefill daemon's port while it was down
+    (or took over the peer channel's background reconnect) received it, and could answer with bytes
+    of its choosing. A token now goes only to a unix-socket peer or over TLS."""
     connector = GrpcPeerConnector([])
     try:
-        port = int(squat.stdout.readline())
-        with pytest.raises(Exception) as e:
-            with connector.connect(f"127.0.0.1:{port}", Caller("b", TOKEN_B)):
-                pass
-        assert type(e.value).__name__ == "FailedPrecondition"
-        assert f"the port is listened on by uid 65534" in str(e.value) and "nothing was sent" in str(e.value)
+        for address in ("127.0.0.1:5000", "localhost:5000"):
+            with pytest.raises(Exception) as e:
+                with connector.connect(address, Caller("b", TOKEN_B)):
+                    pass
+            assert type(e.value).__name__ == "FailedPrecondition"
+            assert f"refusing to send the caller's token to peer {address} in plaintext" in str(e.value)
     finally:
         connector.close()
-        squat.stdin.close()
-    assert squat.stdout.read().strip() == "nothing" and squat.wait(30) == 0
 
 
-def test_a_unix_peer_socket_of_another_user_gets_nothing(tmp_path):
+@pytest.mark.parametrize("mode, words", [(0o755, "socket {path} is owned by uid 65534"),
+                                           (0o1777, "directory {dir} (mode 1777) is writable by group or others")])
+def test_a_unix_peer_socket_of_another_user_gets_nothing(tmp_path, mode, words):
     """Attack pass 4, A4-14: a listed unix-socket peer (--pd-peers) whose path another uid took while
     the real peer was down got the caller's bearer token with every PullKV retry (and could have
     answered with bytes of its choosing). The daemon now makes the client's own socket check before
-    it sends anything: the socket and the directories on its way owned by root or the daemon's uid."""
+    it sends anything: the socket and the directories on its way owned by root or the daemon's uid.
+    Attack pass 6, A6-9: in a sticky directory (accepted then) the peer channel's background
+    reconnect reached a socket nobody made and unlinked again before the next check; the directory
+    holding a peer's socket must now be writable by nobody else, sticky or not."""
     import os
     import socket
 
-    sticky = tmp_path / "sticky"
-    sticky.mkdir()
-    sticky.chmod(0o1777)
-    path = sticky / "peer.sock"
+    where = tmp_path / "peers"
+    where.mkdir()
+    where.chmod(mode)
+    path = where / "peer.sock"
     squatter = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     squatter.bind(str(path))
     squatter.listen(8)
@@ -159,7 +144,7 @@ def test_a_unix_peer_socket_of_another_user_gets_nothing(tmp_path):
             with connector.connect(f"unix://{path}", Caller("b", TOKEN_B)):
                 pass
         assert type(e.value).__name__ == "FailedPrecondition"
-        assert f"socket {path} is owned by uid 65534" in str(e.value) and "nothing was sent to the peer" in str(e.value)
+        assert words.format(path=path, dir=where) in str(e.value) and "nothing was sent to the peer" in str(e.value)
         with pytest.raises(BlockingIOError):
             squatter.accept()  # nobody connected
     finally:
