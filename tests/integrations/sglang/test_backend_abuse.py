@@ -39,9 +39,9 @@ CHILD = r"""
 import json, sys, torch
 from hosts import PS, HostPools, indexer, make_backend, page_keys, store
 from sglang.srt.mem_cache.hicache_storage import PoolName
-address, token, cases = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+address, token, cases, transport = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4]
 pools = HostPools()
-b = make_backend(pools, {"address": address, "token": token, "timeout_s": 30})
+b = make_backend(pools, {"address": address, "token": token, "timeout_s": 30, "transport": transport})
 keys = page_keys(4, salt=41)
 idx = pools.alloc(4)
 pools.fill(idx, seed=11)
@@ -69,9 +69,10 @@ def daemon(request, tmp_path_factory):
     tokens = tmp / "tokens.toml"
     tokens.write_text(f'[tokens]\n"{TOKEN}" = "team-abuse"\n')
     os.chmod(tokens, 0o600)
-    where = f"unix://{tmp}/kv.sock" if request.param == "shm" else "127.0.0.1:0"
-    d = DaemonProcess(where, extra_args=["--device", "cpu", "--auth-tokens", str(tokens), "--host-memory", "64MiB"])
+    # a unix socket for either transport: a token goes over no plaintext TCP port (attack pass 6, A6-1)
+    d = DaemonProcess(f"unix://{tmp}/kv.sock", extra_args=["--device", "cpu", "--auth-tokens", str(tokens), "--host-memory", "64MiB"])
     d.start()
+    d.transport = "auto" if request.param == "shm" else "grpc"
     yield d
     d.stop()
     d.cleanup()
@@ -84,7 +85,7 @@ def test_host_indices_outside_whole_pages_are_false_and_the_process_lives(daemon
     Now: in one SGLang-side process, every call of every case is all-False, nothing is stored, no
     host byte changes, and the process exits 0."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
-    r = subprocess.run([sys.executable, "-c", CHILD, daemon.address, TOKEN, json.dumps(BAD_INDICES)], env=env,
+    r = subprocess.run([sys.executable, "-c", CHILD, daemon.address, TOKEN, json.dumps(BAD_INDICES), daemon.transport], env=env,
                        capture_output=True, text=True, timeout=600)
     done = dict(json.loads(line[7:]) for line in r.stdout.splitlines() if line.startswith("RESULT "))
     assert r.returncode == 0, (f"the SGLang process died (exit {r.returncode}) after cases {sorted(done)}:\n"
@@ -98,7 +99,7 @@ def test_host_indices_outside_whole_pages_are_false_and_the_process_lives(daemon
 def test_whole_pages_at_the_pools_last_page_still_work(daemon):
     """The bounds are not off by one the other way: the host pool's last page stores and loads."""
     pools = HostPools()
-    b = make_backend(pools, {"address": daemon.address, "token": TOKEN, "timeout_s": 30})
+    b = make_backend(pools, {"address": daemon.address, "token": TOKEN, "timeout_s": 30, "transport": daemon.transport})
     idx = torch.arange(pools.kv.size - 2 * PS, pools.kv.size)
     pools.fill(idx, seed=12)
     want = pools.snapshot(idx)
@@ -115,7 +116,7 @@ def test_none_and_garbage_in_every_public_method_never_raise(daemon):
     ``batch_exists_v2(keys, ["x"])`` AttributeError into SGLang's controller. Every public method
     now answers a miss / False for None and garbage arguments, and good calls still work after."""
     pools = HostPools()
-    b = make_backend(pools, {"address": daemon.address, "token": TOKEN, "timeout_s": 30})
+    b = make_backend(pools, {"address": daemon.address, "token": TOKEN, "timeout_s": 30, "transport": daemon.transport})
     keys = page_keys(2, salt=44)
     idx = pools.alloc(2)
     pools.fill(idx, seed=13)

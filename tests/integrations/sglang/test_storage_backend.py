@@ -9,8 +9,9 @@ host pages' own bytes before they were zeroed; the unit's KV part is checked aga
 transposition of the ``page_first`` host page.
 
 Every check runs over both data paths: ``shm`` (the daemon on a unix socket: the backend picks shared
-memory by itself, page bytes in a storage session's staging buffers) and ``grpc`` (the daemon on
-127.0.0.1: gRPC streams). The daemon's counters say which way the bytes went.
+memory by itself, page bytes in a storage session's staging buffers) and ``grpc`` (gRPC streams:
+told ``transport = "grpc"``; its daemon also on a unix socket, since a token goes over no plaintext
+TCP port, and on 127.0.0.1 where no token is used). The daemon's counters say which way the bytes went.
 """
 
 from __future__ import annotations
@@ -44,8 +45,10 @@ TRANSPORTS = ["shm", "grpc"]
 
 
 def listen(tmp, transport: str, name: str = "kv") -> str:
-    """Where a test daemon listens: a unix socket (the backend then uses shared memory) or 127.0.0.1."""
-    return f"unix://{tmp}/{name}.sock" if transport == "shm" else "127.0.0.1:0"
+    """Where a test daemon listens: a unix socket, for either transport (a token goes over no
+    plaintext TCP port, loopback included: attack pass 6, A6-1); the backend of a ``grpc`` daemon is
+    told ``transport = "grpc"`` (:func:`extra`)."""
+    return f"unix://{tmp}/{name}-{transport}.sock"
 
 
 def start(tmp, transport: str, args, name: str = "kv") -> DaemonProcess:
@@ -72,7 +75,8 @@ def transport(request):
 
 
 def extra(d, token=TOKEN_A, **more):
-    return {"address": d.address, "token": token, "timeout_s": 30, **more}
+    chosen = {"transport": "grpc"} if d.transport == "grpc" else {}  # shm: "auto", as SGLang users run it
+    return {"address": d.address, "token": token, "timeout_s": 30, **chosen, **more}
 
 
 def unit_counters(d, token=TOKEN_A) -> dict[str, int]:
@@ -197,7 +201,7 @@ def test_a_page_evicted_inside_kvtier_shows_neither_kv_nor_indexer(tmp_path, tra
     # host tier of 2 MiB, no disk: 6 units of ~177 KB fit, 20 do not; the oldest are evicted whole
     with DaemonProcess(listen(tmp_path, transport, "ev"), allow_unauthenticated=True, extra_args=["--device", "cpu", "--host-memory", "2MiB"]) as d:
         pools = HostPools()
-        b = make_backend(pools, {"address": d.address})
+        b = make_backend(pools, {"address": d.address, "transport": transport})
         keys = page_keys(20, salt=13)
         idx = pools.alloc(20)
         pools.fill(idx, seed=4)
@@ -205,7 +209,7 @@ def test_a_page_evicted_inside_kvtier_shows_neither_kv_nor_indexer(tmp_path, tra
             store(b, keys[i:i + 4], idx[i * PS:(i + 4) * PS])
         r = exists_v2(b, keys[:1])
         assert (r.kv_hit_pages, r.extra_pool_hit_pages) == (0, {})
-        fresh = make_backend(pools, {"address": d.address})     # nothing delivered before in this backend
+        fresh = make_backend(pools, {"address": d.address, "transport": transport})  # nothing delivered before here
         dst = pools.alloc(1)
         assert fresh.batch_get_v2(indexer(keys[:1], dst))[PoolName.INDEXER] == [False]
         assert fresh.batch_get_v1(keys[:1], dst) == [False]
@@ -313,12 +317,13 @@ def test_settings_and_layouts_it_cannot_store_are_refused_clearly(daemon):
         make_backend(HostPools(), extra(daemon, address=5))
     with pytest.raises(ValueError, match="number of bytes"):
         make_backend(HostPools(), extra(daemon, staging_bytes="256MiB"))
-    if daemon.transport == "grpc":   # a TCP address: shared memory is impossible, said at startup
-        with pytest.raises(ValueError, match="unix socket"):
-            make_backend(HostPools(), extra(daemon, transport="shm"))
-    else:
-        assert make_backend(HostPools(), extra(daemon, transport="shm")).transport.name == "shm"
-        assert make_backend(HostPools(), extra(daemon, transport="grpc")).transport.name == "grpc"
+    with pytest.raises(ValueError, match="unix socket"):   # a TCP address: shared memory is impossible, said at startup
+        make_backend(HostPools(), {"address": "127.0.0.1:1", "transport": "shm"})
+    with pytest.raises(ValueError, match="in plaintext"):  # attack pass 6, A6-1: no token over plaintext TCP
+        make_backend(HostPools(), {"address": "127.0.0.1:1", "token": TOKEN_A, "transport": "grpc"})
+    assert make_backend(HostPools(), extra(daemon, transport="shm")).transport.name == "shm"
+    assert make_backend(HostPools(), extra(daemon, transport="grpc")).transport.name == "grpc"
+    assert make_backend(HostPools(), extra(daemon, transport="auto")).transport.name == "shm"  # a unix socket
     with pytest.raises(ValueError, match="page_first_direct"):
         make_backend(HostPools(layout="layer_first"), extra(daemon))
 
