@@ -73,6 +73,9 @@ def plan(model: str, available_bytes: int, kv_dtype: str, accounting: str, role:
 
     With --pp-size N: one plan per pipeline stage (kvtier plan --model glm-5.2 --available-bytes 80GiB --pp-size 4).
     """
+    if pp_partition and len(pp_partition) != pp_size:  # a partition without --pp-size was ignored (attack pass 6, A6-8)
+        raise click.BadParameter(f"{len(pp_partition)} stages in --pp-partition but --pp-size {pp_size}: give "
+                                 f"--pp-size {len(pp_partition)}", param_hint="--pp-partition")
     if pp_size > 1 or pp_partition:
         _plan_stages(model, available_bytes, kv_dtype, accounting, role, page_size, pp_size, pp_partition, as_json)
         return

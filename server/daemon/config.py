@@ -44,6 +44,11 @@ DEVICES = ("auto", "cpu", "cuda")
 TRANSFER_ENGINES = ("none", "mooncake")
 MAX_ATTACH_SESSIONS = 1024  # live attach and storage sessions of the whole daemon
 
+MAX_WORKERS = 1024
+"""The most gRPC worker threads (each a thread of the daemon; the machine's thread limit is shared)."""
+MAX_STREAMS = 65536
+"""The most KV streams ``max_streams`` may allow at once."""
+
 @dataclass(frozen=True)
 class PoolSpec:
     """A pool the daemon creates at start (``--pool`` or a ``[[pools]]`` table)."""
@@ -240,10 +245,11 @@ class DaemonConfig:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
         if self.log_level.upper() not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
-        if self.workers < 1:
-            raise ValueError(f"workers must be >= 1, got {self.workers}")
-        if self.torch_threads < 1:
-            raise ValueError(f"torch_threads must be >= 1, got {self.torch_threads}")
+        # upper bounds: 100,000 torch threads took the machine's thread limit and crashed (attack pass 6, A6-8)
+        if not 1 <= self.workers <= MAX_WORKERS:
+            raise ValueError(f"workers must be 1..{MAX_WORKERS}, got {self.workers}")
+        if not 1 <= self.torch_threads <= 256:
+            raise ValueError(f"torch_threads must be 1..256, got {self.torch_threads}")
         if not 0 <= self.copy_threads <= 64:
             raise ValueError(f"copy_threads must be 0 (the machine's cores) or 1..64, got {self.copy_threads}")
         if not 64 * 1024 <= self.max_message_bytes <= MAX_MESSAGE_BYTES:
@@ -257,10 +263,10 @@ class DaemonConfig:
             raise ValueError("tls_cert and tls_key go together")
         if self.tls_client_ca and not self.tls_cert:
             raise ValueError("tls_client_ca (mutual TLS) needs tls_cert and tls_key")
-        if self.max_streams < 0:
-            raise ValueError(f"max_streams must be >= 0, got {self.max_streams}")
-        if self.max_streams_per_tenant < 0:
-            raise ValueError(f"max_streams_per_tenant must be >= 0, got {self.max_streams_per_tenant}")
+        if not 0 <= self.max_streams <= MAX_STREAMS:
+            raise ValueError(f"max_streams must be 0..{MAX_STREAMS}, got {self.max_streams}")
+        if not 0 <= self.max_streams_per_tenant <= MAX_STREAMS:
+            raise ValueError(f"max_streams_per_tenant must be 0..{MAX_STREAMS}, got {self.max_streams_per_tenant}")
         if self.stream_idle_seconds <= 0:
             raise ValueError(f"stream_idle_seconds must be > 0, got {self.stream_idle_seconds}")
         if self.request_arrival_seconds <= 0:
@@ -365,8 +371,13 @@ class DaemonConfig:
             kwargs["quotas"] = Quotas.from_mapping(kwargs["quotas"], parse_bytes)
         if "pools" in kwargs:
             specs = []
-            for table in kwargs["pools"]:
+            tables = kwargs["pools"]
+            if not isinstance(tables, (list, tuple)) or not all(isinstance(t, dict) for t in tables):
+                raise ValueError(f"pools must be [[pools]] tables, got {tables!r}")  # a traceback (attack pass 6, A6-7)
+            for table in tables:
                 check_known_keys(PoolSpec, table, "[[pools]]")
+                if "model" not in table:
+                    raise ValueError("a [[pools]] table needs model (a preset name or a config.json path)")
                 table = dict(table)
                 if "memory_bytes" in table:
                     table["memory_bytes"] = parse_bytes(table["memory_bytes"], "memory_bytes")

@@ -91,5 +91,4 @@ def still_wanted(wanted: Callable[[], bool], call: str) -> None:
     so the call must change nothing (attack pass 4, A4-6: AllocateSlots and Restore past their
     deadline still ran, leaking pages nobody knew of and dropping the restored copy)."""
     if not wanted():
-        raise Cancelled(f"the {call} was cancelled or ran past its deadline while it waited for the pool; "
-                        f"nothing was changed")
+        raise Cancelled(f"the {call} was cancelled or ran past its deadline while it waited; nothing was changed")

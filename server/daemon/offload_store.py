@@ -91,6 +91,8 @@ class OffloadStore:
         """``key`` as bytes. Raises InvalidArgument: empty, or above :data:`MAX_KEY_BYTES` bytes."""
         if not key:
             raise InvalidArgument("offload key must not be empty")
+        if not key.isprintable():  # (attack pass 6, A6-10: control characters were taken)
+            raise InvalidArgument(f"offload key must be printable characters (no control characters), got {key[:64]!r}")
         raw = key.encode()
         if len(raw) > MAX_KEY_BYTES:
             raise InvalidArgument(f"offload key must be at most {MAX_KEY_BYTES} bytes")

@@ -445,6 +445,8 @@ class PoolRegistry:
         """
         if len(req.pool_id) > MAX_POOL_ID_CHARS:
             raise InvalidArgument(f"pool_id must be at most {MAX_POOL_ID_CHARS} characters")
+        if not req.pool_id.isprintable():  # escapes reached `kvtier status` and /metrics raw (attack pass 6, A6-10)
+            raise InvalidArgument(f"pool_id must be printable characters (no control characters), got {req.pool_id[:64]!r}")
         if req.size_tokens < 0 or req.size_tokens > MAX_POOL_TOKENS:
             raise InvalidArgument(f"size_tokens must be at most {MAX_POOL_TOKENS}, got {req.size_tokens}")
         model = build_model(req)

@@ -123,6 +123,9 @@ def build_stack(host_bytes: int, settings: TierSettings, device: str = "cpu") ->
     host tier (``host_bytes``; page-locked when ``device`` is CUDA unless the settings say), the LMDB
     disk tier (``disk_*``), the Mooncake Store tier (``settings.mooncake``)."""
     pin = settings.host_pin_memory if settings.host_pin_memory is not None else device.startswith("cuda")
+    if pin and not torch.cuda.is_available():  # a traceback from torch before (attack pass 6, A6-7)
+        raise ValueError("tiers.host_pin_memory needs CUDA (page-locked memory), and this machine has none: "
+                         "leave it out, or set it false")
     configs: dict[str, Any] = {
         "host": lambda: HostTierConfig(capacity_bytes=host_bytes, write_back=not settings.write_through, pin_memory=pin,
                                        policy=settings.policy),

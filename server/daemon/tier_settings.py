@@ -98,11 +98,22 @@ class TierSettings:
         if isinstance(self.lease_ttl_seconds, bool) or not isinstance(self.lease_ttl_seconds, (int, float)) \
                 or not 0 <= self.lease_ttl_seconds <= 86400:
             raise ValueError(f"tiers.lease_ttl_seconds must be 0..86400, got {self.lease_ttl_seconds!r}")
-        if not 0.0 < float(self.disk_reserve_fraction) < 1.0:
-            raise ValueError(f"tiers.disk_reserve_fraction must lie in (0, 1), got {self.disk_reserve_fraction!r}")
+        if isinstance(self.disk_reserve_fraction, bool) or not isinstance(self.disk_reserve_fraction, (int, float)) \
+                or not 0.0 < self.disk_reserve_fraction < 1.0:  # a string made a traceback (attack pass 6, A6-7)
+            raise ValueError(f"tiers.disk_reserve_fraction must be a number in (0, 1), got {self.disk_reserve_fraction!r}")
+        if not isinstance(self.disk_path, str):
+            raise ValueError(f"tiers.disk_path must be a directory path (a string), got {self.disk_path!r}")
+        for name in ("write_through", "disk_sync", "disk_write_behind"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"tiers.{name} must be true or false, got {getattr(self, name)!r}")
+        if self.host_pin_memory is not None and not isinstance(self.host_pin_memory, bool):
+            raise ValueError(f"tiers.host_pin_memory must be true or false, got {self.host_pin_memory!r}")
         object.__setattr__(self, "stack", parse_stack(self.stack))
         if "disk" in self.stack and not self.disk_path:
             raise ValueError("tiers.stack names the disk tier but no disk_path (--disk-path) is set")
+        if self.stack and "disk" not in self.stack and self.disk_path:  # was silently no disk (attack pass 6, A6-7)
+            raise ValueError(f"tiers.disk_path ({self.disk_path}) is set but tiers.stack {','.join(self.stack)} has no "
+                             f"disk tier: add disk to the stack (--tiers), or leave the path out")
         if "mooncake" in self.stack:
             self.mooncake.validate()
 
@@ -125,7 +136,7 @@ def parse_stack(value: Any) -> tuple[str, ...]:
     """``"host,disk,mooncake"`` or a list of names -> a tuple of known, distinct tier names.
 
     Raises:
-        ValueError: an unknown or repeated name.
+        ValueError: an unknown or repeated name, or names not fastest first (host, disk, mooncake).
     """
     names = tuple(n.strip() for n in value.split(",") if n.strip()) if isinstance(value, str) else tuple(value)
     unknown = [n for n in names if n not in TIER_NAMES]
@@ -133,6 +144,9 @@ def parse_stack(value: Any) -> tuple[str, ...]:
         raise ValueError(f"unknown tiers {unknown}; known: {list(TIER_NAMES)}")
     if len(set(names)) != len(names):
         raise ValueError(f"tiers repeat in {list(names)}")
+    fastest_first = sorted(names, key=TIER_NAMES.index)
+    if list(names) != fastest_first:  # attack pass 6, A6-3: a disk tier above the host one lost durable copies
+        raise ValueError(f"tiers go fastest first: {','.join(fastest_first)}, not {','.join(names)}")
     return names
 
 

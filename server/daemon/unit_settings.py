@@ -10,6 +10,8 @@ from typing import Any
 from kvtier.server.daemon.config_keys import settings_from_table
 
 MiB = 1 << 20
+MAX_CALL_BYTES = 64 << 30
+"""The most data bytes one unit call may be allowed to carry (its buffers are this large)."""
 
 
 @dataclass(frozen=True)
@@ -34,9 +36,12 @@ class UnitSettings:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"units.{name} must be a positive byte count, got {v!r}")
+        # finite and at most a day; a call at most 64 GiB (NaN, 1e308 and 100 TB were taken: attack pass 6, A6-7)
         if isinstance(self.pending_seconds, bool) or not isinstance(self.pending_seconds, (int, float)) \
-                or self.pending_seconds <= 0:
-            raise ValueError(f"units.pending_seconds must be > 0, got {self.pending_seconds!r}")
+                or not 0 < self.pending_seconds <= 86400:
+            raise ValueError(f"units.pending_seconds must be > 0 and at most 86400 (a day), got {self.pending_seconds!r}")
+        if self.max_call_bytes > MAX_CALL_BYTES:
+            raise ValueError(f"units.max_call_bytes must be at most {MAX_CALL_BYTES} (64 GiB), got {self.max_call_bytes}")
 
     @classmethod
     def coerce(cls, value: UnitSettings | Mapping[str, Any] | None) -> UnitSettings:

@@ -129,11 +129,16 @@ class UnitPut:
         """True when the bytes so far end exactly at a unit's part boundary."""
         return self._at == 0
 
-    def commit(self) -> PutResult:
-        """Store what arrived. Raises InvalidArgument if fewer bytes came than announced."""
+    def commit(self, wanted: Callable[[], bool] = always) -> PutResult:
+        """Store what arrived.
+
+        Raises:
+            InvalidArgument: fewer bytes came than announced.
+            Cancelled: ``wanted()`` was false once the commit held the clear guard (its caller gave
+                up while a ClearUnits ran): nothing is stored (attack pass 6, A6-5)."""
         if self.filled != self.total:
             raise InvalidArgument(f"PutUnits carried {self.filled} of the {self.total} bytes its keys and part announce")
-        return self.store._commit(self)
+        return self.store._commit(self, wanted)
 
 
 def _into(rec: torch.Tensor, out: object) -> torch.Tensor:
@@ -251,8 +256,9 @@ class UnitStore:
         p.add(data)
         return p.commit()
 
-    def _commit(self, p: UnitPut) -> PutResult:
+    def _commit(self, p: UnitPut, wanted: Callable[[], bool] = always) -> PutResult:
         with self._guard.shared():  # a clear comes wholly before (it dropped the waiting parts) or after
+            still_wanted(wanted, "PutUnits")
             return self._commit_unguarded(p)
 
     def _commit_unguarded(self, p: UnitPut) -> PutResult:

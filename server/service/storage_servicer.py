@@ -65,7 +65,7 @@ class StorageServicer(storage_pb2_grpc.StorageServiceServicer):
                     if len(msg.data) < MIN_CHUNK_BYTES and not put.ends_a_part():
                         raise InvalidArgument(f"a PutUnits piece must carry at least {MIN_CHUNK_BYTES} bytes unless "
                                               f"it ends a unit's part")
-            r = put.commit()
+            r = put.commit(context.is_active)
         return storage_pb2.PutUnitsResponse(accepted=r.accepted, completed=r.completed, pending=r.pending)
 
     def GetUnits(self, request: storage_pb2.GetUnitsRequest, context: grpc.ServicerContext) -> Iterator[storage_pb2.GetUnitsResponse]:
@@ -90,7 +90,7 @@ class StorageServicer(storage_pb2_grpc.StorageServiceServicer):
         put = self.units.begin_put(caller, self._space(request.space), request.keys, _part(request.part), "staged",
                                    writer=request.writer)
         put.add(self.state.attach.staging_region(caller, request.staging.buffer, request.staging.offset, put.total))
-        r = put.commit()
+        r = put.commit(context.is_active)
         return storage_pb2.PutUnitsResponse(accepted=r.accepted, completed=r.completed, pending=r.pending)
 
     def GetUnitsStaged(self, request: storage_pb2.GetUnitsStagedRequest, context: grpc.ServicerContext) -> storage_pb2.GetUnitsStagedResponse:

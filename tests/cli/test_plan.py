@@ -138,3 +138,10 @@ def test_pp_size_plans_each_stage_with_sglangs_layer_split():
 def test_pp_partition_must_add_up():
     result = CliRunner().invoke(main, GLM_ARGS + ["--pp-size", "2", "--pp-partition", "30,30"])
     assert result.exit_code == 2 and "adding up to 78" in result.output
+
+
+def test_a_pp_partition_without_its_pp_size_is_a_usage_error():
+    """Attack pass 6, A6-8: ``--pp-partition 1,1`` without ``--pp-size`` planned one stage of 78 layers
+    and exited 0; the partition was ignored without a word."""
+    result = CliRunner().invoke(main, GLM_ARGS + ["--pp-partition", "39,39"])
+    assert result.exit_code == 2 and "2 stages in --pp-partition but --pp-size 1: give --pp-size 2" in result.output

@@ -281,3 +281,22 @@ def test_read_kv_whose_copy_out_cannot_get_memory_is_resource_exhausted_mid_stre
         assert bytes(back.latent[0].contiguous().view(torch.uint8).reshape(-1).numpy()) == rows.numpy().tobytes()
         c.write_kv("big", slots[:1], latent={0: rows[:1]})
         assert c.delete_pool("big", force=True) is not None
+
+
+@pytest.mark.parametrize("bad", ["a\nFAKE line", "b\x1b[31mred", "d\x00e", "\x1b]0;pwned\x07"])
+def test_names_with_control_characters_are_refused(client, bad):
+    """Attack pass 6, A6-10: pool ids and offload keys took control characters, and ``kvtier status``
+    and the metrics page (every tenant's pool ids) printed them raw to an operator's terminal."""
+    with pytest.raises(KVTierError) as err:
+        client.create_pool("glm-5.2", num_layers=2, size_tokens=64, pool_id=bad)
+    assert err.value.code == INVALID and "pool_id must be printable characters" in err.value.details
+    assert bad not in [p.pool_id for p in client.list_pools()]
+    pool = client.create_pool("glm-5.2", num_layers=2, size_tokens=64).pool_id
+    try:
+        slots = client.allocate_slots(pool, 64)
+        with pytest.raises(KVTierError) as err:
+            client.offload(pool, bad, slots)
+        assert err.value.code == INVALID and "offload key must be printable characters" in err.value.details
+        client.free_slots(pool, slots)
+    finally:
+        client.delete_pool(pool, force=True)

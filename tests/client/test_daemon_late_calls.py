@@ -128,3 +128,47 @@ def test_drop_clear_units_and_prefix_calls_that_gave_up_waiting_change_nothing(t
         assert all(torch.equal(back.latent[l], want.latent[l]) for l in want.latent)
         assert c.store_prefix(store_lease, keys, store_lease.slots, release=True) == 2
         c.release_prefix(release_lease)
+
+
+def test_unit_puts_that_gave_up_waiting_for_a_clear_store_nothing(tmp_path):
+    """Attack pass 6, A6-5: a ClearUnits waiting for units on their way to a slow disk holds the unit
+    store's clear guard; a PutUnits behind it, told DEADLINE_EXCEEDED, still stored its unit once the
+    disk went on (and a lone part stayed waiting). The commit now checks its caller once it holds
+    the guard: neither the whole unit nor the part is there afterwards."""
+    import time
+
+    from kvtier.client.storage import UnitSpaceSpec
+
+    space = UnitSpaceSpec("glm-5.2", num_layers=4, start_layer=0, kv_lora_rank=512, qk_rope_head_dim=64, index_head_dim=128,
+                          kv_cache_dtype="fp8", page_size=64, latent_row_bytes=656, skip_mask="FFFS")
+    other = UnitSpaceSpec(**{**space.__dict__, "scope": "other"})
+    nb = space.part_nbytes("both")
+    slow = tmp_path / "slow"
+    args = ["--device", "cpu", "--disk-path", str(tmp_path / "disk"), "--disk-size", "1GiB", "--host-memory", "4MiB",
+            "--workers", "16"]
+    with DaemonProcess(extra_args=args, env={"KVTIER_TEST_DISK_SLOW_FILE": str(slow)}) as d, \
+            KVTierClient(d.address, timeout=120) as c:
+        slow.write_text("")  # every disk commit waits until the file holds a number
+        for i in range(60):  # more than the host tier holds: units go down to the held disk
+            c.put_units(space, [f"fill{i}".encode()], "both", torch.full((nb,), i % 250, dtype=torch.uint8))
+        cleared: list[object] = []
+        clear = threading.Thread(target=lambda: cleared.append(c.clear_units(space)))
+        clear.start()
+        time.sleep(1.0)  # the clear holds the guard, waiting for the disk
+        answers = {}
+        with KVTierClient(d.address, timeout=2, retries=0) as late:
+            for name, call in (("both", lambda: late.put_units(other, [b"late1"], "both",
+                                                                torch.full((nb,), 0x5A, dtype=torch.uint8))),
+                               ("kv", lambda: late.put_units(space, [b"late2"], "kv",
+                                                              torch.full((space.part_nbytes("kv"),), 0x5B,
+                                                                         dtype=torch.uint8)))):
+                try:
+                    answers[name] = f"answered {call()}"
+                except DeadlineExceededError:
+                    answers[name] = "deadline"
+        slow.unlink()
+        clear.join(120)
+        assert answers == {"both": "deadline", "kv": "deadline"} and cleared and not clear.is_alive()
+        out = torch.zeros(nb, dtype=torch.uint8)
+        assert c.get_units(other, [b"late1"], "both", out) == [False]
+        assert c.unit_stats()["parts_pending"] == 0

@@ -52,6 +52,10 @@ def test_bad_values_are_refused():
     ({"max_message_bytes": 5 << 30}, "max_message_bytes must be 65536..2147483647 (gRPC's limit)"),
     ({"attach_staging_bytes": 10 ** 18}, "attach_staging_bytes must be 0.."),  # attack pass 5 (with A5-8)
     ({"attach_staging_tenant_bytes": -1}, "attach_staging_tenant_bytes must be 0.."),
+    # attack pass 6, A6-8: 100,000 torch threads took the machine's thread limit and crashed
+    ({"torch_threads": 100000}, "torch_threads must be 1..256"),
+    ({"workers": 100000}, "workers must be 1..1024"),
+    ({"max_streams": 1000000}, "max_streams must be 0..65536"),
 ])
 def test_values_too_large_for_the_deadlines_or_grpc_are_refused(kwargs, words):
     """Attack pass 4, A4-4: ``--grace 1e308`` was accepted and the daemon died at SIGTERM with
@@ -152,3 +156,23 @@ def test_pool_ids_are_per_tenant():
     assert [e.tenant for e in (d.pools.get(Caller("team-a"), "p"), d.pools.get(Caller("team-b"), "p"))] == ["team-a", "team-b"]
     with pytest.raises(ValueError, match="pool ids repeat within a tenant: team-a/p"):
         DaemonConfig(pools=(a, a))
+
+
+@pytest.mark.parametrize("pools, words", [(5, "pools must be [[pools]] tables"), ([5], "pools must be [[pools]] tables"),
+                                          ([{}], "a [[pools]] table needs model")])
+def test_pools_that_are_not_tables_are_one_line(pools, words):
+    """Attack pass 6, A6-7: ``pools = 5``, ``[5]`` and ``[{}]`` in the TOML ended in tracebacks."""
+    with pytest.raises(ValueError) as e:
+        DaemonConfig.from_mapping({"pools": pools})
+    assert str(e.value).startswith(words)
+
+
+@pytest.mark.parametrize("units, words", [({"pending_seconds": float("nan")}, "units.pending_seconds must be > 0 and at most"),
+                                          ({"pending_seconds": 1e308}, "units.pending_seconds must be > 0 and at most"),
+                                          ({"max_call_bytes": 100 << 40}, "units.max_call_bytes must be at most")])
+def test_unit_settings_have_upper_bounds(units, words):
+    """Attack pass 6, A6-7: NaN and 1e308 seconds and a 100 TB call were accepted."""
+    from kvtier.server.daemon.unit_settings import UnitSettings
+
+    with pytest.raises(ValueError, match=words):
+        UnitSettings(**units)

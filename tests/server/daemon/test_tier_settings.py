@@ -43,6 +43,14 @@ def test_tiers_table_with_a_stack_list_and_a_mooncake_table():
     ({"lease_ttl_seconds": 1e308}, "lease_ttl_seconds must be 0..86400"),
     ({"disk_probe_backoff_max_seconds": float("inf")}, "disk_probe_backoff_max_seconds must be > 0 and at most 86400"),
     ({"disk_max_readers": 1}, "disk_max_readers must be 16..4096"),
+    # attack pass 6, A6-3: a disk tier above the host one was taken and lost copies acknowledged durable
+    ({"stack": ["disk", "host"], "disk_path": "/d"}, "tiers go fastest first: host,disk, not disk,host"),
+    ({"stack": "mooncake,host"}, "tiers go fastest first: host,mooncake, not mooncake,host"),
+    # attack pass 6, A6-7: tracebacks, and a disk path silently unused
+    ({"disk_reserve_fraction": "0.5", "disk_path": "/d"}, "disk_reserve_fraction must be a number in"),
+    ({"disk_path": 5}, "disk_path must be a directory path"),
+    ({"write_through": "yes"}, "write_through must be true or false"),
+    ({"stack": ["host"], "disk_path": "/d"}, "disk_path .* is set but tiers.stack host has no disk tier"),
 ])
 def test_bad_stack_or_mooncake_settings_name_the_problem(table, match):
     with pytest.raises(ValueError, match=match):
