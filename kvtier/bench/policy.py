@@ -3,7 +3,7 @@ peer's default) and Belady.
 
 Simulated (``kvtier replay --simulate``: the same code a daemon runs, no bytes) on the Mooncake
 conversation trace at the replay's default budgets (1,024 device + 5,533 host + 16,362 disk pages;
-``--quick``: the first 3,000 requests). Reports the total hit rate, the device tier's hits and the
+``--quick``: the first 1,000 requests). Reports the total hit rate, the device tier's hits and the
 bytes written to the disk tier of the candidate against ``lru``, and both against Belady's MIN bound
 (the share of LRU's distance to Belady it closes). Targets are issue 24's: a quarter
 of the distance closed, 1.5x LRU's device hits, half of LRU's disk writes.
@@ -30,7 +30,7 @@ class PolicyCase(Case):
     title = f"Eviction and admission: {CANDIDATE} vs LRU and Belady (simulated, default budgets)"
 
     def settings(self, ctx: BenchContext) -> dict[str, Any]:
-        return {"requests": 3000 if ctx.quick else None, "policies": ["lru", CANDIDATE]}
+        return {"requests": 1000 if ctx.quick else None, "policies": ["lru", CANDIDATE]}
 
     def steps(self, ctx: BenchContext) -> int:
         return 3

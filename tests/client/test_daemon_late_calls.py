@@ -25,11 +25,26 @@ from kvtier.client.spawn import DaemonProcess
 PAGES = 16
 
 
+def _held_disk_args(tmp_path) -> list[str]:
+    """A daemon whose pool's lock an Offload with ``free_slots`` holds while the slow-disk hook holds
+    its write-through commit."""
+    return ["--device", "cpu", "--pool", f"glm-5.2:{PAGES * 64}", "--pool-layers", "2", "--host-memory", "1MiB",
+            "--disk-path", str(tmp_path / "disk"), "--disk-size", "64MiB", "--write-through", "--no-disk-write-behind"]
+
+
+def _until_the_pool_is_held(late: KVTierClient) -> None:
+    """Wait until the Offload holds the pool's lock (a DescribePool waits on it)."""
+    for _ in range(200):
+        try:
+            late.describe_pool("default", timeout=0.2)
+        except DeadlineExceededError:
+            return
+    pytest.fail("the Offload never held the pool's lock")
+
+
 def test_calls_that_gave_up_waiting_for_the_pool_change_nothing(tmp_path):
     slow = tmp_path / "slow"
-    args = ["--device", "cpu", "--pool", f"glm-5.2:{PAGES * 64}", "--pool-layers", "2", "--host-memory", "1MiB",
-            "--disk-path", str(tmp_path / "disk"), "--disk-size", "64MiB", "--write-through", "--no-disk-write-behind"]
-    with DaemonProcess(extra_args=args, env={"KVTIER_TEST_DISK_SLOW_FILE": str(slow)}) as d, \
+    with DaemonProcess(extra_args=_held_disk_args(tmp_path), env={"KVTIER_TEST_DISK_SLOW_FILE": str(slow)}) as d, \
             KVTierClient(d.address, timeout=60) as c:
         keep = c.allocate_slots("default", 64)
         c.offload("default", "precious", keep, free_slots=True)  # the only copy of these bytes
@@ -42,13 +57,7 @@ def test_calls_that_gave_up_waiting_for_the_pool_change_nothing(tmp_path):
         holder.start()
         try:
             with KVTierClient(d.address, timeout=60, retries=0) as late:
-                for _ in range(200):  # until the Offload holds the pool's lock (a DescribePool waits on it)
-                    try:
-                        late.describe_pool("default", timeout=0.2)
-                    except DeadlineExceededError:
-                        break
-                else:
-                    pytest.fail("the Offload never held the pool's lock")
+                _until_the_pool_is_held(late)
                 with pytest.raises(DeadlineExceededError):
                     late.allocate_slots("default", 4 * 64, timeout=1.0)
                 with pytest.raises(DeadlineExceededError):
@@ -79,9 +88,7 @@ def test_drop_clear_units_and_prefix_calls_that_gave_up_waiting_change_nothing(t
     unit = torch.randint(0, 256, (space.part_nbytes("both"),), dtype=torch.uint8,
                          generator=torch.Generator().manual_seed(7))
     slow = tmp_path / "slow"
-    args = ["--device", "cpu", "--pool", f"glm-5.2:{PAGES * 64}", "--pool-layers", "2", "--host-memory", "1MiB",
-            "--disk-path", str(tmp_path / "disk"), "--disk-size", "64MiB", "--write-through", "--no-disk-write-behind"]
-    with DaemonProcess(extra_args=args, env={"KVTIER_TEST_DISK_SLOW_FILE": str(slow)}) as d, \
+    with DaemonProcess(extra_args=_held_disk_args(tmp_path), env={"KVTIER_TEST_DISK_SLOW_FILE": str(slow)}) as d, \
             KVTierClient(d.address, timeout=60) as c:
         keep = c.allocate_slots("default", 64)
         want = c.read_kv("default", keep)
@@ -98,13 +105,7 @@ def test_drop_clear_units_and_prefix_calls_that_gave_up_waiting_change_nothing(t
         late_answers: dict[str, str] = {}
         try:
             with KVTierClient(d.address, timeout=60, retries=0) as late:
-                for _ in range(200):  # until the Offload holds the pool's lock (a DescribePool waits on it)
-                    try:
-                        late.describe_pool("default", timeout=0.2)
-                    except DeadlineExceededError:
-                        break
-                else:
-                    pytest.fail("the Offload never held the pool's lock")
+                _until_the_pool_is_held(late)
                 for name, call in (("drop", lambda: late.drop("precious", timeout=1.0)),
                                    ("clear_units", lambda: late.clear_units(space, timeout=1.0)),
                                    ("store_prefix", lambda: late.store_prefix(store_lease, keys, store_lease.slots,

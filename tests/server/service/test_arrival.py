@@ -258,6 +258,17 @@ def _wait_waiting(guard: RequestArrival, n: int) -> None:
         time.sleep(0.01)
 
 
+def _stalled_in_order(guard: RequestArrival, call, n: int) -> tuple[list[FakeContext], list[threading.Thread]]:
+    """``n`` calls whose message never comes, started one at a time (the watchlist is oldest first)."""
+    contexts, threads = [], []
+    for _ in range(n):
+        c, t = _start_stalled(call, 1)
+        contexts += c
+        threads += t
+        _wait_waiting(guard, len(contexts))
+    return contexts, threads
+
+
 def test_late_calls_beyond_the_cap_go_at_once_the_rest_at_the_deadline():
     """3 calls wait for a message that never comes, the cap is 1: nothing is cancelled before they
     are late, nor while they keep no other call from a thread (attack pass 3, N6: a slow sender was
@@ -270,12 +281,7 @@ def test_late_calls_beyond_the_cap_go_at_once_the_rest_at_the_deadline():
     assert call(iter(["ping"]), FakeContext()) == "answer to ping"
     with pytest.raises(Aborted, match="UNIMPLEMENTED"):
         call(iter(()), FakeContext())
-    contexts, threads = [], []
-    for _ in range(3):  # one at a time: the watchlist is oldest first
-        c, t = _start_stalled(call, 1)
-        contexts += c
-        threads += t
-        _wait_waiting(guard, len(contexts))
+    contexts, threads = _stalled_in_order(guard, call, 3)
     clock.now = late_seconds(10.0) - 0.01
     assert guard.check_now() == 0
     clock.now = late_seconds(10.0) + 0.01
@@ -303,12 +309,7 @@ def test_a_small_pool_counts_a_call_late_after_50_ms():
                            small_pools=frozenset({"monitor"}))
     guard.close()
     call = _echo_handler(guard)
-    contexts, threads = [], []
-    for _ in range(2):
-        c, t = _start_stalled(call, 1)
-        contexts += c
-        threads += t
-        _wait_waiting(guard, len(contexts))
+    contexts, threads = _stalled_in_order(guard, call, 2)
     _hand_over(guard, 1)
     clock.now = 0.04
     assert guard.check_now() == 0
@@ -320,7 +321,7 @@ def test_a_small_pool_counts_a_call_late_after_50_ms():
         t.join(30)
 
 
-def test_a_daemon_waiting_for_the_cpu_counts_calls_late_only_after_ten_times_its_lag():
+def test_a_daemon_waiting_for_the_cpu_counts_calls_late_only_after_four_times_its_lag():
     """CI failure (a soak on 2 cores): a health check whose message was there, but reached its thread
     only after the daemon's threads had waited for the CPU, was cancelled as late at 0.05 s. Once the
     watchdog measured a 30 ms lag on itself, a monitor call is late after 0.05 + 4 x 0.03 = 0.17 s,
@@ -335,12 +336,7 @@ def test_a_daemon_waiting_for_the_cpu_counts_calls_late_only_after_ten_times_its
     guard.note_lag(0.03)
     assert guard.late_bound("monitor") == pytest.approx(0.17) and guard.late_bound("workers") == pytest.approx(0.62)
     call = _echo_handler(guard)
-    contexts, threads = [], []
-    for _ in range(2):
-        c, t = _start_stalled(call, 1)
-        contexts += c
-        threads += t
-        _wait_waiting(guard, len(contexts))
+    contexts, threads = _stalled_in_order(guard, call, 2)
     _hand_over(guard, 1)
     clock.now = 0.16
     assert guard.check_now() == 0  # 0.16 s waited: late before the lag, not now
