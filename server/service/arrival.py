@@ -105,7 +105,6 @@ class _Waiting:
     pool: str
     context: Any
     since: float
-    late: float  # seconds after ``since`` it counts as late (its pool's bound)
     why: str = ""  # set (under the lock) once the watchdog took the call off the list to cancel it
 
 
@@ -197,7 +196,7 @@ class RequestArrival(grpc.ServerInterceptor):
                  des: Callable[[bytes], Any] | None) -> Any:
         """The call's one request message, deserialized; waits on the watchlist (raises ``grpc.RpcError``
         when the call was cancelled meanwhile, by the watchdog or its client)."""
-        entry = _Waiting(method, pool, context, self._clock(), self.lates.get(pool, self.late))
+        entry = _Waiting(method, pool, context, self._clock())
         with self._lock:
             self._queued[pool] = max(0, self._queued.get(pool, 0) - 1)  # it has its thread now
             key = next(self._ids)

@@ -404,23 +404,17 @@ class TierStack:
             for tier in self.tiers:
                 held.enter_context(tier.index.lock)
             ready()
-            n, asked = 0, set()
-            for tier in self.tiers:
-                mine = keys_of(tier)
-                if mine:
-                    n += tier.remove(mine)
-                    asked.update(mine)
-            return n, asked
+            return self._remove_each(keys_of, None)  # waited above: no settle under the locks
 
     def _remove_each(self, keys_of: Callable[[Tier], list[bytes]],
-                     match: Callable[[bytes], bool]) -> tuple[int, set[bytes]]:
+                     match: Callable[[bytes], bool] | None) -> tuple[int, set[bytes]]:
         """Remove ``keys_of(tier)`` from each tier, fastest first. Before each cascade tier below the
         first, wait for the matching records on their way down to it (evicted from the tier above
-        before that was cleared; one evicted later was written after the removal began). Returns
-        the records removed and the keys asked of the tiers."""
+        before that was cleared; one evicted later was written after the removal began); no wait
+        with ``match`` None. Returns the records removed and the keys asked of the tiers."""
         n, asked = 0, set()
         for tier in self.tiers:
-            if tier in self.cascade[1:]:
+            if match is not None and tier in self.cascade[1:]:
                 self.settle(match)
             mine = keys_of(tier)
             if mine:
