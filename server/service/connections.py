@@ -17,7 +17,10 @@ Three gRPC server arguments bound it:
 
 What stays possible: a local process that keeps opening connections faster than the handshake
 deadline closes them holds the cap, and new clients are refused meanwhile; the daemon itself keeps
-running, and its unix socket's clients are reached through the same cap.
+running. A peer that finishes its handshake (server-only TLS needs no token for that) holds its
+connection until the idle GOAWAY, and gRPC keeps no per-peer count, so enough of them fill the cap
+(attack pass 6, A6-12): a TCP listener that untrusted peers reach needs mutual TLS
+(``tls_client_ca``), under which a peer without a certificate is closed during the handshake.
 """
 
 from __future__ import annotations

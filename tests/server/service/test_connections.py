@@ -80,3 +80,96 @@ def test_connections_that_send_nothing_are_capped_and_closed_and_health_answers_
             s.close()
         daemon.terminate()
         daemon.wait(30)
+
+
+def _hold_tls_connections(host: str, port: int, n: int, *, cert: tuple[str, str] | None) -> list[socket.socket]:
+    """Open ``n`` TLS connections that finish their handshake (ALPN h2) and send the HTTP/2 preface,
+    then nothing; the ones the daemon did not close at once are returned, still open."""
+    import ssl
+
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    ctx.set_alpn_protocols(["h2"])
+    if cert:
+        ctx.load_cert_chain(*cert)
+    held = []
+    for _ in range(n):
+        raw = socket.create_connection((host, port), timeout=5)
+        try:
+            s = ctx.wrap_socket(raw)
+            # HTTP/2 client preface and an empty SETTINGS frame: the handshake as gRPC counts it
+            s.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00")
+            s.settimeout(0.5)
+            try:
+                if s.recv(1) == b"":  # the server's SETTINGS, or its close
+                    s.close()
+                    continue
+            except (ssl.SSLError, OSError):  # a TLS alert, a reset or nothing yet
+                pass
+            held.append(s)
+        except (ssl.SSLError, OSError):
+            raw.close()
+    return held
+
+
+def _still_open(socks: list[socket.socket]) -> int:
+    n = 0
+    for s in socks:
+        s.setblocking(False)
+        try:
+            while s.recv(65536):
+                pass
+            continue  # b"": closed
+        except (BlockingIOError, __import__("ssl").SSLWantReadError):
+            n += 1
+        except OSError:
+            pass
+    return n
+
+
+def test_with_mutual_tls_a_peer_without_a_certificate_cannot_hold_connections(tmp_path: Path):
+    """Attack pass 6, A6-12: anyone who reaches a TCP port may finish a server-only TLS handshake and
+    the HTTP/2 settings with no token, then hold the connection idle; enough of them fill the
+    connection cap and legitimate clients are refused. gRPC exposes no per-peer accounting of
+    connections, so the documented remedy for a listener that untrusted peers reach is mutual TLS
+    (``--tls-client-ca``): a peer without a certificate the CA signed is closed during the handshake,
+    and holds nothing. 300 such connections (the cap is 128), then a client with a certificate is
+    served at once, while they are still open on the attacker's side."""
+    from pki import make_pki
+
+    pki = make_pki(tmp_path)
+    ready = tmp_path / "ready"
+    log = tmp_path / "daemon.log"
+    cmd = [sys.executable, "-m", "kvtier.cli", "serve", "--listen", "127.0.0.1:0", "--allow-unauthenticated",
+           "--device", "cpu", "--pool", "glm-5.2:64", "--pool-layers", "2", "--log-level", "WARNING",
+           "--tls-cert", str(pki["server.pem"]), "--tls-key", str(pki["server.key"]),
+           "--tls-client-ca", str(pki["ca.pem"]), "--ready-file", str(ready)]
+    with open(log, "wb") as out:
+        daemon = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, preexec_fn=_limit_fds)
+    socks: list[socket.socket] = []
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists():
+            assert daemon.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+        address = ready.read_text().strip()
+        host, port = address.rsplit(":", 1)
+        # the check is real: a client with the CA's certificate holds its connection
+        own = _hold_tls_connections(host, int(port), 1, cert=(str(pki["client.pem"]), str(pki["client.key"])))
+        assert _still_open(own) == 1
+        socks = _hold_tls_connections(host, int(port), IDLE_CONNECTIONS, cert=None)
+        time.sleep(0.5)
+        assert _still_open(socks) == 0
+        assert _open_fds(daemon.pid) < 64
+        with KVTierClient(address, timeout=10, retries=0, tls_root_cert=str(pki["ca.pem"]),
+                          tls_client_cert=pki["client.pem"], tls_client_key=pki["client.key"]) as c:
+            assert c.health() == "SERVING"
+            assert [p.size_tokens for p in c.list_pools()] == [64]
+        for s in own:
+            s.close()
+    finally:
+        for s in socks:
+            s.close()
+        daemon.terminate()
+        daemon.wait(30)
