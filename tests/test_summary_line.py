@@ -29,13 +29,22 @@ def _marked(path: str, mark: str) -> int:
     return sum("::" in line for line in r.stdout.splitlines())
 
 
-@pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["plain", "xdist"])
-def test_the_final_line_names_slow_and_cuda_tests_left_out(workers):
-    # worked out apart from the hook: pytest's own collection with -m counts each file's marked tests
-    replay, cuda = "tests/cli/test_replay.py", "tests/client/test_attach_cuda.py"
-    n_slow, n_cuda = _marked(replay, "slow"), _marked(cuda, "cuda")
+REPLAY, CUDA = "tests/cli/test_replay.py", "tests/client/test_attach_cuda.py"
+
+
+@pytest.fixture(scope="module")
+def marked() -> tuple[int, int]:
+    """Worked out apart from the hook: pytest's own collection with -m counts each file's marked tests
+    (once for both parametrizations)."""
+    n_slow, n_cuda = _marked(REPLAY, "slow"), _marked(CUDA, "cuda")
     assert n_slow >= 1 and n_cuda >= 1  # else the test would check nothing
-    line = _final_line(*workers, replay, cuda, "-k", "refuses_to_attach or cuda")
+    return n_slow, n_cuda
+
+
+@pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["plain", "xdist"])
+def test_the_final_line_names_slow_and_cuda_tests_left_out(workers, marked):
+    n_slow, n_cuda = marked
+    line = _final_line(*workers, REPLAY, CUDA, "-k", "refuses_to_attach or cuda")
     assert f"{n_slow} left out as slow (run: -m slow)" in line
     assert f"{n_cuda} left out as cuda (need a GPU: -m cuda)" in line
     assert "1 passed" in line
