@@ -27,7 +27,7 @@ import torch
 
 from kvtier.server.pool.buffer_info import BufInfos
 from kvtier.server.daemon.config import MIN_CHUNK_BYTES
-from kvtier.server.daemon.errors import FailedPrecondition, InvalidArgument, always, still_wanted
+from kvtier.server.daemon.errors import Cancelled, FailedPrecondition, InvalidArgument, always, still_wanted
 from kvtier.server.daemon.offload_store import HostCopy, OffloadStore
 from kvtier.server.daemon.pools import PoolEntry, PoolRegistry
 from kvtier.server.daemon.tenants import Caller
@@ -122,11 +122,20 @@ def allocate_slots(registry: PoolRegistry, caller: Caller, pool_id: str, num_tok
 
     Raises:
         NotFound: unknown pool, or the caller's session ended. ResourceExhausted: too few free pages.
-        Cancelled: the caller gave up while the call waited for the pool.
+        Cancelled: the caller gave up while the call waited for the pool, or while the prefix cache
+            made room (its pages written down to a slow disk): the pages are freed again (attack
+            pass 7, A7-4: they were left allocated to no one).
     """
     with registry.locked(caller, pool_id, exclusive=True) as entry:
         still_wanted(wanted, "AllocateSlots")
-        return entry.alloc(num_tokens, entry.owner_of(caller)), entry.page_size
+        owner = entry.owner_of(caller)
+        t = entry.alloc(num_tokens, owner)
+        try:
+            still_wanted(wanted, "AllocateSlots")
+        except Cancelled:
+            entry.free(t, owner)
+            raise
+        return t, entry.page_size
 
 
 def free_slots(registry: PoolRegistry, caller: Caller, pool_id: str, slots: Any,
@@ -236,7 +245,7 @@ def offload(registry: PoolRegistry, store: OffloadStore, caller: Caller, pool_id
         store.check_room(caller, key, nbytes)
         copy = entry.pool.get_cpu_copy(t)
         durable = bool(store.put(caller, key, HostCopy(copy, nbytes, t.numel(), entry.model.fingerprint(),
-                                                       entry.model.fingerprint_digest(), entry.pool_id)))
+                                                       entry.model.fingerprint_digest(), entry.pool_id), wanted=wanted))
         freed = entry.free(t, owner) if free_slots else 0
         return OffloadResult(nbytes, t.numel(), freed, durable)
 
@@ -259,14 +268,21 @@ def restore(registry: PoolRegistry, store: OffloadStore, caller: Caller, pool_id
     Raises:
         NotFound: no copy under ``key`` (or another tenant's). FailedPrecondition: the copy's layout differs from the pool's.
         InvalidArgument: bad slots or a count other than the copy's. ResourceExhausted: no free pages.
-        Cancelled: the caller gave up while the call waited for the pool, or while the copy was
-            loaded (fresh pages are freed again, the copy is kept).
+        Cancelled: the caller gave up while the call waited for the pool, while the copy was
+            loaded, or (with ``drop``) while the drop waited for the tiers (fresh pages are freed
+            again, the copy is kept; attack pass 7, A7-3).
     """
     registry.get(caller, pool_id)  # an unknown pool is NOT_FOUND before the copy is decoded
     with store.taking(caller, key) if drop else nullcontext(store.get(caller, key)) as hc:
         t = _restore_into(registry, caller, pool_id, key, hc, slots, wanted)
-        if drop:
-            store.drop_taken(caller, key, hc.nbytes)  # the copy it took, never a newer one
+        if drop:  # the copy it took, never a newer one; only while the caller is still there (A7-3)
+            try:
+                store.drop_taken(caller, key, hc.nbytes, ready=lambda: still_wanted(wanted, "Restore"))
+            except Cancelled:
+                if slots is None or len(slots) == 0:  # its fresh pages go back, the copy stays
+                    with registry.locked(caller, pool_id, exclusive=True) as entry:
+                        entry.free(t, entry.owner_of(caller))
+                raise
     return t, hc.nbytes
 
 

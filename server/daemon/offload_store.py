@@ -150,9 +150,14 @@ class OffloadStore:
             raise Unavailable(f"the copy needs {nbytes} bytes, more than the {self.stack.cascade[0].name} tier "
                               f"holds; {self._retry_hint(fitting[0])}")
 
-    def put(self, caller: Caller, key: str, copy: HostCopy) -> bool:
+    def put(self, caller: Caller, key: str, copy: HostCopy, *, wanted: Callable[[], bool] = always) -> bool:
         """Store ``copy`` as one record (latent + indexer + src_loc) in the top tier (older records,
         the tenant's own first when over a quota, move down to make room).
+
+        The store's lock is held only while the record is placed (a few tier index operations): a
+        durable copy's wait for the disk's commit holds no lock of the store, so other Offloads and
+        Restores of every tenant go on meanwhile (attack pass 7, A7-2: one tenant's durable offload
+        held every tenant's Offload and Restore(drop) for as long as the disk took).
 
         Returns:
             True if the copy is durable: committed to a persistent tier (LMDB) before this returned.
@@ -160,7 +165,10 @@ class OffloadStore:
         Raises:
             AlreadyExists, ResourceExhausted, Unavailable: as :meth:`check_room` (also when no tier
                 could take the record because a tier it needed is unhealthy). InvalidArgument: the
-                copy does not encode. Nothing is stored on error.
+                copy does not encode. Cancelled: ``wanted()`` turned false before the copy was placed,
+                or while a durable copy waited for its commit (then the copy is removed again: a
+                caller told its Offload failed finds no copy under its key, A7-2). Nothing is stored
+                on error.
         """
         tkey = self._key(caller, key)
         with self._lock:
@@ -174,24 +182,42 @@ class OffloadStore:
                 rec = codec.encode_copy(dict(copy.copy), out=out)
             except ValueError as e:
                 raise InvalidArgument(f"copy {key!r}: {e}") from None
+            still_wanted(wanted, "Offload")  # the last check before the copy can be seen
             placed = self.stack.put(tkey, rec, source="device")
-            stored = [t for t in self.stack.cascade if t.persistent and t.name in placed]
-            for t in stored:  # durable means committed: wait for the disk tier's write-behind
-                t.drain()
-            # its transaction failed (storage fault: unhealthy; LMDB's map full with nothing left to
-            # evict: the tier serves on without it): the copy is not there, and never reported durable
-            missing = [t for t in stored if not t.health.healthy or not t.contains([tkey])[0]]
-            if missing:
-                placed = [n for n in placed if all(t.name != n for t in missing)]
-            if not placed:
-                sick = next((t for t in self.stack.cascade if not t.health.healthy), None)
-                if sick is not None:
-                    raise Unavailable(f"no tier could take the {rec.numel()}-byte copy {key!r}; {self._retry_hint(sick)}")
-                raise self._refusal(caller.tenant, key, int(rec.numel()))
             self._sources[(caller.tenant, key)] = copy.source_pool
             self._put_seq += 1
-            self._puts[tkey] = self._put_seq
-            return any(t.persistent for t in self.stack.cascade if t.name in placed)
+            seq = self._puts[tkey] = self._put_seq
+        stored = [t for t in self.stack.cascade if t.persistent and t.name in placed]
+        for t in stored:  # durable means committed: wait for the disk tier's write-behind (no lock held)
+            t.drain()
+        with self._lock:
+            if self._puts.get(tkey) != seq:  # dropped or taken meanwhile: it was stored, and is another call's now
+                return bool(stored)
+        # its transaction failed (storage fault: unhealthy; LMDB's map full with nothing left to
+        # evict: the tier serves on without it): the copy is not there, and never reported durable
+        missing = [t for t in stored if not t.health.healthy or not t.contains([tkey])[0]]
+        if missing:
+            placed = [n for n in placed if all(t.name != n for t in missing)]
+        gone = bool(placed) and not wanted()
+        if not placed or gone:
+            self._unput(caller, key, tkey, seq)
+            if gone:
+                still_wanted(lambda: False, "Offload")  # its copy is taken back: nothing was changed
+            sick = next((t for t in self.stack.cascade if not t.health.healthy), None)
+            if sick is not None:
+                raise Unavailable(f"no tier could take the {rec.numel()}-byte copy {key!r}; {self._retry_hint(sick)}")
+            raise self._refusal(caller.tenant, key, int(rec.numel()))
+        return any(t.persistent for t in self.stack.cascade if t.name in placed)
+
+    def _unput(self, caller: Caller, key: str, tkey: bytes, seq: int) -> None:
+        """Take back the put numbered ``seq`` (a copy its caller will be told failed), unless a newer
+        put or a Drop has replaced it since."""
+        with self._lock:
+            if self._puts.get(tkey) != seq:
+                return
+            self.stack.remove([tkey])
+            self._sources.pop((caller.tenant, key), None)
+            self._puts.pop(tkey, None)
 
     def get(self, caller: Caller, key: str) -> HostCopy:
         """The tenant's copy under ``key``, checked (a damaged record is dropped and NOT_FOUND; one on
@@ -232,15 +258,24 @@ class OffloadStore:
             with self._lock:
                 self._taken.pop(tkey, None)
 
-    def drop_taken(self, caller: Caller, key: str, nbytes: int) -> bool:
+    def drop_taken(self, caller: Caller, key: str, nbytes: int, *, ready: Callable[[], None] | None = None) -> bool:
         """Inside :meth:`taking`: drop the copy that was taken -- only if no newer copy was put under
         ``key`` since (a Drop and a new Offload meanwhile must not lose the new one: attack pass 5,
-        A5-6). Returns whether it dropped."""
+        A5-6). Returns whether it dropped.
+
+        The wait for the tiers (records in flight, the disk's write-behind) comes first, holding no
+        lock; ``ready`` is then called holding the store's lock and every tier's index lock, just
+        before the copy goes (:meth:`TierStack.remove`).
+
+        Raises:
+            Whatever ``ready`` raises (Cancelled: the caller is gone): nothing is dropped (attack
+            pass 7, A7-3: a Restore(drop=True) told DEADLINE_EXCEEDED had taken the copy)."""
         tkey = self._key(caller, key)
+        self.stack.quiesce(lambda k: k == tkey)  # the long waits, holding nothing
         with self._lock:  # (as a put: its stack work under this lock, so no put lands in between)
             if self._puts.get(tkey, 0) != self._taken.get(tkey):
                 return False
-            self.stack.remove([tkey])
+            self.stack.remove([tkey], ready=ready)
             self._sources.pop((caller.tenant, key), None)
             self._puts.pop(tkey, None)
             return True

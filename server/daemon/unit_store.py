@@ -379,6 +379,10 @@ class UnitStore:
             Cancelled: ``wanted()`` turned false while the clear waited for the units' writers and
                 the tiers: nothing is removed (attack pass 5, A5-7)."""
         prefix = self._space_prefix(caller, space)
+        # the long waits first, holding nothing: every tier's write-behind (every tenant's records)
+        # drains here, not under the guard, which every tenant's unit puts and promotions take
+        # (attack pass 7, A7-7: one tenant's clear of an empty space held them all for the backlog)
+        self.stack.quiesce(lambda k: isinstance(k, bytes) and k.startswith(prefix))
         with self._guard.exclusive():  # no put commits, no read promotes: the order below is free
             # a unit may lie in several tiers: counted once
             units = self.stack.remove_prefix(prefix, ready=lambda: still_wanted(wanted, "ClearUnits"))

@@ -9,7 +9,8 @@ attach session (:meth:`~kvtier.server.daemon.attach.AttachService.staging_region
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import grpc
 
@@ -65,6 +66,7 @@ class StorageServicer(storage_pb2_grpc.StorageServiceServicer):
                     if len(msg.data) < MIN_CHUNK_BYTES and not put.ends_a_part():
                         raise InvalidArgument(f"a PutUnits piece must carry at least {MIN_CHUNK_BYTES} bytes unless "
                                               f"it ends a unit's part")
+            touch.daemon_working()  # the commit may wait for a ClearUnits: not the client's idleness (A7-7)
             r = put.commit(context.is_active)
         return storage_pb2.PutUnitsResponse(accepted=r.accepted, completed=r.completed, pending=r.pending)
 
@@ -72,7 +74,8 @@ class StorageServicer(storage_pb2_grpc.StorageServiceServicer):
         caller, cfg = caller_of(context), self.state.config
         chunk = chunk_size(request.chunk_bytes, cfg.chunk_bytes, cfg.max_chunk_bytes)
         with self.streams.stream(context, "GetUnits", tenant=caller.tenant) as touch:
-            for i, view in self.units.read(caller, self._space(request.space), request.keys, _part(request.part), "stream"):
+            for i, view in _daemon_turns(self.units.read(caller, self._space(request.space), request.keys,
+                                                         _part(request.part), "stream"), touch):
                 mv = memoryview(view.numpy())
                 for off in range(0, len(mv), chunk):
                     touch()
@@ -98,3 +101,19 @@ class StorageServicer(storage_pb2_grpc.StorageServiceServicer):
         nbytes = space.part_nbytes(space.check_part(part)) * len(request.keys)
         out = self.state.attach.staging_region(caller, request.staging.buffer, request.staging.offset, nbytes)
         return storage_pb2.GetUnitsStagedResponse(found=self.units.read_into(caller, space, request.keys, part, out, "staged"))
+
+
+def _daemon_turns(items: Iterable[Any], touch: Any) -> Iterator[Any]:
+    """``items``, with the stream marked the daemon's turn while each one is produced (a unit read
+    from the disk, its promotion waiting for a ClearUnits) and the client's again once it is, so the
+    idle bound counts only the client's reading (attack pass 7, A7-7)."""
+    items = iter(items)
+    while True:
+        touch.daemon_working()
+        try:
+            item = next(items)
+        except StopIteration:
+            return
+        finally:
+            touch.client_turn()
+        yield item

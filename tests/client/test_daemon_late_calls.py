@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from kvtier.client import KVTierClient
-from kvtier.client.errors import DeadlineExceededError
+from kvtier.client.errors import DeadlineExceededError, KVTierError
 from kvtier.client.spawn import DaemonProcess
 
 PAGES = 16
@@ -131,11 +131,15 @@ def test_drop_clear_units_and_prefix_calls_that_gave_up_waiting_change_nothing(t
         c.release_prefix(release_lease)
 
 
-def test_unit_puts_that_gave_up_waiting_for_a_clear_store_nothing(tmp_path):
-    """Attack pass 6, A6-5: a ClearUnits waiting for units on their way to a slow disk holds the unit
-    store's clear guard; a PutUnits behind it, told DEADLINE_EXCEEDED, still stored its unit once the
-    disk went on (and a lone part stayed waiting). The commit now checks its caller once it holds
-    the guard: neither the whole unit nor the part is there afterwards."""
+def test_a_clear_waiting_for_a_slow_disk_holds_up_no_other_unit_call(tmp_path):
+    """Attack pass 7, A7-7: a ClearUnits (of a space with no unit of the caller's at all) held the unit
+    store's clear guard while it waited for every tenant's disk write-behind; every PutUnits and the
+    GetUnits promotions of every tenant waited on that guard, and the stream watchdog cancelled them
+    as idle after 30 s. The clear now waits for the disk holding nothing, and a unit call's wait for
+    the guard is the daemon's turn, not the client's idleness. Here, while a clear waits on a held
+    disk, puts and reads of another space answer within a 2 s deadline; the clear then ends and
+    removes its own space's units only. (A put that gives up behind the guard stores nothing:
+    ``tests/server/daemon/test_unit_store.py``.)"""
     import time
 
     from kvtier.client.storage import UnitSpaceSpec
@@ -149,27 +153,124 @@ def test_unit_puts_that_gave_up_waiting_for_a_clear_store_nothing(tmp_path):
             "--workers", "16"]
     with DaemonProcess(extra_args=args, env={"KVTIER_TEST_DISK_SLOW_FILE": str(slow)}) as d, \
             KVTierClient(d.address, timeout=120) as c:
+        c.put_units(other, [b"mine"], "both", torch.full((nb,), 0x33, dtype=torch.uint8))
         slow.write_text("")  # every disk commit waits until the file holds a number
         for i in range(60):  # more than the host tier holds: units go down to the held disk
             c.put_units(space, [f"fill{i}".encode()], "both", torch.full((nb,), i % 250, dtype=torch.uint8))
         cleared: list[object] = []
         clear = threading.Thread(target=lambda: cleared.append(c.clear_units(space)))
         clear.start()
-        time.sleep(1.0)  # the clear holds the guard, waiting for the disk
-        answers = {}
-        with KVTierClient(d.address, timeout=2, retries=0) as late:
-            for name, call in (("both", lambda: late.put_units(other, [b"late1"], "both",
-                                                                torch.full((nb,), 0x5A, dtype=torch.uint8))),
-                               ("kv", lambda: late.put_units(space, [b"late2"], "kv",
-                                                              torch.full((space.part_nbytes("kv"),), 0x5B,
-                                                                         dtype=torch.uint8)))):
-                try:
-                    answers[name] = f"answered {call()}"
-                except DeadlineExceededError:
-                    answers[name] = "deadline"
-        slow.unlink()
-        clear.join(120)
-        assert answers == {"both": "deadline", "kv": "deadline"} and cleared and not clear.is_alive()
+        time.sleep(1.0)  # the clear waits for the held disk
+        try:
+            with KVTierClient(d.address, timeout=2, retries=0) as other_client:
+                assert other_client.put_units(other, [b"late"], "both", torch.full((nb,), 0x5A, dtype=torch.uint8)).completed == 1
+                out = torch.zeros(nb, dtype=torch.uint8)
+                assert other_client.get_units(other, [b"late"], "both", out) == [True]
+                assert torch.equal(out, torch.full((nb,), 0x5A, dtype=torch.uint8))
+                assert not cleared  # the clear was still waiting for the disk all along
+        finally:
+            slow.unlink()
+            clear.join(120)
+        assert cleared == [60] and not clear.is_alive()
         out = torch.zeros(nb, dtype=torch.uint8)
-        assert c.get_units(other, [b"late1"], "both", out) == [False]
-        assert c.unit_stats()["parts_pending"] == 0
+        assert c.get_units(other, [b"mine"], "both", out) == [True] and torch.equal(out, torch.full((nb,), 0x33, dtype=torch.uint8))
+        assert c.get_units(space, [b"fill0"], "both", out) == [False]
+
+
+def _wait_for_free_pages(c: KVTierClient, pool: str, want: int, seconds: float = 20.0) -> int:
+    """The pool's free pages once they reach ``want`` (a late call's server side may still be
+    finishing), or what they are after ``seconds``."""
+    import time
+
+    until = time.monotonic() + seconds
+    while (free := c.describe_pool(pool).free_pages) != want and time.monotonic() < until:
+        time.sleep(0.1)
+    return free
+
+
+def test_an_offload_told_its_deadline_passed_while_its_copy_was_committed_stores_nothing(tmp_path):
+    """Attack pass 7, A7-2: an Offload with ``free_slots`` told DEADLINE_EXCEEDED (its durable copy's
+    disk commit outlasted the deadline) still stored the copy and freed its slots: a retry was
+    ALREADY_EXISTS, and the client's slots could be handed to another client. Its caller is now
+    checked after the commit too, and the copy is taken back: after the disk goes on, the slots are
+    still allocated with their bytes, no copy is under the key, and the same Offload then works."""
+    slow = tmp_path / "slow"
+    with DaemonProcess(extra_args=_held_disk_args(tmp_path), env={"KVTIER_TEST_DISK_SLOW_FILE": str(slow)}) as d, \
+            KVTierClient(d.address, timeout=60) as c:
+        slots = c.allocate_slots("default", 64)
+        c.write_kv("default", slots, latent={l: torch.full((64, 656), 0x22, dtype=torch.uint8) for l in range(2)})
+        want = c.read_kv("default", slots)
+        free_before = c.describe_pool("default").free_pages
+        slow.write_text("")  # every disk commit waits until the file holds a number
+        try:
+            with KVTierClient(d.address, timeout=60, retries=0) as late, pytest.raises(DeadlineExceededError):
+                late.offload("default", "kb", slots, free_slots=True, timeout=1.5)
+        finally:
+            slow.unlink()
+        c.describe_pool("default")  # waits for the pool's lock: the late Offload has ended
+        assert _wait_for_free_pages(c, "default", free_before) == free_before  # its page was not freed
+        back = c.read_kv("default", slots)
+        assert all(torch.equal(back.latent[l], want.latent[l]) for l in want.latent)
+        with pytest.raises(KVTierError, match="no offloaded copy"):
+            c.restore("default", "kb")
+        assert c.offload("default", "kb", slots, free_slots=True).durable
+
+
+def test_a_restore_with_drop_told_its_deadline_passed_keeps_the_copy_and_frees_its_pages(tmp_path):
+    """Attack pass 7, A7-3: a Restore(drop=True) whose drop waited (for the offload store's lock, held
+    by another Offload through its disk commit) past the caller's deadline still took the copy, and
+    the fresh pages it had allocated were held by no one. The drop now waits for the tiers first and
+    checks its caller just before the copy goes: after the disk goes on, the copy is still there,
+    byte-exact, and the pool's pages are all free again. With the disk's write-behind on, the blocker's
+    Offload holds no lock while its commit waits, so the Restore gets as far as its drop (the same
+    check in process, where it failed before the fix: ``tests/server/daemon/test_offload_store.py``)."""
+    slow = tmp_path / "slow"
+    args = [a for a in _held_disk_args(tmp_path) if a != "--no-disk-write-behind"]
+    with DaemonProcess(extra_args=args, env={"KVTIER_TEST_DISK_SLOW_FILE": str(slow)}) as d, \
+            KVTierClient(d.address, timeout=60) as c:
+        c.create_pool("glm-5.2", num_layers=2, size_tokens=PAGES * 64, pool_id="b")
+        keep = c.allocate_slots("default", 64)
+        c.write_kv("default", keep, latent={l: torch.full((64, 656), 0x44, dtype=torch.uint8) for l in range(2)})
+        want = c.read_kv("default", keep)
+        c.offload("default", "kr", keep, free_slots=True)
+        held = c.allocate_slots("b", 64)
+        slow.write_text("")  # every disk commit waits until the file holds a number
+        holder = threading.Thread(target=lambda: c.offload("b", "blocker", held))  # a commit in the disk's queue
+        holder.start()
+        try:
+            with KVTierClient(d.address, timeout=60, retries=0) as late:
+                import time
+
+                time.sleep(0.5)
+                with pytest.raises(DeadlineExceededError):
+                    late.restore("default", "kr", drop=True, timeout=1.5)
+        finally:
+            slow.unlink()
+            holder.join(60)
+        assert not holder.is_alive()
+        assert _wait_for_free_pages(c, "default", PAGES) == PAGES  # its fresh page went back
+        got = c.restore("default", "kr", drop=True)  # the copy is still there, whole
+        back = c.read_kv("default", got)
+        assert all(torch.equal(back.latent[l], want.latent[l]) for l in want.latent)
+
+
+def test_an_allocation_told_its_deadline_passed_while_it_made_room_leaks_no_page(tmp_path):
+    """Attack pass 7, A7-4: an AllocateSlots that had to evict cached prefix pages down to a slow
+    disk, told DEADLINE_EXCEEDED, kept its pages allocated to no one (never to be freed; DeletePool
+    refused the pool from then on). It now checks its caller after making room and frees them:
+    after the disk goes on, every page of the pool can be allocated again."""
+    slow = tmp_path / "slow"
+    with DaemonProcess(extra_args=_held_disk_args(tmp_path), env={"KVTIER_TEST_DISK_SLOW_FILE": str(slow)}) as d, \
+            KVTierClient(d.address, timeout=60) as c:
+        keys = [f"page{i}".encode() for i in range(PAGES)]
+        lease = c.load_prefix("default", keys, PAGES * 64)  # every page of the pool ...
+        assert c.store_prefix(lease, keys, lease.slots, release=True) == PAGES  # ... now a cached prefix page
+        assert c.describe_pool("default").free_pages == 0
+        slow.write_text("")  # every disk commit waits until the file holds a number
+        try:
+            with KVTierClient(d.address, timeout=60, retries=0) as late, pytest.raises(DeadlineExceededError):
+                late.allocate_slots("default", 4 * 64, timeout=1.5)  # evicts 4 cached pages: write-through to disk
+        finally:
+            slow.unlink()
+        c.describe_pool("default")  # waits for the pool's lock: the late allocation has ended
+        assert c.allocate_slots("default", PAGES * 64).numel() == PAGES * 64  # nothing leaked

@@ -8,7 +8,7 @@ import torch
 
 from kvtier.server.daemon import Daemon, DaemonConfig, ResourceExhausted
 from kvtier.server.daemon import kv_ops
-from kvtier.server.daemon.errors import AlreadyExists, InvalidArgument, NotFound
+from kvtier.server.daemon.errors import AlreadyExists, Cancelled, InvalidArgument, NotFound
 from kvtier.server.daemon.pools import PoolRequest
 from kvtier.server.daemon.tenants import Caller
 
@@ -115,5 +115,41 @@ def test_a_restore_with_drop_never_drops_a_newer_copy_of_its_key():
         with d.pools.locked(ME, "p", exclusive=False) as e:
             assert torch.equal(e.pool.get_kv_buffer_rows(0, back).reshape(PS, -1), new_rows)
         assert not d.offload_store.contains(ME, "k")
+    finally:
+        d.close()
+
+
+def test_a_restore_or_offload_whose_caller_is_gone_at_the_end_changes_nothing():
+    """Attack pass 7, A7-2 and A7-3, in process: a Restore(drop=True) whose caller is gone by the time
+    its drop holds the tiers keeps the copy and frees the fresh pages it had allocated; an Offload
+    whose caller is gone once its copy is committed takes the copy back and frees no slot. The same
+    calls with their caller there restore (and drop) and offload as usual."""
+    d = _daemon(host_memory_bytes=4 << 20)
+    try:
+        _pool(d)
+        slots, rows = _fill(d, "p", PS, seed=8)
+        kv_ops.offload(d.pools, d.offload_store, ME, "p", "k", slots, free_slots=True)
+        with d.pools.locked(ME, "p", exclusive=False) as e:
+            free = e.allocator.free_pages
+        answers = iter([True, True, False])  # wanted(): once holding the pool, after loading, at the drop
+        with pytest.raises(Cancelled):
+            kv_ops.restore(d.pools, d.offload_store, ME, "p", "k", None, drop=True, wanted=lambda: next(answers))
+        with d.pools.locked(ME, "p", exclusive=False) as e:
+            assert e.allocator.free_pages == free  # the fresh page went back
+        assert d.offload_store.contains(ME, "k")
+        back, _ = kv_ops.restore(d.pools, d.offload_store, ME, "p", "k", None, drop=True)
+        with d.pools.locked(ME, "p", exclusive=False) as e:
+            assert torch.equal(e.pool.get_kv_buffer_rows(0, back).reshape(PS, -1), rows)
+        assert not d.offload_store.contains(ME, "k")
+
+        answers = iter([True, True, False])  # once holding the pool, before the copy is placed, once committed
+        with pytest.raises(Cancelled):
+            kv_ops.offload(d.pools, d.offload_store, ME, "p", "k2", back, free_slots=True, wanted=lambda: next(answers))
+        assert not d.offload_store.contains(ME, "k2")
+        with d.pools.locked(ME, "p", exclusive=False) as e:
+            assert e.allocator.free_pages == free - 1  # its slots still allocated
+            assert torch.equal(e.pool.get_kv_buffer_rows(0, back).reshape(PS, -1), rows)
+        kv_ops.offload(d.pools, d.offload_store, ME, "p", "k2", back, free_slots=True)
+        assert d.offload_store.contains(ME, "k2")
     finally:
         d.close()

@@ -12,7 +12,7 @@ import threading
 import pytest
 import torch
 
-from kvtier.server.daemon.errors import InvalidArgument
+from kvtier.server.daemon.errors import Cancelled, InvalidArgument
 from kvtier.server.daemon.tenants import Caller
 from kvtier.server.daemon.unit_settings import UnitSettings
 from kvtier.server.daemon.unit_space import SpaceRequest
@@ -160,6 +160,25 @@ def test_clear_removes_units_and_waiting_parts_of_one_space():
     s.put(ME, other, [b"a"], "both", torch.cat(parts(1)))
     assert s.clear(ME, sp) == 2
     assert s.exists(ME, sp, [b"a"]) == 0 and s.exists(ME, other, [b"a"]) == 1
+
+
+def test_a_put_whose_caller_is_gone_once_it_holds_the_clear_guard_stores_nothing():
+    """Attack pass 6, A6-5: a PutUnits told DEADLINE_EXCEEDED while it waited behind a ClearUnits
+    still stored its unit (and a lone part stayed waiting). The commit checks its caller once it
+    holds the clear guard: a whole unit and a first part alike leave nothing behind, and the same
+    puts with the caller there are stored."""
+    s = store()
+    sp = s.space(space_req())
+    kv, idx = parts(5)
+    for keys, part, data in (([b"whole"], "both", torch.cat((kv, idx))), ([b"half"], "kv", kv)):
+        p = s.begin_put(ME, sp, keys, part)
+        p.add(data)
+        with pytest.raises(Cancelled):
+            p.commit(lambda: False)
+    assert s.exists(ME, sp, [b"whole"]) == 0 and s.stats(ME)["parts_pending"] == 0
+    s.put(ME, sp, [b"whole"], "both", torch.cat((kv, idx)))
+    s.put(ME, sp, [b"half"], "kv", kv)
+    assert s.exists(ME, sp, [b"whole"]) == 1 and s.stats(ME)["parts_pending"] == 1
 
 
 def test_a_unit_read_from_disk_comes_back_up_to_the_host_tier(tmp_path):
