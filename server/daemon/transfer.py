@@ -59,6 +59,7 @@ find); after a failure the latter leave the lease, freed, and the lease stays op
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 import threading
 import time
@@ -71,7 +72,7 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 import numpy as np
 import torch
 
-from kvtier.addresses import is_unix, resolve_address
+from kvtier.addresses import is_unix, resolve_address, socket_path
 from kvtier.server.daemon.errors import FailedPrecondition, InvalidArgument, KVTierError
 from kvtier.server.daemon.kv_ops import chunk_size
 from kvtier.server.daemon.pools import PoolEntry, PoolRegistry
@@ -349,6 +350,28 @@ class TransferState:
         return remote
 
     # ----- pull (decode side) -------------------------------------------------------------------
+    def _names_own_socket(self, address: str) -> bool:
+        """Whether the unix socket ``address`` names is this daemon's own, by another spelling (a
+        symlink, ``..``): the same file as one of :attr:`own_addresses`. Such a pull copies in process
+        too; asking itself over gRPC it would wait for a worker thread of its own daemon, and with
+        every worker held by pulls it waited out its deadline (attack pass 7, A7-10)."""
+        if not is_unix(address):
+            return False
+        try:
+            st = os.stat(socket_path(address))
+        except (OSError, ValueError):
+            return False
+        for own in list(self.own_addresses):
+            if not is_unix(own):
+                continue
+            try:
+                mine = os.stat(socket_path(own))
+            except (OSError, ValueError):
+                continue
+            if (mine.st_dev, mine.st_ino) == (st.st_dev, st.st_ino):
+                return True
+        return False
+
     def _mapping(self, spec: PullSpec, page_size: int) -> tuple[np.ndarray, np.ndarray]:
         by_pages, by_slots = bool(len(spec.src_pages) or len(spec.dst_pages)), bool(len(spec.src_slots) or len(spec.dst_slots))
         if by_pages == by_slots:
@@ -381,7 +404,7 @@ class TransferState:
             address = resolve_address(spec.peer_address)
         except ValueError as e:
             raise InvalidArgument(f"peer_address: {e}") from None
-        from_self = address in self.own_addresses
+        from_self = address in self.own_addresses or self._names_own_socket(address)
         if is_unix(address) and not from_self and address not in self.pd_peers:
             raise FailedPrecondition(f"peer {address} is a unix socket and not this daemon's own address: unix-socket "
                                      f"peers are this machine's private daemons, whose file permissions this daemon "

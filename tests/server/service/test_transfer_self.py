@@ -145,3 +145,22 @@ def test_crossed_same_daemon_pulls_both_land(d):
             assert all(torch.equal(kv.latent[x], rows[source][x]) for x in range(8)), f"{source} into {into}"
         for p in ("a", "b"):
             c.delete_pool(p, force=True)
+
+
+def test_a_pull_naming_its_own_socket_through_a_symlink_copies_in_process(tmp_path):
+    """Attack pass 7, A7-10: a pull naming the daemon's own unix socket by another path (a symlink
+    listed in --pd-peers) asked itself for the layout over gRPC; with --workers 1 the pull held the
+    only worker and waited out its deadline (ABORTED after 30 s). The same socket file by any path
+    is now the daemon itself: the pull copies in process, on one worker, and the bytes land."""
+    sock, alias = tmp_path / "run" / "d.sock", tmp_path / "run" / "alias.sock"
+    sock.parent.mkdir(mode=0o700)
+    alias.symlink_to(sock)
+    args = ["--device", "cpu", "--workers", "1", "--max-streams", "1", "--pool", "a=glm-5.2:1024",
+            "--pool", "b=glm-5.2:1024", "--pool-layers", "2", "--pd-peers", f"unix://{alias}", "--log-level", "WARNING"]
+    with DaemonProcess(f"unix://{sock}", extra_args=args) as dp, KVTierClient(dp.address, timeout=60, retries=0) as c:
+        src, dst = c.allocate_slots("a", PS), c.allocate_slots("b", PS)
+        rows = torch.randint(0, 256, (PS, 656), dtype=torch.uint8, generator=torch.Generator().manual_seed(11))
+        c.write_kv("a", src, latent={x: rows for x in range(2)})
+        r = c.pull_kv("b", f"unix://{alias}", "a", src_slots=src, dst_slots=dst, transport="grpc", timeout=10)
+        assert r.transport == "local"
+        assert torch.equal(c.read_kv("b", dst, index_layers=[]).latent[1], rows)
