@@ -53,6 +53,7 @@ from kvtier.server.daemon.config import DaemonConfig
 from kvtier.server.daemon.core import Daemon
 from kvtier.server.daemon.private_files import AuthConfigError, read_tls_files
 from kvtier.server.daemon.tier_runtime import check_disk_path_free
+from kvtier.server.daemon.tier_settings import TierSettings
 from kvtier.private_writes import write_private_file
 from kvtier.server.observe.logs import configure_logging
 from kvtier.server.hostmem.malloc import keep_freed_memory
@@ -220,6 +221,14 @@ def check_listen_address(config: DaemonConfig) -> str:
     if is_unix(address):
         path = Path(socket_path(address))
         _prepare_unix_socket(path, default=not config.listen or path == default_socket_path())
+        tiers = TierSettings.coerce(getattr(config, "tiers", None))
+        if "disk" in tiers.tier_names:  # before the disk tier makes its directory there (attack pass 7: it did,
+            # then the socket's check refused the directory it had just made and told the user to remove it)
+            disk = os.path.realpath(Path(tiers.disk_path).expanduser().absolute())
+            for sock in (path, Path(attach_socket_path(str(path)))):
+                if disk == os.path.realpath(sock.absolute()):
+                    raise AddressError(f"--disk-path {tiers.disk_path} is the daemon's socket path {sock}; give the "
+                                       f"disk tier a directory of its own")
     else:
         _check_port_free(address)
     return address

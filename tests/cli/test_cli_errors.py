@@ -50,6 +50,16 @@ def serve(tmp_path: Path, *args: str, **kw) -> subprocess.CompletedProcess:
 
 
 # ----- --disk-path -----------------------------------------------------------------------------------
+def test_a_disk_path_on_the_daemons_own_socket_path_is_one_line_and_makes_nothing(tmp_path):
+    """Attack pass 7: ``--disk-path`` equal to the listen socket's path made the disk directory there,
+    then the socket's check refused that very directory and told the user to remove it. Refused
+    first now, for the attach socket's path too, and nothing is made."""
+    for name in ("kv.sock", "kv.sock.attach"):
+        line = one_line_error(serve(tmp_path, "--disk-path", str(tmp_path / name)))
+        assert f"--disk-path {tmp_path / name} is the daemon's socket path" in line
+        assert not (tmp_path / name).exists()
+
+
 def test_disk_path_that_is_a_file(tmp_path):
     (tmp_path / "afile").write_text("x")
     line = one_line_error(serve(tmp_path, "--disk-path", str(tmp_path / "afile")))
