@@ -67,11 +67,13 @@ class DuelPolicy(CachePolicy):
         self.referee = ShadowReferee(1)  # its own until a history with the stack's referee comes
         self._own_referee = True
 
-    def use_history(self, history: object, key_of: Callable[[Key], Key] = lambda k: k) -> None:
+    def use_history(self, history: object, key_of: Callable[[Key], Key] = lambda k: k, *,
+                    own_pages: int | None = None) -> None:
         if isinstance(history, ReuseHistory):
             self.history, self._key_of = history, key_of
-            if isinstance(history.referee, ShadowReferee):
-                self.referee, self._own_referee = history.referee, False
+            referee = history.referee if own_pages is None else history.referee_for(own_pages)
+            if isinstance(referee, ShadowReferee):
+                self.referee, self._own_referee = referee, False
 
     @property
     def leader(self) -> int:

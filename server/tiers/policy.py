@@ -37,10 +37,13 @@ class CachePolicy(ABC):
         """Learn the owner's budget in charged bytes (called once, before any entry). Policies with
         size targets (a small queue of 10%, ghost lists as long as the cache) use it; default: nothing."""
 
-    def use_history(self, history: object, key_of: Callable[[Key], Key] = lambda k: k) -> None:
+    def use_history(self, history: object, key_of: Callable[[Key], Key] = lambda k: k, *,
+                    own_pages: int | None = None) -> None:
         """Read request-level facts about keys from ``history`` (a
         :class:`~kvtier.server.tiers.reuse.ReuseHistory`, keyed by ``key_of(key)``): the prefix cache
-        offers it to every tier's policy. Default: ignored."""
+        offers it to every tier's policy. ``own_pages``: this tier heads a cache of its own of that
+        many pages (the device pool, whose hits are the cheapest), to be judged at that size rather
+        than the whole stack's. Default: ignored."""
 
     @abstractmethod
     def touch(self, key: Key) -> None:

@@ -138,7 +138,7 @@ class PrefixCache:
         self.policy = resolve_policy(policy)
         self.history = stack.reuse_history(allocator.num_pages, self.page_record_bytes)
         self.history.add_namespace(self.namespace)
-        self._device.policy.use_history(self.history, self._tier_key)
+        self._device.policy.use_history(self.history, self._tier_key, own_pages=allocator.num_pages)
         self._pages: dict[bytes, int] = {}
         self._leases: dict[str, _Lease] = {}
         self.lease_ttl_seconds = lease_ttl_seconds

@@ -180,3 +180,23 @@ def test_a_prefix_page_the_history_forgot_is_still_a_page():
     for k in (b"o:copy", b"p:old", b"p:a"):
         p.insert(k, 1)
     assert p.order() == [b"p:old", b"p:a", b"o:copy"]
+
+
+def test_a_tier_heading_its_own_cache_is_refereed_at_its_own_size():
+    h = ReuseHistory(max_keys=100)
+    h.referee = ShadowReferee(8)  # the stack's: device plus every cascade tier
+    device, host = DuelPolicy(), DuelPolicy()
+    device.bind(2)
+    host.bind(100)
+    device.use_history(h, own_pages=2)  # the device pool: 2 pages
+    host.use_history(h)
+    assert device.referee is h.referee_for(2) and device.referee.pages == 2 and host.referee is h.referee
+    for _ in range(4):
+        h.observe(["a"])  # a: 4 requests
+    h.observe(["b"])
+    h.observe(["b"])
+    h.observe(["c"])  # a leaf: at 2 pages recency drops a, every other order drops c itself
+    h.observe(["a"])  # a hits in 2 pages under every order but recency; in 8 pages under all
+    assert device.leader == LEAVES_FIRST  # the first of the tied orders that kept a
+    assert host.leader == RECENCY  # 8 pages hold everything: a tie, recency leads
+    assert h.referee_for(2) is device.referee  # one referee per size, told every request
