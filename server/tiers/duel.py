@@ -45,6 +45,8 @@ of its own, fed by its own uses and inserts and sized to the entries it holds.
 
 from __future__ import annotations
 
+import itertools
+from collections import OrderedDict
 from collections.abc import Callable
 
 from kvtier.server.tiers.policy import CachePolicy, Key
@@ -66,6 +68,26 @@ class DuelPolicy(CachePolicy):
         self._key_of: Callable[[Key], Key] = lambda k: k
         self.referee = ShadowReferee(1)  # its own until a history with the stack's referee comes
         self._own_referee = True
+        self._above: Callable[[Key], bool] | None = None  # whether a faster tier holds a key now
+        self._copied: OrderedDict[Key, None] = OrderedDict()  # keys a faster tier took a copy of, oldest first
+
+    def watch_above(self, held_above: Callable[[Key], bool]) -> None:
+        self._above = held_above
+
+    def copied_up(self, key: Key) -> None:
+        if self._above is not None and key in self.sizes:
+            self._copied[key] = None
+            self._copied.move_to_end(key)
+
+    def _held_above(self) -> list[Key]:
+        """The keys a faster tier still holds, oldest copy first (forgetting those it no longer holds)."""
+        above, copied = self._above, self._copied
+        if above is None or not copied:
+            return []
+        gone = [k for k in copied if not above(k)]
+        for k in gone:
+            del copied[k]
+        return list(copied)
 
     def use_history(self, history: object, key_of: Callable[[Key], Key] = lambda k: k, *,
                     own_pages: int | None = None) -> None:
@@ -120,6 +142,7 @@ class DuelPolicy(CachePolicy):
         for order in self.orders:
             order.discard(key)
         self.own_uses.pop(key, None)
+        self._copied.pop(key, None)
 
     def victims(self, nbytes: int, can_evict: Callable[[Key], bool]) -> list[Key] | None:
         if nbytes <= 0:
@@ -128,7 +151,9 @@ class DuelPolicy(CachePolicy):
             self.referee.resize(len(self.sizes))  # full when asked for victims: its size in entries
         chosen: list[Key] = []
         freed = 0
-        for key in self.orders[self.leader]:
+        first = self._held_above()  # copies a faster tier holds go first: evicting them loses no hit
+        rest = (k for k in self.orders[self.leader] if k not in self._copied)
+        for key in itertools.chain(first, rest):
             if can_evict(key):
                 chosen.append(key)
                 freed += self.sizes[key]
@@ -142,4 +167,5 @@ class DuelPolicy(CachePolicy):
         return lowest is None or self._rank(o, self._facts(key)) >= lowest
 
     def order(self) -> list[Key]:
-        return list(self.orders[self.leader])
+        first = self._held_above()
+        return first + [k for k in self.orders[self.leader] if k not in self._copied]

@@ -73,6 +73,14 @@ class CachePolicy(ABC):
         evicted here; the disk tier stores only admitted pages. Default: always."""
         return True
 
+    def watch_above(self, held_above: Callable[[Key], bool]) -> None:
+        """The stack says how to ask whether a faster tier holds a copy of a key now (this tier is
+        below another: the disk under the host). Default: ignored."""
+
+    def copied_up(self, key: Key) -> None:
+        """A faster tier took a copy of ``key`` (present here): while that copy lasts, evicting this
+        one loses no hit. Default: nothing."""
+
     @abstractmethod
     def order(self) -> list[Key]:
         """Keys, next victim first."""
@@ -217,6 +225,15 @@ class TierIndex:
                 present.append(k)
         if present and self.on_touch is not None:
             self.on_touch(present)
+
+    def copied_up(self, keys: Iterable[Key]) -> None:
+        """A faster tier took a copy of each of ``keys``; those held here are told to the policy
+        (:meth:`CachePolicy.copied_up`)."""
+        with self.lock:
+            self._apply_later()
+            for k in keys:
+                if k in self._charge:
+                    self.policy.copied_up(k)
 
     def pin_count(self, key: Key) -> int:
         """Current pins on ``key``."""
