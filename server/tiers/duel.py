@@ -24,6 +24,22 @@ tier of the stack (device, host, disk; each its own ``DuelPolicy``) evicts in th
 moment. The one scale is the stack's size; nothing is fitted to a trace. The ranks of each order
 are in :mod:`kvtier.server.tiers.referee`.
 
+The device tier is refereed at its own size (:meth:`~kvtier.server.tiers.reuse.ReuseHistory.referee_for`
+the pool's pages): the hits it alone serves are the cheapest, and a page it lets go falls to the host
+anyway, so it keeps what a cache of its size would hit most. On the conversation trace at the default
+budgets this is frequency-like while the stack follows leaves first: device hits 4.74% -> 7.45% of
+blocks, total 30.12% -> 30.25%.
+
+Copies held above go first (:meth:`DuelPolicy.copied_up`, in tiers below the first cascade tier:
+the disk under the host). Loads copy a page up and leave the lower copy in place, so the disk holds
+copies of pages a device pool or the host holds too (about 2,000 of its 16,362 pages at the default
+budgets). While the faster copy lasts, evicting the disk's copy loses no hit; so the disk evicts
+those first, oldest copy first (checked at eviction time through the stack's
+:meth:`~kvtier.server.tiers.stack.TierStack.held_above`), then in the leader's order. The stack
+holds more distinct pages for it: total 30.25% -> 31.09%, at the price of writing the page again
+when the host lets it go (224,469 disk writes instead of 189,484). The host keeps its copies of
+device pages (measured: evicting those first there loses 0.1 point).
+
 Each order over the entries this tier holds is a :class:`~kvtier.server.tiers.ranked.RankedLRU`,
 refiled on every use (the request count and leaf flag come from
 :class:`~kvtier.server.tiers.reuse.ReuseHistory`; without one, the tier's own use count and no
@@ -45,6 +61,8 @@ of its own, fed by its own uses and inserts and sized to the entries it holds.
 
 from __future__ import annotations
 
+import itertools
+from collections import OrderedDict
 from collections.abc import Callable
 
 from kvtier.server.tiers.policy import CachePolicy, Key
@@ -66,12 +84,34 @@ class DuelPolicy(CachePolicy):
         self._key_of: Callable[[Key], Key] = lambda k: k
         self.referee = ShadowReferee(1)  # its own until a history with the stack's referee comes
         self._own_referee = True
+        self._above: Callable[[Key], bool] | None = None  # whether a faster tier holds a key now
+        self._copied: OrderedDict[Key, None] = OrderedDict()  # keys a faster tier took a copy of, oldest first
 
-    def use_history(self, history: object, key_of: Callable[[Key], Key] = lambda k: k) -> None:
+    def watch_above(self, held_above: Callable[[Key], bool]) -> None:
+        self._above = held_above
+
+    def copied_up(self, key: Key) -> None:
+        if self._above is not None and key in self.sizes:
+            self._copied[key] = None
+            self._copied.move_to_end(key)
+
+    def _held_above(self) -> list[Key]:
+        """The keys a faster tier still holds, oldest copy first (forgetting those it no longer holds)."""
+        above, copied = self._above, self._copied
+        if above is None or not copied:
+            return []
+        gone = [k for k in copied if not above(k)]
+        for k in gone:
+            del copied[k]
+        return list(copied)
+
+    def use_history(self, history: object, key_of: Callable[[Key], Key] = lambda k: k, *,
+                    own_pages: int | None = None) -> None:
         if isinstance(history, ReuseHistory):
             self.history, self._key_of = history, key_of
-            if isinstance(history.referee, ShadowReferee):
-                self.referee, self._own_referee = history.referee, False
+            referee = history.referee if own_pages is None else history.referee_for(own_pages)
+            if isinstance(referee, ShadowReferee):
+                self.referee, self._own_referee = referee, False
 
     @property
     def leader(self) -> int:
@@ -118,6 +158,7 @@ class DuelPolicy(CachePolicy):
         for order in self.orders:
             order.discard(key)
         self.own_uses.pop(key, None)
+        self._copied.pop(key, None)
 
     def victims(self, nbytes: int, can_evict: Callable[[Key], bool]) -> list[Key] | None:
         if nbytes <= 0:
@@ -126,7 +167,9 @@ class DuelPolicy(CachePolicy):
             self.referee.resize(len(self.sizes))  # full when asked for victims: its size in entries
         chosen: list[Key] = []
         freed = 0
-        for key in self.orders[self.leader]:
+        first = self._held_above()  # copies a faster tier holds go first: evicting them loses no hit
+        rest = (k for k in self.orders[self.leader] if k not in self._copied)
+        for key in itertools.chain(first, rest):
             if can_evict(key):
                 chosen.append(key)
                 freed += self.sizes[key]
@@ -140,4 +183,5 @@ class DuelPolicy(CachePolicy):
         return lowest is None or self._rank(o, self._facts(key)) >= lowest
 
     def order(self) -> list[Key]:
-        return list(self.orders[self.leader])
+        first = self._held_above()
+        return first + [k for k in self.orders[self.leader] if k not in self._copied]

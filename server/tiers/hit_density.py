@@ -73,7 +73,8 @@ class HitDensityPolicy(CachePolicy):
         self.history: ReuseHistory | None = None
         self._key_of: Callable[[Key], Key] = lambda k: k
 
-    def use_history(self, history: object, key_of: Callable[[Key], Key] = lambda k: k) -> None:
+    def use_history(self, history: object, key_of: Callable[[Key], Key] = lambda k: k, *,
+                    own_pages: int | None = None) -> None:
         if isinstance(history, ReuseHistory):
             self.history, self._key_of = history, key_of
 

@@ -37,10 +37,13 @@ class CachePolicy(ABC):
         """Learn the owner's budget in charged bytes (called once, before any entry). Policies with
         size targets (a small queue of 10%, ghost lists as long as the cache) use it; default: nothing."""
 
-    def use_history(self, history: object, key_of: Callable[[Key], Key] = lambda k: k) -> None:
+    def use_history(self, history: object, key_of: Callable[[Key], Key] = lambda k: k, *,
+                    own_pages: int | None = None) -> None:
         """Read request-level facts about keys from ``history`` (a
         :class:`~kvtier.server.tiers.reuse.ReuseHistory`, keyed by ``key_of(key)``): the prefix cache
-        offers it to every tier's policy. Default: ignored."""
+        offers it to every tier's policy. ``own_pages``: this tier heads a cache of its own of that
+        many pages (the device pool, whose hits are the cheapest), to be judged at that size rather
+        than the whole stack's. Default: ignored."""
 
     @abstractmethod
     def touch(self, key: Key) -> None:
@@ -69,6 +72,14 @@ class CachePolicy(ABC):
         """Whether ``key`` (absent), offered to a full owner, is expected back before it would be
         evicted here; the disk tier stores only admitted pages. Default: always."""
         return True
+
+    def watch_above(self, held_above: Callable[[Key], bool]) -> None:
+        """The stack says how to ask whether a faster tier holds a copy of a key now (this tier is
+        below another: the disk under the host). Default: ignored."""
+
+    def copied_up(self, key: Key) -> None:
+        """A faster tier took a copy of ``key`` (present here): while that copy lasts, evicting this
+        one loses no hit. Default: nothing."""
 
     @abstractmethod
     def order(self) -> list[Key]:
@@ -214,6 +225,15 @@ class TierIndex:
                 present.append(k)
         if present and self.on_touch is not None:
             self.on_touch(present)
+
+    def copied_up(self, keys: Iterable[Key]) -> None:
+        """A faster tier took a copy of each of ``keys``; those held here are told to the policy
+        (:meth:`CachePolicy.copied_up`)."""
+        with self.lock:
+            self._apply_later()
+            for k in keys:
+                if k in self._charge:
+                    self.policy.copied_up(k)
 
     def pin_count(self, key: Key) -> int:
         """Current pins on ``key``."""

@@ -138,7 +138,9 @@ class PrefixCache:
         self.policy = resolve_policy(policy)
         self.history = stack.reuse_history(allocator.num_pages, self.page_record_bytes)
         self.history.add_namespace(self.namespace)
-        self._device.policy.use_history(self.history, self._tier_key)
+        self._device.policy.use_history(self.history, self._tier_key, own_pages=allocator.num_pages)
+        ns = len(self.namespace)
+        stack.add_device(lambda tk: tk.startswith(self.namespace) and tk[ns:] in self._pages)
         self._pages: dict[bytes, int] = {}
         self._leases: dict[str, _Lease] = {}
         self.lease_ttl_seconds = lease_ttl_seconds
@@ -349,6 +351,7 @@ class PrefixCache:
                 for t in self.stack.tiers:
                     t.index.unpin(held[t.name])
             tiers = found[:loaded]
+            self.stack.copied_up([self._tier_key(k) for (i, k) in lower if i < loaded])
             fresh_needed = self.allocator.pages_for(total - loaded * self.page_size)
             short = fresh_needed - len(lease.fresh)
             if short > 0:  # only after a failed load, when device hits lay past the failure
@@ -455,6 +458,8 @@ class PrefixCache:
                 lease.pinned.append(key)
                 adopted.append((key, page))
             self.counters["stores"] += 1
+            if adopted:
+                self.stack.copied_up([self._tier_key(k) for k, _ in adopted])
             if adopted and self.stack.shared:  # other daemons see the new pages at once
                 self.stack.publish([self._tier_key(k) for k, _ in adopted],
                                    lambda i, out: self._page_record(adopted[i][1], out), source=DEVICE,

@@ -18,6 +18,8 @@ import threading
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 
+from kvtier.server.tiers.referee import ShadowReferee
+
 #: Classes :meth:`ReuseHistory.class_of` returns.
 LEAF, INNER, REUSED_ONCE, REUSED_MORE = 0, 1, 2, 3
 CLASS_NAMES = ("leaf", "inner", "reused once", "reused more")
@@ -39,6 +41,7 @@ class ReuseHistory:
         self._seen: OrderedDict[Hashable, tuple[int, bool]] = OrderedDict()
         self._lock = threading.Lock()
         self.referee = None  # a ShadowReferee the stack attaches, told every request after the history
+        self._own_referees: dict[int, ShadowReferee] = {}  # pages -> a ShadowReferee a tier heading its own cache asked for
         self.namespaces: tuple[bytes, ...] = ()  # tier-key prefixes of the prefix caches that report here
 
     def __len__(self) -> int:
@@ -54,11 +57,23 @@ class ReuseHistory:
                 seen[k] = (1, i == last) if old is None else (old[0] + 1, old[1])
             while len(seen) > self.max_keys:
                 seen.popitem(last=False)
-            referee = self.referee
-            if referee is not None:
-                facts = [(k, *seen[k]) if k in seen else (k, 1, False) for k in keys]
-        if referee is not None:
-            referee.observe((k, uses, leaf and uses <= 1) for k, uses, leaf in facts)  # leaf: class LEAF
+            referees = [r for r in (self.referee, *self._own_referees.values()) if r is not None]
+            if referees:
+                facts = [(k, u, leaf and u <= 1) for k, u, leaf in  # leaf: class LEAF
+                         ((k, *seen[k]) if k in seen else (k, 1, False) for k in keys)]
+        for referee in referees:
+            referee.observe(facts)
+
+    def referee_for(self, pages: int) -> ShadowReferee:
+        """A :class:`ShadowReferee` of ``pages`` keys told every request
+        this history sees (one per size: tiers of one size share it), for a tier refereed at the size
+        of its own cache instead of the stack's (the device: ``duel``'s device order)."""
+        pages = max(int(pages), 1)
+        with self._lock:
+            got = self._own_referees.get(pages)
+            if got is None:
+                got = self._own_referees[pages] = ShadowReferee(pages)
+            return got
 
     def add_namespace(self, namespace: bytes) -> None:
         """A prefix cache whose tier keys start with ``namespace`` reports its requests here."""

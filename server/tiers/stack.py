@@ -106,6 +106,11 @@ class TierStack:
         self._flights: dict[bytes, int] = {}
         self._flights_cv = threading.Condition(threading.Lock())
         self._history: ReuseHistory | None = None
+        #: Prefix caches' "is this tier key on my device now" (:meth:`add_device`), for :meth:`held_above`.
+        self._devices: list[Callable[[bytes], bool]] = []
+        for level, t in enumerate(self.cascade):
+            if level:  # below the first cascade tier: the disk under the host (module docstring)
+                t.index.policy.watch_above(functools.partial(self.held_above, level))
         for t in self.cascade:  # records a tier lost after it took them (a failed write-behind transaction)
             if hasattr(t, "on_lost"):
                 t.on_lost = functools.partial(self._count_lost, t.name)  # type: ignore[attr-defined]
@@ -135,6 +140,23 @@ class TierStack:
                 for t in self.cascade:
                     t.index.policy.use_history(self._history)
             return self._history
+
+    def add_device(self, holds: Callable[[bytes], bool]) -> None:
+        """A prefix cache's device pool: ``holds(tier_key)`` says whether a page is on it now."""
+        with self._moves_lock:
+            self._devices = [*self._devices, holds]
+
+    def held_above(self, level: int, key: bytes) -> bool:
+        """Whether a device pool or a cascade tier above ``level`` holds ``key`` now (no locks: plain
+        membership reads, which a concurrent change may make stale, never wrong for long)."""
+        return any(holds(key) for holds in self._devices) or any(key in t.index for t in self.cascade[:level])
+
+    def copied_up(self, keys: Sequence[bytes]) -> None:
+        """Pages ``keys`` were loaded or stored onto a device: every cascade tier below the first
+        that holds one is told (its policy may evict such copies first)."""
+        if keys:
+            for t in self.cascade[1:]:
+                t.index.copied_up(keys)
 
     @property
     def names(self) -> list[str]:

@@ -180,3 +180,78 @@ def test_a_prefix_page_the_history_forgot_is_still_a_page():
     for k in (b"o:copy", b"p:old", b"p:a"):
         p.insert(k, 1)
     assert p.order() == [b"p:old", b"p:a", b"o:copy"]
+
+
+def test_a_tier_heading_its_own_cache_is_refereed_at_its_own_size():
+    h = ReuseHistory(max_keys=100)
+    h.referee = ShadowReferee(8)  # the stack's: device plus every cascade tier
+    device, host = DuelPolicy(), DuelPolicy()
+    device.bind(2)
+    host.bind(100)
+    device.use_history(h, own_pages=2)  # the device pool: 2 pages
+    host.use_history(h)
+    assert device.referee is h.referee_for(2) and device.referee.pages == 2 and host.referee is h.referee
+    for _ in range(4):
+        h.observe(["a"])  # a: 4 requests
+    h.observe(["b"])
+    h.observe(["b"])
+    h.observe(["c"])  # a leaf: at 2 pages recency drops a, every other order drops c itself
+    h.observe(["a"])  # a hits in 2 pages under every order but recency; in 8 pages under all
+    assert device.leader == LEAVES_FIRST  # the first of the tied orders that kept a
+    assert host.leader == RECENCY  # 8 pages hold everything: a tie, recency leads
+    assert h.referee_for(2) is device.referee  # one referee per size, told every request
+
+
+def test_copies_a_faster_tier_holds_go_first():
+    h = ReuseHistory(max_keys=100)
+    h.referee = ShadowReferee(8)
+    p = stack_policy(h, RECENCY)
+    above = {"b"}
+    p.watch_above(above.__contains__)
+    for k in "abcd":
+        p.insert(k, 1)
+    p.copied_up("c")  # c's copy went up and is gone again: it keeps its place
+    p.copied_up("b")
+    p.copied_up("zz")  # not held here: ignored
+    assert p.order() == ["b", "a", "c", "d"]
+    assert p.victims(2, lambda k: True) == ["b", "a"]
+    assert p.victims(1, lambda k: k != "b") == ["a"]  # a pinned copy is skipped
+    above.discard("b")  # the faster tier dropped its copy: b is back in the leader's order
+    assert p.order() == ["a", "b", "c", "d"] and p.evict(1) == ["a"]
+    p.copied_up("d")
+    above.add("d")
+    p.remove("d")
+    assert p.order() == ["b", "c"]
+
+
+def test_a_policy_not_below_another_tier_ignores_copies():
+    h = ReuseHistory(max_keys=100)
+    h.referee = ShadowReferee(8)
+    p = stack_policy(h, RECENCY)  # no watch_above: the device, the host
+    for k in "ab":
+        p.insert(k, 1)
+    p.copied_up("b")
+    assert p.order() == ["a", "b"]
+
+
+def test_the_disk_evicts_its_copy_of_a_device_page_first():
+    from kvtier.server.tiers.sim import SimTierConfig
+    from kvtier.server.tiers.stack import TierStack
+
+    stack = TierStack.from_configs([SimTierConfig(capacity_bytes=20, name="host", policy="duel"),
+                                    SimTierConfig(capacity_bytes=30, name="disk", policy="duel")], simulate=True)
+    host, disk = stack.cascade
+    assert host.index.policy._above is None and disk.index.policy._above is not None
+    on_device: set[bytes] = set()
+    stack.add_device(on_device.__contains__)
+    for k in (b"a", b"b", b"c", b"d", b"e"):
+        stack.put(k, 10, source="device")  # host keeps d, e; a, b, c went down to the disk
+    assert stack.where([b"a", b"b", b"c", b"d"]) == [["disk"], ["disk"], ["disk"], ["host"]]
+    on_device.add(b"b")  # a load copied b up to a device
+    stack.copied_up([b"b", b"d"])  # d: not on the disk, nothing to tell it
+    stack.put(b"f", 10, source="device")  # host evicts d to the disk, which makes room: b goes, not a
+    assert stack.where([b"a", b"b", b"c", b"d"]) == [["disk"], [], ["disk"], ["disk"]]
+    on_device.clear()
+    stack.copied_up([b"c"])  # told, but no faster tier holds c: the disk's own order again
+    stack.put(b"g", 10, source="device")  # host evicts e: the disk drops a, its least recently used
+    assert stack.where([b"a", b"c", b"e"]) == [[], ["disk"], ["disk"]]
