@@ -63,7 +63,7 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from kvtier.server.tiers.policy import CachePolicy, Key
 from kvtier.server.tiers.ranked import RankedLRU
@@ -95,15 +95,24 @@ class DuelPolicy(CachePolicy):
             self._copied[key] = None
             self._copied.move_to_end(key)
 
-    def _held_above(self) -> list[Key]:
-        """The keys a faster tier still holds, oldest copy first (forgetting those it no longer holds)."""
+    def _held_above(self) -> Iterator[Key]:
+        """The keys a faster tier still holds, oldest copy first, looked at only as far as the caller
+        reads (a victims() call stops at its first few); those found no longer held above are
+        forgotten once the caller stops. (Checking every copy at each eviction cost the whole
+        trace's simulation 2.4x LRU's time.)"""
         above, copied = self._above, self._copied
         if above is None or not copied:
-            return []
-        gone = [k for k in copied if not above(k)]
-        for k in gone:
-            del copied[k]
-        return list(copied)
+            return
+        gone: list[Key] = []
+        try:
+            for k in copied:
+                if above(k):
+                    yield k
+                else:
+                    gone.append(k)
+        finally:
+            for k in gone:
+                copied.pop(k, None)
 
     def use_history(self, history: object, key_of: Callable[[Key], Key] = lambda k: k, *,
                     own_pages: int | None = None) -> None:
@@ -183,5 +192,5 @@ class DuelPolicy(CachePolicy):
         return lowest is None or self._rank(o, self._facts(key)) >= lowest
 
     def order(self) -> list[Key]:
-        first = self._held_above()
+        first = list(self._held_above())
         return first + [k for k in self.orders[self.leader] if k not in self._copied]
