@@ -13,6 +13,9 @@ worker); a ReadPages of its own would find no slot left.
 
 from __future__ import annotations
 
+import threading
+import time
+
 import grpc
 import pytest
 import torch
@@ -149,18 +152,36 @@ def test_crossed_same_daemon_pulls_both_land(d):
 
 def test_a_pull_naming_its_own_socket_through_a_symlink_copies_in_process(tmp_path):
     """Attack pass 7, A7-10: a pull naming the daemon's own unix socket by another path (a symlink
-    listed in --pd-peers) asked itself for the layout over gRPC; with --workers 1 the pull held the
-    only worker and waited out its deadline (ABORTED after 30 s). The same socket file by any path
-    is now the daemon itself: the pull copies in process, on one worker, and the bytes land."""
+    listed in --pd-peers) asked itself for the layout over gRPC; with every other worker held, the
+    pull waited out its deadline (ABORTED after 30 s). The same socket file by any path is now the
+    daemon itself: the pull copies in process, on its own worker, and the bytes land. Here the
+    daemon's second worker is held by an AllocateSlots whose request message never comes."""
     sock, alias = tmp_path / "run" / "d.sock", tmp_path / "run" / "alias.sock"
     sock.parent.mkdir(mode=0o700)
     alias.symlink_to(sock)
-    args = ["--device", "cpu", "--workers", "1", "--max-streams", "1", "--pool", "a=glm-5.2:1024",
-            "--pool", "b=glm-5.2:1024", "--pool-layers", "2", "--pd-peers", f"unix://{alias}", "--log-level", "WARNING"]
+    args = ["--device", "cpu", "--workers", "2", "--max-streams", "1", "--request-arrival-seconds", "600",
+            "--pool", "a=glm-5.2:1024", "--pool", "b=glm-5.2:1024", "--pool-layers", "2",
+            "--pd-peers", f"unix://{alias}", "--log-level", "WARNING"]
     with DaemonProcess(f"unix://{sock}", extra_args=args) as dp, KVTierClient(dp.address, timeout=60, retries=0) as c:
         src, dst = c.allocate_slots("a", PS), c.allocate_slots("b", PS)
         rows = torch.randint(0, 256, (PS, 656), dtype=torch.uint8, generator=torch.Generator().manual_seed(11))
         c.write_kv("a", src, latent={x: rows for x in range(2)})
-        r = c.pull_kv("b", f"unix://{alias}", "a", src_slots=src, dst_slots=dst, transport="grpc", timeout=10)
+        release = threading.Event()
+
+        def never():
+            release.wait(120)
+            return
+            yield b""
+
+        channel = grpc.insecure_channel(dp.address)
+        stalled = channel.stream_stream("/kvtier.v1.PoolService/AllocateSlots", request_serializer=bytes,
+                                        response_deserializer=bytes)(never(), timeout=120)
+        try:
+            time.sleep(0.5)  # the stalled call holds a worker
+            r = c.pull_kv("b", f"unix://{alias}", "a", src_slots=src, dst_slots=dst, transport="grpc", timeout=10)
+        finally:
+            release.set()
+            stalled.cancel()
+            channel.close()
         assert r.transport == "local"
         assert torch.equal(c.read_kv("b", dst, index_layers=[]).latent[1], rows)
