@@ -39,7 +39,7 @@ from kvtier.server.pool.memory import device_memory, shortfall_message
 from kvtier.server.pool.validation import as_slots
 from kvtier.server.pool_configurator import PoolPlan, exact_pool_bytes, plan_pool
 from kvtier.server.daemon.errors import (
-    AlreadyExists, Busy, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable, always,
+    AlreadyExists, Busy, Cancelled, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable, always,
     still_wanted,
 )
 from kvtier.server.daemon.locks import LockBusy, RWLock
@@ -433,15 +433,19 @@ class PoolRegistry:
                     f"pool quota of tenant {caller.tenant!r}: pool {pool_id!r} needs {nbytes} bytes, "
                     f"{max(quota - mine, 0)} of the tenant's {quota}-byte pool_bytes quota are free")
 
-    def create(self, caller: Caller, req: PoolRequest) -> PoolEntry:
+    def create(self, caller: Caller, req: PoolRequest, wanted: Callable[[], bool] = always) -> PoolEntry:
         """Create and register a pool of ``caller``'s tenant. Everything is checked (sizes first)
-        before memory is allocated; the allocation itself runs outside every lock.
+        before memory is allocated; the allocation itself runs outside every lock. ``wanted()`` is
+        checked under the registry's lock before the reservation and again right before the pool
+        becomes visible: a caller that gave up (cancelled, past its deadline) while the pool was
+        allocated gets Cancelled and no pool exists (attack pass 7, A7-5).
 
         Raises:
             InvalidArgument: bad pool id, model, role, device or capacity.
             AlreadyExists: the tenant already has a pool of that id.
             ResourceExhausted: the memory budget holds no page, the daemon's pool cap or the
                 tenant's pool quota would be exceeded, or the device could not allocate the buffers.
+            Cancelled: ``wanted()`` is false (nothing is created; memory allocated is given back).
         """
         if len(req.pool_id) > MAX_POOL_ID_CHARS:
             raise InvalidArgument(f"pool_id must be at most {MAX_POOL_ID_CHARS} characters")
@@ -484,6 +488,7 @@ class PoolRegistry:
         with self._lock:
             if key in self._pools or key in self._reserved:
                 raise AlreadyExists(f"pool {pool_id!r} already exists")
+            still_wanted(wanted, "CreatePool")
             self._check_room(caller, pool_id, nbytes)
             self._reserved[key] = nbytes
         try:
@@ -500,8 +505,13 @@ class PoolRegistry:
             entry = PoolEntry(pool_id, layout_model(model, req.role), req.role, pool,
                               PagedTokenAllocator(size, model.page_size), plan, tenant=caller.tenant)
             with self._lock:
-                self._pools[key] = entry
-            return entry
+                if wanted():  # checked under the lock, right before the pool becomes visible
+                    self._pools[key] = entry
+                    return entry
+            for shm in pool.shared_memory.values():
+                shm.close_fd()  # never visible, so never attached: dropping the pool frees its memory
+            raise Cancelled("the CreatePool was cancelled or ran past its deadline while the pool was "
+                            "allocated; no pool was created")
         finally:
             with self._lock:
                 self._reserved.pop(key, None)

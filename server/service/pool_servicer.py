@@ -50,7 +50,7 @@ class PoolServicer(pool_pb2_grpc.PoolServiceServicer):
             model_name=m.name, num_layers=m.num_layers, start_layer=m.start_layer, end_layer=m.end_layer,
             kv_cache_dtype=m.kv_cache_dtype or "fp8",
             page_size=m.page_size, role=request.role or "target", device=request.device,
-            size_tokens=request.size_tokens, memory_budget_bytes=request.memory_budget_bytes))
+            size_tokens=request.size_tokens, memory_budget_bytes=request.memory_budget_bytes), context.is_active)
         self.state.counters.add(caller, "pools_created")
         return messages.pool_info(entry)
 

@@ -141,3 +141,21 @@ def test_a_delete_whose_caller_gave_up_while_it_waited_deletes_nothing():
     assert d.pools.get(me, "p").allocator.used_pages == 1
     assert d.delete_pool(me, "p", force=True) > 0
     d.close()
+
+
+@pytest.mark.parametrize("true_answers", [0, 1])
+def test_a_create_whose_caller_gave_up_creates_nothing(d, true_answers):
+    """Attack pass 7, A7-5: a CreatePool told DEADLINE_EXCEEDED still created its pool (with a random
+    id, every retry of the "failed" call made one more, each holding memory and quota). The caller
+    is checked under the registry's lock before the reservation (0: gone from the start) and right
+    before the pool becomes visible (1: gone while the pool was allocated)."""
+    from kvtier.server.daemon.errors import Cancelled
+
+    answers = iter([True] * true_answers + [False] * 10)
+    with pytest.raises(Cancelled, match="CreatePool .*cancelled or ran past its deadline"):
+        d.pools.create(A, PoolRequest(pool_id="p", preset="glm-5.2", num_layers=2, size_tokens=256),
+                       wanted=lambda: next(answers))
+    assert d.pools.list() == [] and d.pools._reserved == {}
+    with pytest.raises(NotFound):
+        d.pools.get(A, "p")
+    assert pool(d, A, "p").pool_id == "p"  # the id and its bytes are free again
