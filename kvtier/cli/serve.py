@@ -74,7 +74,7 @@ def _layers(_ctx: click.Context, _param: click.Parameter, value: str | None) -> 
               help="Unix-socket PD peers PullKV may name besides this daemon's own address (others are refused: "
                    "their file permissions would be bypassed). TCP peers need no listing.")
 @click.option("--max-streams", type=click.IntRange(min=1), default=None,
-              help="KV streams (and PullKVs asking a peer) in flight at once; more are refused [half of --workers].")
+              help="KV streams (and PullKVs asking a peer) in flight at once; more are refused; below --workers [half of --workers].")
 @click.option("--max-streams-per-tenant", type=click.IntRange(min=1), default=None,
               help="KV streams one tenant may hold at once; more of that tenant are refused [all of --max-streams "
                    "with one tenant, half of them, rounded up, with more].")

@@ -135,7 +135,8 @@ class DaemonConfig:
     max_streams: int = 0
     """KV streams (WriteKV, ReadKV, ReadPages, PutUnits, GetUnits, and PullKVs that ask a peer) in
     flight at once; one more is refused at once with RESOURCE_EXHAUSTED. 0: half the workers (at
-    least 1), so the other half always serve control calls."""
+    least 1), so the other half always serve control calls. Set, it must be below ``workers`` (a
+    value as large let stalled streams hold every worker): one higher is refused at start."""
     max_streams_per_tenant: int = 0
     """KV streams (as counted by ``max_streams``) one tenant may hold at once; one more of that tenant
     is refused at once with RESOURCE_EXHAUSTED, so one tenant cannot take the data path from the
@@ -265,6 +266,13 @@ class DaemonConfig:
             raise ValueError("tls_client_ca (mutual TLS) needs tls_cert and tls_key")
         if not 0 <= self.max_streams <= MAX_STREAMS:
             raise ValueError(f"max_streams must be 0..{MAX_STREAMS}, got {self.max_streams}")
+        if self.max_streams >= self.workers:  # streams then held every worker (attack pass 7, A7-11)
+            raise ValueError(
+                f"max_streams ({self.max_streams}) must be below workers ({self.workers}), so control calls always "
+                f"have a thread: set --max-streams (max_streams) to at most {self.workers - 1}, or leave it unset "
+                f"(half the workers)" if self.workers > 1 else
+                f"max_streams ({self.max_streams}) must be below workers (1), so control calls always have a thread: "
+                f"set --workers (workers) to 2 or more, or leave --max-streams (max_streams) unset")
         if not 0 <= self.max_streams_per_tenant <= MAX_STREAMS:
             raise ValueError(f"max_streams_per_tenant must be 0..{MAX_STREAMS}, got {self.max_streams_per_tenant}")
         if self.stream_idle_seconds <= 0:

@@ -176,3 +176,25 @@ def test_unit_settings_have_upper_bounds(units, words):
 
     with pytest.raises(ValueError, match=words):
         UnitSettings(**units)
+
+
+@pytest.mark.parametrize(("workers", "streams", "words"), [
+    (4, 4, "max_streams (4) must be below workers (4), so control calls always have a thread: set --max-streams "
+           "(max_streams) to at most 3, or leave it unset (half the workers)"),
+    (4, 8, "max_streams (8) must be below workers (4)"),
+    (1, 1, "max_streams (1) must be below workers (1), so control calls always have a thread: set --workers "
+           "(workers) to 2 or more, or leave --max-streams (max_streams) unset"),
+])
+def test_max_streams_at_or_above_workers_is_refused_from_toml_and_flags(workers, streams, words):
+    """Attack pass 7, A7-11: ``--workers 4 --max-streams 4`` (or 8) started without a word, and two
+    stalled streams then held every worker: control calls waited ~30 s for the idle watchdog. The
+    same rule holds for the TOML keys and the flags (``replace`` is what ``kvtier serve`` applies
+    its flags with)."""
+    for make in (lambda: DaemonConfig(workers=workers, max_streams=streams),
+                 lambda: DaemonConfig.from_mapping({"workers": workers, "max_streams": streams}),
+                 lambda: DaemonConfig(workers=workers).replace(max_streams=streams)):
+        with pytest.raises(ValueError) as info:
+            make()
+        assert words in str(info.value) and "\n" not in str(info.value)
+    assert DaemonConfig(workers=4, max_streams=3).stream_slots == 3
+    assert DaemonConfig(workers=1).stream_slots == 1  # unset: half the workers, at least 1
