@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from kvtier.server.hostmem import HostArena
-from kvtier.server.model_config import DEFAULT_PAGE_SIZE, DSAModelConfig
+from kvtier.server.model_config import DEFAULT_PAGE_SIZE, DSAModelConfig, load_hf_config_text
 from kvtier.server.pool import DSATokenToKVPool, PagedTokenAllocator, create_pool, resolve_device
 from kvtier.server.pool.factory import POOL_ROLES, skip_mask_for_role
 from kvtier.server.pool.memory import device_memory, shortfall_message
@@ -95,7 +95,7 @@ def build_model(req: PoolRequest) -> DSAModelConfig:
         if len(req.model_name) > 256:
             raise InvalidArgument("model name must be at most 256 characters")
         return DSAModelConfig.from_hf_config(req.hf_config or {}, name=req.model_name or None, **kwargs)
-    except (ValueError, TypeError) as e:
+    except (ValueError, TypeError, OverflowError) as e:
         raise InvalidArgument(f"model: {e}") from None
 
 
@@ -584,14 +584,9 @@ class PoolRegistry:
 
 
 def parse_hf_config(text: str) -> dict[str, Any]:
-    """Parse the text of an HF config.json. Raises InvalidArgument (not JSON, nested too deeply,
-    not an object)."""
+    """Parse the text of an HF config.json. Raises InvalidArgument (not JSON, NaN or Infinity, a
+    number of more than 4300 digits, nested too deeply, not an object)."""
     try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise InvalidArgument(f"hf_config_json is not JSON: {e}") from None
-    except RecursionError:
-        raise InvalidArgument("hf_config_json nests too deeply to be an HF config") from None
-    if not isinstance(data, dict):
-        raise InvalidArgument("hf_config_json must be a JSON object")
-    return data
+        return load_hf_config_text(text, "hf_config_json")
+    except ValueError as e:
+        raise InvalidArgument(str(e)) from None
