@@ -92,11 +92,26 @@ def build_model(req: PoolRequest) -> DSAModelConfig:
             raise InvalidArgument("give exactly one of a model preset and an HF config")
         if req.preset:
             return DSAModelConfig.from_preset(req.preset, **kwargs)
-        if len(req.model_name) > 256:
-            raise InvalidArgument("model name must be at most 256 characters")
-        return DSAModelConfig.from_hf_config(req.hf_config or {}, name=req.model_name or None, **kwargs)
+        check_model_name(req.model_name, "model name")
+        model = DSAModelConfig.from_hf_config(req.hf_config or {}, name=req.model_name or None, **kwargs)
     except (ValueError, TypeError, OverflowError) as e:
         raise InvalidArgument(f"model: {e}") from None
+    check_model_name(model.name, "model name (the HF config's model_type)")
+    return model
+
+
+def check_model_name(name: str, what: str) -> None:
+    """Refuse a model name longer than 256 characters or holding a control character: it is shown by
+    ``kvtier status`` and ``kvtier pools``, where escapes reached the operator's terminal raw (attack
+    pass 7, A7-9; the rule A6-10 gave pool ids).
+
+    Raises:
+        InvalidArgument: naming ``what``.
+    """
+    if len(name) > 256:
+        raise InvalidArgument(f"{what} must be at most 256 characters")
+    if not name.isprintable():
+        raise InvalidArgument(f"{what} must be printable characters (no control characters), got {name[:64]!r}")
 
 
 def layout_model(model: DSAModelConfig, role: str) -> DSAModelConfig:

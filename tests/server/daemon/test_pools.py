@@ -207,3 +207,23 @@ def test_a_start_pool_from_a_config_json_with_infinity_is_a_one_line_error(tmp_p
         assert dm.pools.list() == []
     finally:
         dm.close()
+
+
+ESC = "\x1b]0;pwned\x07\x1b[2J\x1b[31mFAKE"
+
+
+@pytest.mark.parametrize("req", [
+    PoolRequest(pool_id="x", hf_config={"num_hidden_layers": 2, "kv_lora_rank": 512, "qk_rope_head_dim": 64},
+                model_name=ESC, size_tokens=64),
+    PoolRequest(pool_id="x", hf_config={"num_hidden_layers": 2, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
+                                        "model_type": ESC}, size_tokens=64),
+    PoolRequest(pool_id="x", hf_config={"num_hidden_layers": 2, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
+                                        "model_type": "m" * 257}, size_tokens=64),
+])
+def test_a_model_name_with_control_characters_or_too_long_is_refused(d, req):
+    """Attack pass 7, A7-9: a model name (ModelSpec.name, or an HF config's model_type) could hold
+    terminal escapes, which ``kvtier status`` and ``kvtier pools`` printed raw; a model_type of any
+    length was taken (only ModelSpec.name had the 256-character bound). The rule A6-10 gave pool ids."""
+    with pytest.raises(InvalidArgument, match=r"model name .*(must be printable characters|at most 256 characters)"):
+        d.pools.create(A, req)
+    assert d.pools.list() == []
