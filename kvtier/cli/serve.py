@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 import click
@@ -136,6 +137,9 @@ def serve(config_file: str | None, pools: tuple[str, ...], pool_layers: dict[str
         cfg = cfg.replace(pools=specs, **flags)
     except (ValueError, OSError) as e:
         raise click.UsageError(str(e)) from None
+    if config_file and cfg.ready_file and os.path.realpath(cfg.ready_file) == os.path.realpath(config_file):
+        raise click.ClickException(f"--ready-file {cfg.ready_file} is the --config file, which the ready file would "
+                                   f"replace; give another path")  # attack pass 7, A7-6 (the daemon checks its other files)
     try:
         code = run(cfg)
     # bad address, device, disk path, a configured pool that cannot be created, a missing transfer engine
