@@ -19,6 +19,7 @@ from kvtier.server.daemon.kv_ops import KVSelection
 from kvtier.server.daemon.pools import PoolRequest, parse_hf_config
 from kvtier.server.service import kv_wire, messages
 from kvtier.server.service.auth import caller_of
+from kvtier.server.service.errors import caller_waits
 from kvtier.server.service.streams import StreamGuard
 from kvtier.v1 import pool_pb2, pool_pb2_grpc
 
@@ -50,7 +51,7 @@ class PoolServicer(pool_pb2_grpc.PoolServiceServicer):
             model_name=m.name, num_layers=m.num_layers, start_layer=m.start_layer, end_layer=m.end_layer,
             kv_cache_dtype=m.kv_cache_dtype or "fp8",
             page_size=m.page_size, role=request.role or "target", device=request.device,
-            size_tokens=request.size_tokens, memory_budget_bytes=request.memory_budget_bytes), context.is_active)
+            size_tokens=request.size_tokens, memory_budget_bytes=request.memory_budget_bytes), caller_waits(context))
         self.state.counters.add(caller, "pools_created")
         return messages.pool_info(entry)
 
