@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import threading
 import uuid
 from collections.abc import Callable, Iterator
