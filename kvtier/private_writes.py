@@ -12,7 +12,11 @@ Everything kvtier writes (the daemon's ready file and disk directory, ``kvtier b
   of a random name beside it (``mkstemp``: ``O_EXCL|O_NOFOLLOW``, 0600), which is then renamed over
   the path. The random name matters in a shared sticky directory (``/tmp``): a fixed ``FILE.tmp``
   another user created first could neither be written through nor removed (EPERM), so that user could
-  stop the write.
+  stop the write. Only a regular file already at the path is replaced: anything else there (a device
+  node such as ``/dev/null``, a FIFO, a socket, a symlink, a directory) is refused with
+  :class:`OutputPathError` before anything is written (attack pass 7, A7-6: a ready file over the
+  daemon's own socket, or over a device node, replaced it). :func:`check_output_path` makes the same
+  check at a command's start, before its work.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import stat
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -53,16 +58,55 @@ def private_dirs(path: str | Path) -> Path:
     return p
 
 
-def write_private_file(path: str | Path, data: str | bytes) -> None:
-    """Write ``data`` to ``path`` atomically, mode 0600 whatever the umask: a temporary file of a random
-    name in the same directory, then a rename over ``path`` (an existing file or symlink there is
-    replaced, never written through). A failed write leaves no temporary file behind.
+class OutputPathError(OSError):
+    """Something other than a regular file is at an output path (one line naming the path and what
+    is there)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+def _what_is(mode: int) -> str:
+    for test, words in ((stat.S_ISLNK, "a symlink"), (stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"),
+                        (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return words
+    return "not a regular file"
+
+
+def check_output_path(path: str | Path, what: str = "output file") -> None:
+    """Refuse ``path`` unless nothing is there or a regular file is (the file kvtier would replace).
+    A symlink is refused too, whatever it points at: replacing it would silently cut the link, and
+    writing through it would write wherever it points; give the file's own path.
 
     Raises:
-        OSError: the file cannot be written (its directory is missing or not writable, ``path`` is a
-            directory, the filesystem is full or read-only).
+        OutputPathError: ``WHAT PATH is a character device (a FIFO, a socket, a symlink, a directory),
+            not a regular file; ...``.
+    """
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    except OSError:
+        return  # an unreadable path: the write itself says why
+    if not stat.S_ISREG(st.st_mode):
+        raise OutputPathError(f"{what} {path} is {_what_is(st.st_mode)}, not a regular file: kvtier writes a new file "
+                              f"or replaces a regular one only; remove it or give another path")
+
+
+def write_private_file(path: str | Path, data: str | bytes, what: str = "output file") -> None:
+    """Write ``data`` to ``path`` atomically, mode 0600 whatever the umask: a temporary file of a random
+    name in the same directory, then a rename over ``path`` (a regular file there is replaced).
+    A failed write leaves no temporary file behind.
+
+    Raises:
+        OutputPathError: something other than a regular file is at ``path`` (:func:`check_output_path`,
+            named ``what``); nothing is written.
+        OSError: the file cannot be written (its directory is missing or not writable, the filesystem
+            is full or read-only).
     """
     p = Path(path)
+    check_output_path(p, what)
     fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")  # O_EXCL|O_NOFOLLOW, 0600
     try:
         with os.fdopen(fd, "wb") as f:

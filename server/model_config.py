@@ -45,6 +45,40 @@ def _get(config: Any, key: str, default: Any = None) -> Any:
     return getattr(config, key, default)
 
 
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number an HF config may hold")
+
+
+def load_hf_config_text(text: str | bytes, where: str = "HF config") -> dict[str, Any]:
+    """Parse the text of an HF ``config.json`` into a dict. ``NaN``, ``Infinity`` and ``-Infinity``
+    (which ``json`` takes by default) are refused, as is a number of more than 4300 digits.
+
+    Raises:
+        ValueError: one line naming ``where``: not JSON, nested too deeply, not an object.
+    """
+    try:
+        data = json.loads(text, parse_constant=_no_constant)
+    except RecursionError:
+        raise ValueError(f"{where} nests too deeply to be an HF config") from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, the int digit limit, _no_constant
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ValueError(f"{where} is not JSON: {first}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{where} must be a JSON object")
+    return data
+
+
+def _hf_int(data: Mapping[str, Any], key: str, default: int | None = None, *, lo: int = 1, hi: int = 0) -> int:
+    """Field ``key`` of an HF config, an integer in ``lo..hi`` (``hi`` 0: :data:`MAX_DIM`). A float
+    (``1e400`` is infinity, ``512.5``), a bool, a string or null is refused naming the field: ``int()``
+    of an infinite float raised OverflowError (INTERNAL over gRPC; attack pass 7, A7-8)."""
+    v = data.get(key, default)
+    hi = hi or MAX_DIM
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise ValueError(f"HF config field {key} must be an integer in {lo}..{hi}, got {v!r}")
+    return v
+
+
 def validate_skip_config(config: Any) -> None:
     """Check the skip-related fields of an HF config (a mapping or an object with attributes).
 
@@ -66,9 +100,10 @@ def validate_skip_config(config: Any) -> None:
             raise ValueError(
                 f"indexer_types has {len(indexer_types)} entries but num_hidden_layers is {num_layers}"
             )
-    cli_factor = _get(config, "cli_factor")
-    if cli_factor is not None and (not isinstance(cli_factor, int) or cli_factor < 1):
-        raise ValueError(f"cli_factor must be an integer >= 1, got {cli_factor!r}")
+    for name in ("cli_factor", "index_topk_freq", "index_skip_topk_offset"):  # true and 10^20 were taken (A7-8)
+        v = _get(config, name)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_LAYERS):
+            raise ValueError(f"{name} must be an integer in 1..{MAX_LAYERS}, got {v!r}")
     pattern = _get(config, "index_topk_pattern")
     if pattern is not None:
         if not isinstance(pattern, str):
@@ -78,12 +113,6 @@ def validate_skip_config(config: Any) -> None:
             raise ValueError(f"index_topk_pattern has characters {bad_chars!r}; allowed: 'S' (skip), 'F' (full)")
         if num_layers is not None and len(pattern) != num_layers:
             raise ValueError(f"index_topk_pattern has {len(pattern)} characters but num_hidden_layers is {num_layers}")
-    freq = _get(config, "index_topk_freq")
-    if freq is not None and (not isinstance(freq, int) or freq <= 0):
-        raise ValueError(f"index_topk_freq must be an integer > 0, got {freq!r}")
-    offset = _get(config, "index_skip_topk_offset")
-    if offset is not None and (not isinstance(offset, int) or offset <= 0):
-        raise ValueError(f"index_skip_topk_offset must be an integer > 0, got {offset!r}")
     if _skips_unchecked(config, 0):
         field_name = _deciding_field(config)
         raise ValueError(f"{field_name} makes layer 0 skip top-k, but layer 0 has no earlier top-k to reuse")
@@ -310,8 +339,7 @@ class DSAModelConfig:
         """
         if isinstance(config, (str, Path)):
             path = Path(config)
-            with path.open() as f:
-                data: Mapping[str, Any] = json.load(f)
+            data: Mapping[str, Any] = load_hf_config_text(path.read_bytes(), str(path))
             name = name or path.stem
         else:
             data = config
@@ -326,12 +354,19 @@ class DSAModelConfig:
         start, end = layer_range(total, start_layer=start_layer, end_layer=end_layer, num_layers=num_layers)
         validate_skip_config(data)
         mask = tuple(_skips_unchecked(data, i) for i in range(start, end))
+        kv_lora_rank = _hf_int(data, "kv_lora_rank")
+        qk_rope_head_dim = _hf_int(data, "qk_rope_head_dim")
+        index_head_dim = _hf_int(data, "index_head_dim", 128)
+        if name is None:
+            name = data.get("model_type", "dsa-model")
+            if not isinstance(name, str):  # any JSON value became the name (A7-8)
+                raise ValueError(f"HF config field model_type must be a string, got {name!r}")
         return cls(
-            name=name or str(data.get("model_type", "dsa-model")),
+            name=name or "dsa-model",
             num_layers=end - start,
-            kv_lora_rank=int(data["kv_lora_rank"]),
-            qk_rope_head_dim=int(data["qk_rope_head_dim"]),
-            index_head_dim=int(data.get("index_head_dim", 128)),
+            kv_lora_rank=kv_lora_rank,
+            qk_rope_head_dim=qk_rope_head_dim,
+            index_head_dim=index_head_dim,
             kv_cache_dtype=kv_cache_dtype,
             page_size=page_size,
             skip_topk_layers=mask,

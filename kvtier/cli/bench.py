@@ -12,7 +12,7 @@ from pathlib import Path
 
 import click
 
-from kvtier.private_writes import private_dirs
+from kvtier.private_writes import OutputPathError, check_output_path, private_dirs
 
 
 def _case_names() -> list[str]:
@@ -69,6 +69,9 @@ def bench(quick: bool, out: Path, as_json: bool, only: tuple[str, ...], sglang_p
         cases = [c for c in cases if c.name in only]
     try:
         private_dirs(out)  # 0700 (and any parent it makes): the results are this user's alone, whatever the umask
+        check_output_path(Path(out) / "results.json", "--out file")  # not a device node, FIFO, socket (A7-6)
+    except OutputPathError as e:
+        raise click.ClickException(str(e)) from None
     except OSError as e:
         raise click.ClickException(f"cannot create --out directory {out}: {e.strerror}; pass another --out DIR") from None
     console = Console(stderr=True) if as_json else Console(width=None if sys.stdout.isatty() else 160)
@@ -89,7 +92,10 @@ def bench(quick: bool, out: Path, as_json: bool, only: tuple[str, ...], sglang_p
         shutil.rmtree(work, ignore_errors=True)
     doc = results_document(results, {"quick": quick, "cases": [c.name for c in cases], "torch_threads": torch_threads or 1,
                                           "copy_threads": copy_threads()}, started, load_before)
-    written = write_outputs(doc, results, out)
+    try:
+        written = write_outputs(doc, results, out)
+    except OSError as e:  # a plot path that is not a regular file (OutputPathError), a full disk
+        raise click.ClickException(f"cannot write the results to --out {out}: {e.strerror or e}") from None
     if as_json:
         click.echo(json.dumps(doc, indent=1, default=str))
     else:

@@ -109,3 +109,14 @@ def console() -> Any:
     from rich.console import Console
 
     return Console(width=None if sys.stdout.isatty() else 160)
+
+
+def shown(text: str) -> str:
+    """``text`` from a daemon (a pool id, a model name) made safe for a rich table: each control or
+    other non-printable character written as its Python escape (``\\x1b``) and rich markup escaped,
+    so no name a client set can reach the operator's terminal as an escape sequence or restyle the
+    table (attack pass 7, A7-9; the daemon refuses such names too, but an older daemon took them)."""
+    from rich.markup import escape
+
+    text = "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in str(text))
+    return escape(text)

@@ -6,7 +6,7 @@ import json
 
 import click
 
-from kvtier.cli.common import call_daemon, console, message_to_dict, open_client, server_options
+from kvtier.cli.common import call_daemon, console, message_to_dict, open_client, server_options, shown
 
 
 @click.command()
@@ -21,12 +21,12 @@ def pools(server: str | None, timeout: float, as_json: bool) -> None:
         return
     from rich.table import Table
 
-    t = Table(title=f"kvtier pools at {c.address}")
+    t = Table(title=f"kvtier pools at {shown(c.address)}")
     for col in ("pool", "model", "role", "device", "dtype", "layers/live", "layer range", "tokens", "used", "free", "bytes"):
         t.add_column(col, justify="right" if col in ("tokens", "used", "free", "bytes") else "left")
     for p in infos:
         ps = p.layout.page_size
-        t.add_row(p.pool_id, p.layout.model_name, p.role, p.device, p.layout.kv_cache_dtype,
+        t.add_row(shown(p.pool_id), shown(p.layout.model_name), shown(p.role), shown(p.device), shown(p.layout.kv_cache_dtype),
                   f"{p.layout.num_layers}/{len(p.live_layers)}",
                   f"{p.layout.start_layer}-{p.layout.start_layer + p.layout.num_layers - 1}", f"{p.size_tokens:,}", f"{p.used_pages * ps:,}",
                   f"{p.free_pages * ps:,}", f"{p.kv_size_bytes:,}")

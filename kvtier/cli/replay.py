@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from kvtier.private_writes import private_dirs, write_private_file
+from kvtier.private_writes import OutputPathError, check_output_path, private_dirs, write_private_file
 from kvtier.sizes import parse_bytes
 
 if TYPE_CHECKING:  # the replay's modules (and torch) load when a replay runs, not for --help or a usage error
@@ -251,7 +251,10 @@ def replay(trace_path: str, model: str, n_requests: int | None, server: str | No
             parent = os.path.dirname(os.path.abspath(json_path))
             if not os.path.isdir(parent):
                 raise ValueError(f"--json {json_path}: the directory {parent} does not exist; create it or give another path")
-    except ValueError as e:
+            check_output_path(json_path, "--json")  # a device node, FIFO or socket there was replaced (attack pass 7, A7-6)
+        if plot_dir is not None:
+            check_output_path(Path(plot_dir) / "policy-sweep.png", "--plot")
+    except (ValueError, OutputPathError) as e:
         raise click.UsageError(str(e)) from None
     scale = ReplayScale(model=model, num_layers=num_layers, tokens_per_block=tokens_per_block,
                         device_tokens=device_tokens, host_bytes=host_bytes, disk_bytes=disk_bytes,

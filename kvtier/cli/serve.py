@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 import click
@@ -74,7 +75,7 @@ def _layers(_ctx: click.Context, _param: click.Parameter, value: str | None) -> 
               help="Unix-socket PD peers PullKV may name besides this daemon's own address (others are refused: "
                    "their file permissions would be bypassed). TCP peers need no listing.")
 @click.option("--max-streams", type=click.IntRange(min=1), default=None,
-              help="KV streams (and PullKVs asking a peer) in flight at once; more are refused [half of --workers].")
+              help="KV streams (and PullKVs asking a peer) in flight at once; more are refused; below --workers [half of --workers].")
 @click.option("--max-streams-per-tenant", type=click.IntRange(min=1), default=None,
               help="KV streams one tenant may hold at once; more of that tenant are refused [all of --max-streams "
                    "with one tenant, half of them, rounded up, with more].")
@@ -136,6 +137,9 @@ def serve(config_file: str | None, pools: tuple[str, ...], pool_layers: dict[str
         cfg = cfg.replace(pools=specs, **flags)
     except (ValueError, OSError) as e:
         raise click.UsageError(str(e)) from None
+    if config_file and cfg.ready_file and os.path.realpath(cfg.ready_file) == os.path.realpath(config_file):
+        raise click.ClickException(f"--ready-file {cfg.ready_file} is the --config file, which the ready file would "
+                                   f"replace; give another path")  # attack pass 7, A7-6 (the daemon checks its other files)
     try:
         code = run(cfg)
     # bad address, device, disk path, a configured pool that cannot be created, a missing transfer engine

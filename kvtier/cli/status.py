@@ -6,7 +6,7 @@ import json
 
 import click
 
-from kvtier.cli.common import call_daemon, console, message_to_dict, open_client, server_options
+from kvtier.cli.common import call_daemon, console, message_to_dict, open_client, server_options, shown
 
 
 @click.command(short_help='Health, version, tiers and pools of a running daemon.')
@@ -31,11 +31,11 @@ def status(server: str | None, timeout: float, as_json: bool) -> None:
     from rich.table import Table
 
     con = console()
-    con.print(f"[bold]kvtier {stats.version}[/] at {c.address}: {health}, up {stats.uptime_seconds:.0f}s, "
-              f"device {stats.device}, tenant {stats.tenant}: {len(stats.pools)} pool{'' if len(stats.pools) == 1 else 's'}, "
+    con.print(f"[bold]kvtier {shown(stats.version)}[/] at {shown(c.address)}: {shown(health)}, up {stats.uptime_seconds:.0f}s, "
+              f"device {shown(stats.device)}, tenant {shown(stats.tenant)}: {len(stats.pools)} pool{'' if len(stats.pools) == 1 else 's'}, "
               f"max message {stats.max_message_bytes:,} bytes")
     if stats.metrics_address:
-        con.print(f"metrics: {stats.metrics_address}")
+        con.print(f"metrics: {shown(stats.metrics_address)}")
     t = Table(title="tiers (all tenants; yours beside)",
               caption="device: the pools' memory (entries: pools; budget: --pool-memory); the pages in use are in the "
                       "pools table and the kvtier_tier_used_bytes metric")
@@ -43,7 +43,7 @@ def status(server: str | None, timeout: float, as_json: bool) -> None:
         t.add_column(col, justify="left" if col in ("tier", "health", "policy") else "right")
     for tier in stats.tiers:
         quota = f"{tier.tenant_quota_bytes:,}" if tier.HasField("tenant_quota_bytes") else "-"
-        t.add_row(tier.tier, _health(tier), tier.policy or "-", f"{tier.used_bytes:,}", f"{tier.budget_bytes:,}" if tier.budget_bytes else "-",
+        t.add_row(shown(tier.tier), _health(tier), shown(tier.policy) or "-", f"{tier.used_bytes:,}", f"{tier.budget_bytes:,}" if tier.budget_bytes else "-",
                   f"{tier.entries:,}", f"{tier.tenant_used_bytes:,}", quota)
     con.print(t)
     if stats.pools:
@@ -51,7 +51,7 @@ def status(server: str | None, timeout: float, as_json: bool) -> None:
         for col in ("pool", "model", "used tokens", "size tokens", "open leases", "pinned pages"):
             pt.add_column(col, justify="left" if col in ("pool", "model") else "right")
         for p in stats.pools:
-            pt.add_row(p.pool_id, p.model_name, f"{p.used_tokens:,}", f"{p.size_tokens:,}", f"{p.open_leases:,}",
+            pt.add_row(shown(p.pool_id), shown(p.model_name), f"{p.used_tokens:,}", f"{p.size_tokens:,}", f"{p.open_leases:,}",
                        f"{p.pinned_pages:,}")
         con.print(pt)
     if stats.counters:
@@ -59,7 +59,7 @@ def status(server: str | None, timeout: float, as_json: bool) -> None:
         ct.add_column("counter")
         ct.add_column("value", justify="right")
         for k in sorted(stats.counters):
-            ct.add_row(k, f"{stats.counters[k]:,}")
+            ct.add_row(shown(k), f"{stats.counters[k]:,}")
         con.print(ct)
 
 
@@ -67,6 +67,4 @@ def _health(tier: object) -> str:
     """``ok``, or ``UNHEALTHY: <reason> (next probe in Ns)``."""
     if not getattr(tier, "unhealthy", False):
         return "ok"
-    from rich.markup import escape
-
-    return f"[bold red]UNHEALTHY[/]: {escape(tier.unhealthy_reason)} (next probe in {tier.next_probe_seconds:.0f}s)"  # type: ignore[attr-defined]
+    return f"[bold red]UNHEALTHY[/]: {shown(tier.unhealthy_reason)} (next probe in {tier.next_probe_seconds:.0f}s)"  # type: ignore[attr-defined]

@@ -20,14 +20,13 @@ Example ``kvtier.toml``::
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvtier.server.daemon.config_keys import check_known_keys
+from kvtier.server.daemon.config_keys import check_field_types, check_known_keys
 from kvtier.server.daemon.private_files import read_trusted_file
 from kvtier.server.daemon.quotas import Quotas
 from kvtier.server.daemon.tenants import DEFAULT_TENANT, TenantSettings, check_tenant_name
@@ -77,6 +76,7 @@ class PoolSpec:
     """The tenant that owns the pool (``--pool`` pools belong to ``default``)."""
 
     def __post_init__(self) -> None:
+        check_field_types(self, "[[pools]] ")  # model = 5 and pool_id = 5 were tracebacks (attack pass 7, A7-1)
         if not self.model:
             raise ValueError("a pool needs a model")
         check_tenant_name(self.tenant)
@@ -135,7 +135,8 @@ class DaemonConfig:
     max_streams: int = 0
     """KV streams (WriteKV, ReadKV, ReadPages, PutUnits, GetUnits, and PullKVs that ask a peer) in
     flight at once; one more is refused at once with RESOURCE_EXHAUSTED. 0: half the workers (at
-    least 1), so the other half always serve control calls."""
+    least 1), so the other half always serve control calls. Set, it must be below ``workers`` (a
+    value as large let stalled streams hold every worker): one higher is refused at start."""
     max_streams_per_tenant: int = 0
     """KV streams (as counted by ``max_streams``) one tenant may hold at once; one more of that tenant
     is refused at once with RESOURCE_EXHAUSTED, so one tenant cannot take the data path from the
@@ -241,6 +242,10 @@ class DaemonConfig:
     def __post_init__(self) -> None:
         _check_field_types(self)
         object.__setattr__(self, "pd_peers", _unix_peers(self.pd_peers))
+        # the [tiers] and [units] tables are checked with the rest of the file, not first when the daemon
+        # builds its tiers (attack pass 7, A7-1)
+        object.__setattr__(self, "tiers", TierSettings.coerce(self.tiers))
+        object.__setattr__(self, "units", UnitSettings.coerce(self.units))
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
         if self.log_level.upper() not in LOG_LEVELS:
@@ -265,6 +270,13 @@ class DaemonConfig:
             raise ValueError("tls_client_ca (mutual TLS) needs tls_cert and tls_key")
         if not 0 <= self.max_streams <= MAX_STREAMS:
             raise ValueError(f"max_streams must be 0..{MAX_STREAMS}, got {self.max_streams}")
+        if self.max_streams >= self.workers:  # streams then held every worker (attack pass 7, A7-11)
+            raise ValueError(
+                f"max_streams ({self.max_streams}) must be below workers ({self.workers}), so control calls always "
+                f"have a thread: set --max-streams (max_streams) to at most {self.workers - 1}, or leave it unset "
+                f"(half the workers)" if self.workers > 1 else
+                f"max_streams ({self.max_streams}) must be below workers (1), so control calls always have a thread: "
+                f"set --workers (workers) to 2 or more, or leave --max-streams (max_streams) unset")
         if not 0 <= self.max_streams_per_tenant <= MAX_STREAMS:
             raise ValueError(f"max_streams_per_tenant must be 0..{MAX_STREAMS}, got {self.max_streams_per_tenant}")
         if self.stream_idle_seconds <= 0:
@@ -403,9 +415,6 @@ MAX_SECONDS = 86400.0
 MAX_MESSAGE_BYTES = (1 << 31) - 1
 """gRPC's largest message limit (its channel arguments are C ints)."""
 
-_TYPE_WORDS = {"int": "an integer", "float": "a finite number", "bool": "true or false", "str": "a string",
-               "int | None": "an integer"}
-
 
 def _check_field_types(config: object) -> None:
     """Refuse a value of the wrong type (a TOML ``"5"`` for a number, ``true`` for a count, NaN or inf
@@ -414,20 +423,4 @@ def _check_field_types(config: object) -> None:
     Raises:
         ValueError: ``KEY must be TYPE, got VALUE``.
     """
-    for f in dataclasses.fields(config):  # type: ignore[arg-type]
-        want = _TYPE_WORDS.get(str(f.type))
-        if want is None:
-            continue
-        v = getattr(config, f.name)
-        if f.type == "int | None":
-            ok = v is None or (isinstance(v, int) and not isinstance(v, bool))
-        elif f.type == "int":
-            ok = isinstance(v, int) and not isinstance(v, bool)
-        elif f.type == "float":
-            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-        elif f.type == "bool":
-            ok = isinstance(v, bool)
-        else:
-            ok = isinstance(v, str)
-        if not ok:
-            raise ValueError(f"{f.name} must be {want}, got {v!r}")
+    check_field_types(config, skip=("pd_peers",))  # pd_peers: a list or a comma-separated string (_unix_peers)

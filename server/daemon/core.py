@@ -19,7 +19,6 @@ environment). Nothing here imports grpc or ``kvtier.v1``.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -42,6 +41,7 @@ from kvtier.server.daemon.tier_runtime import TierRuntime
 from kvtier.server.daemon.transfer import TransferState
 from kvtier.server.daemon.unit_settings import UnitSettings
 from kvtier.server.daemon.unit_store import UnitStore
+from kvtier.server.model_config import load_hf_config_text
 from kvtier.server.pool import resolve_device, slots_of_pages
 from kvtier.server.tiers.policies import resolve_policy
 
@@ -164,7 +164,7 @@ class Daemon:
         each for its spec's tenant."""
         for spec in self.config.pools:
             path = Path(spec.model)
-            hf = json.loads(path.read_text()) if path.is_file() else None
+            hf = load_hf_config_text(path.read_bytes(), f"[[pools]] model {spec.model}") if path.is_file() else None
             req = PoolRequest(pool_id=spec.pool_id, preset="" if hf is not None else spec.model, hf_config=hf,
                               model_name=path.stem if hf is not None else "", num_layers=spec.num_layers,
                               start_layer=spec.start_layer, end_layer=spec.end_layer,

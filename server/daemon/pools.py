@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -32,14 +31,14 @@ import numpy as np
 import torch
 
 from kvtier.server.hostmem import HostArena
-from kvtier.server.model_config import DEFAULT_PAGE_SIZE, DSAModelConfig
+from kvtier.server.model_config import DEFAULT_PAGE_SIZE, DSAModelConfig, load_hf_config_text
 from kvtier.server.pool import DSATokenToKVPool, PagedTokenAllocator, create_pool, resolve_device
 from kvtier.server.pool.factory import POOL_ROLES, skip_mask_for_role
 from kvtier.server.pool.memory import device_memory, shortfall_message
 from kvtier.server.pool.validation import as_slots
 from kvtier.server.pool_configurator import PoolPlan, exact_pool_bytes, plan_pool
 from kvtier.server.daemon.errors import (
-    AlreadyExists, Busy, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable, always,
+    AlreadyExists, Busy, Cancelled, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable, always,
     still_wanted,
 )
 from kvtier.server.daemon.locks import LockBusy, RWLock
@@ -92,11 +91,26 @@ def build_model(req: PoolRequest) -> DSAModelConfig:
             raise InvalidArgument("give exactly one of a model preset and an HF config")
         if req.preset:
             return DSAModelConfig.from_preset(req.preset, **kwargs)
-        if len(req.model_name) > 256:
-            raise InvalidArgument("model name must be at most 256 characters")
-        return DSAModelConfig.from_hf_config(req.hf_config or {}, name=req.model_name or None, **kwargs)
-    except (ValueError, TypeError) as e:
+        check_model_name(req.model_name, "model name")
+        model = DSAModelConfig.from_hf_config(req.hf_config or {}, name=req.model_name or None, **kwargs)
+    except (ValueError, TypeError, OverflowError) as e:
         raise InvalidArgument(f"model: {e}") from None
+    check_model_name(model.name, "model name (the HF config's model_type)")
+    return model
+
+
+def check_model_name(name: str, what: str) -> None:
+    """Refuse a model name longer than 256 characters or holding a control character: it is shown by
+    ``kvtier status`` and ``kvtier pools``, where escapes reached the operator's terminal raw (attack
+    pass 7, A7-9; the rule A6-10 gave pool ids).
+
+    Raises:
+        InvalidArgument: naming ``what``.
+    """
+    if len(name) > 256:
+        raise InvalidArgument(f"{what} must be at most 256 characters")
+    if not name.isprintable():
+        raise InvalidArgument(f"{what} must be printable characters (no control characters), got {name[:64]!r}")
 
 
 def layout_model(model: DSAModelConfig, role: str) -> DSAModelConfig:
@@ -433,15 +447,19 @@ class PoolRegistry:
                     f"pool quota of tenant {caller.tenant!r}: pool {pool_id!r} needs {nbytes} bytes, "
                     f"{max(quota - mine, 0)} of the tenant's {quota}-byte pool_bytes quota are free")
 
-    def create(self, caller: Caller, req: PoolRequest) -> PoolEntry:
+    def create(self, caller: Caller, req: PoolRequest, wanted: Callable[[], bool] = always) -> PoolEntry:
         """Create and register a pool of ``caller``'s tenant. Everything is checked (sizes first)
-        before memory is allocated; the allocation itself runs outside every lock.
+        before memory is allocated; the allocation itself runs outside every lock. ``wanted()`` is
+        checked under the registry's lock before the reservation and again right before the pool
+        becomes visible: a caller that gave up (cancelled, past its deadline) while the pool was
+        allocated gets Cancelled and no pool exists (attack pass 7, A7-5).
 
         Raises:
             InvalidArgument: bad pool id, model, role, device or capacity.
             AlreadyExists: the tenant already has a pool of that id.
             ResourceExhausted: the memory budget holds no page, the daemon's pool cap or the
                 tenant's pool quota would be exceeded, or the device could not allocate the buffers.
+            Cancelled: ``wanted()`` is false (nothing is created; memory allocated is given back).
         """
         if len(req.pool_id) > MAX_POOL_ID_CHARS:
             raise InvalidArgument(f"pool_id must be at most {MAX_POOL_ID_CHARS} characters")
@@ -484,6 +502,7 @@ class PoolRegistry:
         with self._lock:
             if key in self._pools or key in self._reserved:
                 raise AlreadyExists(f"pool {pool_id!r} already exists")
+            still_wanted(wanted, "CreatePool")
             self._check_room(caller, pool_id, nbytes)
             self._reserved[key] = nbytes
         try:
@@ -500,8 +519,13 @@ class PoolRegistry:
             entry = PoolEntry(pool_id, layout_model(model, req.role), req.role, pool,
                               PagedTokenAllocator(size, model.page_size), plan, tenant=caller.tenant)
             with self._lock:
-                self._pools[key] = entry
-            return entry
+                if wanted():  # checked under the lock, right before the pool becomes visible
+                    self._pools[key] = entry
+                    return entry
+            for shm in pool.shared_memory.values():
+                shm.close_fd()  # never visible, so never attached: dropping the pool frees its memory
+            raise Cancelled("the CreatePool was cancelled or ran past its deadline while the pool was "
+                            "allocated; no pool was created")
         finally:
             with self._lock:
                 self._reserved.pop(key, None)
@@ -574,14 +598,9 @@ class PoolRegistry:
 
 
 def parse_hf_config(text: str) -> dict[str, Any]:
-    """Parse the text of an HF config.json. Raises InvalidArgument (not JSON, nested too deeply,
-    not an object)."""
+    """Parse the text of an HF config.json. Raises InvalidArgument (not JSON, NaN or Infinity, a
+    number of more than 4300 digits, nested too deeply, not an object)."""
     try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise InvalidArgument(f"hf_config_json is not JSON: {e}") from None
-    except RecursionError:
-        raise InvalidArgument("hf_config_json nests too deeply to be an HF config") from None
-    if not isinstance(data, dict):
-        raise InvalidArgument("hf_config_json must be a JSON object")
-    return data
+        return load_hf_config_text(text, "hf_config_json")
+    except ValueError as e:
+        raise InvalidArgument(str(e)) from None

@@ -118,6 +118,8 @@ class TenantSettings:
     attach_uids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        if not isinstance(self.attach_uids, tuple):
+            raise ValueError(f"attach_uids must be a list of uids (integers 0..2^32-1), got {self.attach_uids!r}")
         if any(isinstance(u, bool) or not isinstance(u, int) or not 0 <= u < 2**32 for u in self.attach_uids):
             raise ValueError(f"attach_uids must be uids (integers 0..2^32-1), got {list(self.attach_uids)!r}")
 
@@ -133,7 +135,10 @@ class TenantSettings:
             if not isinstance(table, Mapping):
                 raise ValueError(f"[tenants.{name}] must be a table")
             check_known_keys(cls, table, f"[tenants.{name}]")
-            out[name] = cls(attach_uids=tuple(table.get("attach_uids", ())))
+            uids = table.get("attach_uids", ())
+            if not isinstance(uids, (list, tuple)):  # 5 was a traceback (attack pass 7, A7-1)
+                raise ValueError(f"[tenants.{name}] attach_uids must be a list of uids (integers 0..2^32-1), got {uids!r}")
+            out[name] = cls(attach_uids=tuple(uids))
         return out
 
 

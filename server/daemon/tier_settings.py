@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier.server.daemon.config_keys import check_known_keys, settings_from_table
+from kvtier.server.daemon.config_keys import check_field_types, check_known_keys, settings_from_table
 from kvtier.server.tiers.mooncake_config import MooncakeStoreTierConfig
 from kvtier.server.tiers.policies import resolve_policy
 
@@ -108,6 +108,7 @@ class TierSettings:
                 raise ValueError(f"tiers.{name} must be true or false, got {getattr(self, name)!r}")
         if self.host_pin_memory is not None and not isinstance(self.host_pin_memory, bool):
             raise ValueError(f"tiers.host_pin_memory must be true or false, got {self.host_pin_memory!r}")
+        check_field_types(self, "tiers.", skip=("stack",))  # the rest (stack: a list or "host,disk", parse_stack)
         object.__setattr__(self, "stack", parse_stack(self.stack))
         if "disk" in self.stack and not self.disk_path:
             raise ValueError("tiers.stack names the disk tier but no disk_path (--disk-path) is set")
@@ -138,6 +139,8 @@ def parse_stack(value: Any) -> tuple[str, ...]:
     Raises:
         ValueError: an unknown or repeated name, or names not fastest first (host, disk, mooncake).
     """
+    if not isinstance(value, (str, list, tuple)):  # 5 was a traceback (attack pass 7, A7-1)
+        raise ValueError(f"tiers.stack must be a list of tier names (or \"host,disk\"), got {value!r}")
     names = tuple(n.strip() for n in value.split(",") if n.strip()) if isinstance(value, str) else tuple(value)
     unknown = [n for n in names if n not in TIER_NAMES]
     if unknown:
@@ -170,10 +173,18 @@ def mooncake_config(value: MooncakeStoreTierConfig | Mapping[str, Any], **change
     for key in MOONCAKE_BYTE_FIELDS:
         if key in data:
             data[key] = parse_bytes(data[key], f"tiers.mooncake.{key}")
-    if "namespaces" in data:
+    if isinstance(data.get("namespaces"), list):
         data["namespaces"] = tuple(data["namespaces"])
     try:
         cfg = MooncakeStoreTierConfig(**data)
     except TypeError as e:
         raise ValueError(f"[tiers.mooncake]: {e}") from None
+    # every value is checked whether or not the stack names mooncake: namespaces = 5 was a traceback,
+    # key_prefix = 5 and replicas = -1 were taken unread (attack pass 7, A7-1)
+    check_field_types(cfg, "tiers.mooncake.")
+    if changes or not isinstance(value, MooncakeStoreTierConfig):
+        try:
+            cfg.validate()
+        except ValueError as e:
+            raise ValueError(f"[tiers.mooncake]: {e}") from None
     return cfg

@@ -168,3 +168,18 @@ class DomainErrorInterceptor(grpc.ServerInterceptor):
         method = handler_call_details.method
         return handler_like(handler, lambda b: _wrap_unary(b, method), streaming=lambda b: _wrap_stream(b, method),
                             deserializer=_tolerant(handler.request_deserializer))
+
+
+def caller_waits(context: grpc.ServicerContext) -> Callable[[], bool]:
+    """The ``wanted`` check of a call that changes state: its caller is still there, neither cancelled
+    nor past its deadline. ``is_active()`` alone lags the deadline (gRPC cancels the call a moment
+    later): a CreatePool whose deadline had passed still saw True with ``time_remaining()`` 0, and its
+    pool was made though its caller was told DEADLINE_EXCEEDED (attack pass 7, A7-5)."""
+
+    def wanted() -> bool:
+        if not context.is_active():
+            return False
+        remaining = context.time_remaining()
+        return remaining is None or remaining > 0
+
+    return wanted

@@ -19,6 +19,7 @@ from kvtier.server.daemon.kv_ops import KVSelection
 from kvtier.server.daemon.pools import PoolRequest, parse_hf_config
 from kvtier.server.service import kv_wire, messages
 from kvtier.server.service.auth import caller_of
+from kvtier.server.service.errors import caller_waits
 from kvtier.server.service.streams import StreamGuard
 from kvtier.v1 import pool_pb2, pool_pb2_grpc
 
@@ -50,7 +51,7 @@ class PoolServicer(pool_pb2_grpc.PoolServiceServicer):
             model_name=m.name, num_layers=m.num_layers, start_layer=m.start_layer, end_layer=m.end_layer,
             kv_cache_dtype=m.kv_cache_dtype or "fp8",
             page_size=m.page_size, role=request.role or "target", device=request.device,
-            size_tokens=request.size_tokens, memory_budget_bytes=request.memory_budget_bytes))
+            size_tokens=request.size_tokens, memory_budget_bytes=request.memory_budget_bytes), caller_waits(context))
         self.state.counters.add(caller, "pools_created")
         return messages.pool_info(entry)
 
@@ -63,21 +64,21 @@ class PoolServicer(pool_pb2_grpc.PoolServiceServicer):
 
     def DeletePool(self, request: pool_pb2.DeletePoolRequest, context: grpc.ServicerContext) -> pool_pb2.DeletePoolResponse:
         caller = caller_of(context)
-        freed = self.state.delete_pool(caller, request.pool_id, force=request.force, wanted=context.is_active)
+        freed = self.state.delete_pool(caller, request.pool_id, force=request.force, wanted=caller_waits(context))
         self.state.counters.add(caller, "pools_deleted")
         return pool_pb2.DeletePoolResponse(freed_bytes=freed)
 
     # ----- slots --------------------------------------------------------------------------------
     def AllocateSlots(self, request: pool_pb2.AllocateSlotsRequest, context: grpc.ServicerContext) -> pool_pb2.AllocateSlotsResponse:
         caller = caller_of(context)
-        slots, ps = kv_ops.allocate_slots(self.pools, caller, request.pool_id, request.num_tokens, context.is_active)
+        slots, ps = kv_ops.allocate_slots(self.pools, caller, request.pool_id, request.num_tokens, caller_waits(context))
         self.state.counters.add(caller, "slots_allocated", request.num_tokens)
         return pool_pb2.AllocateSlotsResponse(pages=slots[::ps].div(ps, rounding_mode="floor").tolist(),
                                               num_tokens=request.num_tokens, page_size=ps)
 
     def FreeSlots(self, request: pool_pb2.FreeSlotsRequest, context: grpc.ServicerContext) -> pool_pb2.FreeSlotsResponse:
         caller = caller_of(context)
-        freed = kv_ops.free_slots(self.pools, caller, request.pool_id, list(request.slots), context.is_active)
+        freed = kv_ops.free_slots(self.pools, caller, request.pool_id, list(request.slots), caller_waits(context))
         self.state.counters.add(caller, "pages_freed", freed)
         return pool_pb2.FreeSlotsResponse(freed_pages=freed)
 
@@ -97,9 +98,9 @@ class PoolServicer(pool_pb2_grpc.PoolServiceServicer):
                 self._receive(buf, first, request_iterator, touch)
                 touch.daemon_working()  # the commit may wait for the pool: not the client's idleness
                 if buf.reserved:
-                    slots, nbytes = kv_write.write_new_kv(self.pools, caller, buf, context.is_active)
+                    slots, nbytes = kv_write.write_new_kv(self.pools, caller, buf, caller_waits(context))
                 else:
-                    slots, nbytes = None, kv_write.write_kv(self.pools, caller, buf, context.is_active)
+                    slots, nbytes = None, kv_write.write_kv(self.pools, caller, buf, caller_waits(context))
             except BaseException:
                 kv_write.abort_write(self.pools, caller, buf)
                 raise
@@ -145,7 +146,7 @@ class PoolServicer(pool_pb2_grpc.PoolServiceServicer):
     def MoveKV(self, request: pool_pb2.MoveKVRequest, context: grpc.ServicerContext) -> pool_pb2.MoveKVResponse:
         caller = caller_of(context)
         n = kv_ops.move_kv(self.pools, caller, request.pool_id, list(request.tgt_slots), list(request.src_slots),
-                           context.is_active)
+                           caller_waits(context))
         self.state.counters.add(caller, "kv_moves")
         return pool_pb2.MoveKVResponse(num_slots=n)
 
@@ -153,7 +154,7 @@ class PoolServicer(pool_pb2_grpc.PoolServiceServicer):
     def Offload(self, request: pool_pb2.OffloadRequest, context: grpc.ServicerContext) -> pool_pb2.OffloadResponse:
         caller = caller_of(context)
         r = kv_ops.offload(self.pools, self.state.offload_store, caller, request.pool_id, request.key,
-                           list(request.slots), free_slots=request.free_slots, wanted=context.is_active)
+                           list(request.slots), free_slots=request.free_slots, wanted=caller_waits(context))
         self.state.counters.add(caller, "offloads")
         self.state.counters.add(caller, "offload_bytes", r.nbytes)
         return pool_pb2.OffloadResponse(key=request.key, nbytes=r.nbytes, num_tokens=r.num_tokens, freed_pages=r.freed_pages,
@@ -162,14 +163,14 @@ class PoolServicer(pool_pb2_grpc.PoolServiceServicer):
     def Restore(self, request: pool_pb2.RestoreRequest, context: grpc.ServicerContext) -> pool_pb2.RestoreResponse:
         caller = caller_of(context)
         slots, nbytes = kv_ops.restore(self.pools, self.state.offload_store, caller, request.pool_id, request.key,
-                                       list(request.slots), drop=request.drop, wanted=context.is_active)
+                                       list(request.slots), drop=request.drop, wanted=caller_waits(context))
         self.state.counters.add(caller, "restores")
         self.state.counters.add(caller, "restore_bytes", nbytes)
         return pool_pb2.RestoreResponse(slots=slots.tolist(), nbytes=nbytes)
 
     def Drop(self, request: pool_pb2.DropRequest, context: grpc.ServicerContext) -> pool_pb2.DropResponse:
         caller = caller_of(context)
-        nbytes = self.state.offload_store.drop(caller, request.key, wanted=context.is_active)
+        nbytes = self.state.offload_store.drop(caller, request.key, wanted=caller_waits(context))
         self.state.counters.add(caller, "drops")
         return pool_pb2.DropResponse(dropped=nbytes is not None, nbytes=nbytes or 0)
 

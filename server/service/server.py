@@ -54,7 +54,7 @@ from kvtier.server.daemon.core import Daemon
 from kvtier.server.daemon.private_files import AuthConfigError, read_tls_files
 from kvtier.server.daemon.tier_runtime import check_disk_path_free
 from kvtier.server.daemon.tier_settings import TierSettings
-from kvtier.private_writes import write_private_file
+from kvtier.private_writes import OutputPathError, check_output_path, write_private_file
 from kvtier.server.observe.logs import configure_logging
 from kvtier.server.hostmem.malloc import keep_freed_memory
 from kvtier.server.tiers.disk_faults import fault_hooks_in_env
@@ -389,7 +389,38 @@ def _exit_now(code: int) -> None:
     os._exit(code)
 
 
-def check_ready_file(path: str | Path) -> None:
+def _own_files(config: DaemonConfig | None) -> list[tuple[str, str]]:
+    """(what, path) of the files the daemon itself serves from or reads, none of which its ready file
+    may be: its sockets, its token, TLS and metrics-token files, start pools' config.json files."""
+    if config is None:
+        return []
+    out: list[tuple[str, str]] = []
+    try:
+        address = resolve_address(config.listen)
+    except ValueError:
+        address = ""
+    if is_unix(address):
+        out += [("the daemon's own --listen socket", socket_path(address)),
+                ("the daemon's own attach socket", socket_path(address) + ".attach")]
+    for flag, value in (("--auth-tokens", config.auth_tokens), ("--tls-cert", config.tls_cert), ("--tls-key", config.tls_key),
+                        ("--tls-client-ca", config.tls_client_ca), ("--peer-tls-ca", config.peer_tls_ca),
+                        ("--metrics-token-file", config.metrics_token_file)):
+        if value:
+            out.append((f"the {flag} file", value))
+    out += [("a [[pools]] model file", spec.model) for spec in config.pools if os.path.isfile(spec.model)]
+    return out
+
+
+def _same_file(a: str | Path, b: str | Path) -> bool:
+    if os.path.realpath(a) == os.path.realpath(b):
+        return True
+    try:
+        return os.path.samefile(a, b)  # a hard link
+    except OSError:
+        return False
+
+
+def check_ready_file(path: str | Path, config: DaemonConfig | None = None) -> None:
     """Raise :class:`ReadyFileError` unless the daemon can write its ready file at ``path``: its directory
     exists and takes a new file (a temporary one is made and removed), ``path`` is not a directory, and a
     file already there can be replaced (not another user's in a sticky directory such as ``/tmp``), and
@@ -406,6 +437,17 @@ def check_ready_file(path: str | Path) -> None:
         raise ReadyFileError(str(e)) from None
     if p.is_dir() and not p.is_symlink():
         raise ReadyFileError(f"--ready-file {p} is a directory; give the path of a file")
+    try:  # a device node (/dev/null), a FIFO, a socket or a symlink there was replaced (attack pass 7, A7-6)
+        check_output_path(p, "--ready-file")
+    except OutputPathError as e:
+        raise ReadyFileError(str(e)) from None
+    for what, own in _own_files(config):  # regular files too: the ready file replaced them (A7-6)
+        if _same_file(p, own):
+            raise ReadyFileError(f"--ready-file {p} is {what}, which the ready file would replace; give another path")
+    disk = config.tiers.disk_path if config is not None and hasattr(config.tiers, "disk_path") else ""
+    if disk and os.path.realpath(p.parent) == os.path.realpath(disk):
+        raise ReadyFileError(f"--ready-file {p} is in the disk tier's directory {disk} (--disk-path), whose files "
+                             f"the daemon owns; give a path elsewhere")
     try:
         fd, tmp = tempfile.mkstemp(dir=parent, prefix=f".{p.name}.", suffix=".tmp")
         os.close(fd)
@@ -458,7 +500,7 @@ def serve(config: DaemonConfig) -> int:
     check_listen_address(config)  # before any pool or tier is allocated: a bad address is one line
     check_disk_path_free(config)  # likewise a --disk-path another daemon holds (the disk tier's lock decides)
     if config.ready_file:
-        check_ready_file(config.ready_file)  # and a ready file that could not be written once serving
+        check_ready_file(config.ready_file, config)  # and a ready file that could not be written once serving
     if config.transfer_engine == "mooncake":
         check_engine_available()  # likewise a missing library
     import torch
@@ -509,7 +551,7 @@ def serve(config: DaemonConfig) -> int:
             log.warning("metrics are served beyond loopback (%s): they name pools and tiers", state.metrics_address)
     if config.ready_file:
         try:
-            write_private_file(config.ready_file, address)
+            write_private_file(config.ready_file, address, "--ready-file")
         except OSError as e:  # checked at start; changed since (removed, filled up, made read-only)
             _stop_started(built, attach)
             raise ReadyFileError(f"could not write --ready-file {config.ready_file} ({e.strerror or e}); "

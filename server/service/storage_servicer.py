@@ -20,6 +20,7 @@ from kvtier.server.daemon.kv_ops import MIN_CHUNK_BYTES, chunk_size
 from kvtier.server.daemon.unit_space import BOTH, INDEX, KV, SpaceRequest, UnitSpace
 from kvtier.server.service import messages
 from kvtier.server.service.auth import caller_of
+from kvtier.server.service.errors import caller_waits
 from kvtier.server.service.streams import StreamGuard
 from kvtier.v1 import storage_pb2, storage_pb2_grpc
 
@@ -67,7 +68,7 @@ class StorageServicer(storage_pb2_grpc.StorageServiceServicer):
                         raise InvalidArgument(f"a PutUnits piece must carry at least {MIN_CHUNK_BYTES} bytes unless "
                                               f"it ends a unit's part")
             touch.daemon_working()  # the commit may wait for a ClearUnits: not the client's idleness (A7-7)
-            r = put.commit(context.is_active)
+            r = put.commit(caller_waits(context))
         return storage_pb2.PutUnitsResponse(accepted=r.accepted, completed=r.completed, pending=r.pending)
 
     def GetUnits(self, request: storage_pb2.GetUnitsRequest, context: grpc.ServicerContext) -> Iterator[storage_pb2.GetUnitsResponse]:
@@ -83,7 +84,7 @@ class StorageServicer(storage_pb2_grpc.StorageServiceServicer):
 
     def ClearUnits(self, request: storage_pb2.ClearUnitsRequest, context: grpc.ServicerContext) -> storage_pb2.ClearUnitsResponse:
         return storage_pb2.ClearUnitsResponse(removed=self.units.clear(caller_of(context), self._space(request.space),
-                                                                       context.is_active))
+                                                                       caller_waits(context)))
 
     def GetUnitStats(self, request: storage_pb2.UnitStatsRequest, context: grpc.ServicerContext) -> storage_pb2.UnitStatsResponse:
         return storage_pb2.UnitStatsResponse(counters=self.units.stats(caller_of(context)))
@@ -93,7 +94,7 @@ class StorageServicer(storage_pb2_grpc.StorageServiceServicer):
         put = self.units.begin_put(caller, self._space(request.space), request.keys, _part(request.part), "staged",
                                    writer=request.writer)
         put.add(self.state.attach.staging_region(caller, request.staging.buffer, request.staging.offset, put.total))
-        r = put.commit(context.is_active)
+        r = put.commit(caller_waits(context))
         return storage_pb2.PutUnitsResponse(accepted=r.accepted, completed=r.completed, pending=r.pending)
 
     def GetUnitsStaged(self, request: storage_pb2.GetUnitsStagedRequest, context: grpc.ServicerContext) -> storage_pb2.GetUnitsStagedResponse:

@@ -10,6 +10,7 @@ import grpc
 
 from kvtier.server.daemon.core import Daemon
 from kvtier.server.service.auth import caller_of
+from kvtier.server.service.errors import caller_waits
 from kvtier.server.service.streams import StreamGuard
 from kvtier.v1 import tier_pb2, tier_pb2_grpc
 
@@ -31,18 +32,18 @@ class TierServicer(tier_pb2_grpc.TierServiceServicer):
         caller = caller_of(context)
         total = request.total_tokens if request.HasField("total_tokens") else None
         ld = self.tiers.load(caller, request.pool_id, request.page_keys, total)
-        if not context.is_active():  # the caller is gone (cancelled, deadline): it can never release
+        if not caller_waits(context)():  # the caller is gone (cancelled, deadline): it can never release
             self.tiers.release(caller, request.pool_id, ld.lease)
         return tier_pb2.LoadPrefixResponse(lease_id=ld.lease, slots=ld.slots.tolist(), page_tiers=ld.tiers,
                                            loaded_pages=ld.loaded_pages)
 
     def StorePrefix(self, request: tier_pb2.StorePrefixRequest, context: grpc.ServicerContext) -> tier_pb2.StorePrefixResponse:
         n = self.tiers.store(caller_of(context), request.pool_id, request.lease_id, request.page_keys, request.slots,
-                             release=request.release, wanted=context.is_active)
+                             release=request.release, wanted=caller_waits(context))
         return tier_pb2.StorePrefixResponse(stored_pages=n)
 
     def ReleasePrefix(self, request: tier_pb2.ReleasePrefixRequest, context: grpc.ServicerContext) -> tier_pb2.ReleasePrefixResponse:
-        self.tiers.release(caller_of(context), request.pool_id, request.lease_id, context.is_active)
+        self.tiers.release(caller_of(context), request.pool_id, request.lease_id, caller_waits(context))
         return tier_pb2.ReleasePrefixResponse()
 
     def WhereIs(self, request: tier_pb2.WhereIsRequest, context: grpc.ServicerContext) -> tier_pb2.WhereIsResponse:

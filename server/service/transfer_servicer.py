@@ -24,6 +24,7 @@ from kvtier.server.daemon.errors import InvalidArgument
 from kvtier.server.daemon.tenants import Caller
 from kvtier.server.daemon.transfer import PeerConnector, PeerLink, PullSpec
 from kvtier.server.service.auth import caller_of
+from kvtier.server.service.errors import caller_waits
 from kvtier.server.service.streams import StreamGuard
 from kvtier.server.service.transfer_messages import COMPONENT_FROM_PROTO, TRANSPORTS, pull_response, transfer_layout
 from kvtier.server.service.transfer_peer import GrpcPeerConnector
@@ -82,7 +83,7 @@ class TransferServicer(transfer_pb2_grpc.TransferServiceServicer):
             src_pages=list(request.src_pages), dst_pages=list(request.dst_pages), src_slots=list(request.src_slots),
             dst_slots=list(request.dst_slots), transport=TRANSPORTS[request.transport],
             max_batch_items=request.max_batch_items,
-            deadline=None if remaining is None else time.monotonic() + remaining, is_active=context.is_active),
+            deadline=None if remaining is None else time.monotonic() + remaining, is_active=caller_waits(context)),
             SlotHoldingConnector(self.peers, self.streams, context))
         return pull_response(result.stats, result.transport, result.seconds)
 

@@ -14,6 +14,7 @@ import os
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -353,6 +354,50 @@ def test_a_ready_file_that_cannot_be_written_is_refused_before_anything_is_alloc
     no_sockets_left(tmp_path)
 
 
+@pytest.mark.parametrize("problem", ["char-device", "fifo", "own-socket", "auth-tokens", "config-file", "disk-dir"])
+def test_a_ready_file_naming_something_the_daemon_must_not_replace_is_refused_at_start(tmp_path, problem):
+    """Attack pass 7, A7-6: ``--ready-file`` replaced whatever non-directory was at the path: a device
+    node (a copy of /dev/null made here; as root the real one broke for everyone), a FIFO, the daemon's
+    own socket (it served on, unreachable), and, by the same code, its tokens file, its config file or
+    a file of its disk tier. Each is refused in one line naming the path and what is there, before the
+    (huge) pool is allocated, and left as it was."""
+    sock = tmp_path / "kv.sock"
+    ready = {"char-device": tmp_path / "null", "fifo": tmp_path / "fifo", "own-socket": sock,
+             "auth-tokens": tmp_path / "tokens.toml", "config-file": tmp_path / "kvtier.toml",
+             "disk-dir": tmp_path / "disk" / "data.mdb"}[problem]
+    extra: list[str] = []
+    if problem == "char-device":
+        if os.geteuid() != 0:
+            pytest.skip("mknod needs root")
+        os.mknod(ready, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+    elif problem == "fifo":
+        os.mkfifo(ready, 0o600)
+    elif problem == "auth-tokens":
+        ready.write_text('[tokens]\n"0123456789abcdef0123" = "team-a"\n')
+        ready.chmod(0o600)
+        extra = ["--auth-tokens", str(ready)]
+    elif problem == "config-file":
+        ready.write_text('log_level = "INFO"\n')
+        ready.chmod(0o600)
+        extra = ["--config", str(ready)]
+    elif problem == "disk-dir":
+        ready.parent.mkdir(mode=0o700)
+        extra = ["--disk-path", str(ready.parent)]
+    before = os.lstat(ready) if os.path.lexists(ready) else None
+    r = kvtier("serve", "--listen", f"unix://{sock}", *huge_pool(), "--ready-file", str(ready), *extra)
+    line = one_line_error(r)
+    expected = {"char-device": "is a character device, not a regular file", "fifo": "is a FIFO, not a regular file",
+                "own-socket": "is the daemon's own --listen socket, which the ready file would replace",
+                "auth-tokens": "is the --auth-tokens file, which the ready file would replace",
+                "config-file": "is the --config file, which the ready file would replace",
+                "disk-dir": f"is in the disk tier's directory {ready.parent} (--disk-path)"}[problem]
+    assert line.startswith(f"Error: --ready-file {ready} {expected}"), line
+    if before is not None:
+        after = os.lstat(ready)
+        assert (after.st_ino, after.st_mode, after.st_rdev) == (before.st_ino, before.st_mode, before.st_rdev)
+    no_sockets_left(tmp_path)
+
+
 def test_a_directory_named_like_the_old_temporary_file_is_not_in_the_way():
     """``FILE.tmp`` beside the ready file (a directory here, left by anyone) no longer matters: the ready
     file is written through a temporary file of a random name, mode 0600, and ``FILE.tmp`` is left as it was."""
@@ -422,7 +467,7 @@ def test_another_users_ready_file_in_a_sticky_directory_is_refused_at_start(tmp_
 _FAIL_READY_WRITE = """
 import sys
 import kvtier.server.service.server as server
-def refuse(path, text):
+def refuse(path, text, *what):
     raise PermissionError(13, "Permission denied", path)
 server.write_private_file = refuse  # checked at start, then unwritable once serving (e.g. the directory was changed)
 from kvtier.cli import main

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 
 from kvtier.cli import main
@@ -145,3 +146,18 @@ def test_a_pp_partition_without_its_pp_size_is_a_usage_error():
     and exited 0; the partition was ignored without a word."""
     result = CliRunner().invoke(main, GLM_ARGS + ["--pp-partition", "39,39"])
     assert result.exit_code == 2 and "2 stages in --pp-partition but --pp-size 1: give --pp-size 2" in result.output
+
+
+@pytest.mark.parametrize(("value", "words"), [
+    ("Infinity", "Infinity is not a number an HF config may hold"),
+    ("1e400", "kv_lora_rank must be an integer in 1..65536, got inf"),
+    ("512.5", "kv_lora_rank must be an integer in 1..65536, got 512.5"),
+])
+def test_a_config_with_an_infinite_or_fractional_size_is_a_clear_error(tmp_path, value, words):
+    """Attack pass 7, A7-8: ``kvtier plan --model`` on a config.json with ``Infinity`` or ``1e400`` ended
+    in an OverflowError traceback (``int(inf)``)."""
+    path = tmp_path / "config.json"
+    path.write_text('{"num_hidden_layers": 4, "kv_lora_rank": %s, "qk_rope_head_dim": 64}' % value)
+    result = CliRunner().invoke(main, ["plan", "--model", str(path), "--available-bytes", "1GiB"])
+    assert result.exit_code == 2 and words in result.output and "Traceback" not in result.output
+    assert not isinstance(result.exception, OverflowError)

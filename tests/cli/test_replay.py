@@ -145,3 +145,34 @@ def test_cli_reports_the_wall_time_with_start_up_beside_its_own_timer(tmp_path):
     assert d["wall_seconds"] > d["seconds"] > 0
     assert "wall seconds (with start-up)" in r.stdout
 
+
+
+@pytest.mark.parametrize("kind", ["fifo", "char-device", "json-dir-socket"])
+def test_replay_json_over_something_not_a_regular_file_is_refused_before_the_replay(tmp_path, kind):
+    """Attack pass 7, A7-6: ``kvtier replay --json`` on a device node exited 0 and left a 0600 regular file
+    where the node was. Refused at start (exit 2, before the replay), naming the path and what is
+    there, which is left as it was. Our own device node and FIFO: never the real /dev/null."""
+    import os
+    import socket
+    import stat
+
+    out = tmp_path / "out"
+    if kind == "fifo":
+        os.mkfifo(out, 0o600)
+        words = "a FIFO"
+    elif kind == "char-device":
+        if os.geteuid() != 0:
+            pytest.skip("mknod needs root")
+        os.mknod(out, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+        words = "a character device"
+    else:
+        s = socket.socket(socket.AF_UNIX)
+        s.bind(str(out))
+        s.close()
+        words = "a socket"
+    before = os.lstat(out)
+    r = CliRunner().invoke(main, ["replay", "--trace", str(TRACE), "--requests", "5", "--simulate", "--json", str(out)])
+    assert r.exit_code == 2, r.output
+    assert f"--json {out} is {words}, not a regular file" in r.output and "trace:" not in r.output
+    after = os.lstat(out)
+    assert (after.st_ino, after.st_mode, after.st_rdev) == (before.st_ino, before.st_mode, before.st_rdev)

@@ -4,11 +4,12 @@ never stopped or diverted by what another user left beside it."""
 from __future__ import annotations
 
 import os
+import socket
 import stat
 
 import pytest
 
-from kvtier.private_writes import private_dirs, save_private_figure, write_private_file
+from kvtier.private_writes import OutputPathError, check_output_path, private_dirs, save_private_figure, write_private_file
 
 
 def mode(p) -> int:
@@ -39,14 +40,53 @@ def test_a_file_is_0600_replaces_what_was_there_and_leaves_no_temporary_file(tmp
     os.chmod(target, 0o644)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.write_text("keep")
-    link = tmp_path / "link.json"
-    link.symlink_to(elsewhere)
     write_private_file(target, "new")
-    write_private_file(link, b"bytes")
     assert (target.read_text(), mode(target)) == ("new", 0o600)
-    assert not link.is_symlink() and link.read_bytes() == b"bytes" and mode(link) == 0o600
-    assert elsewhere.read_text() == "keep"  # a symlink is replaced, never written through
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["elsewhere", "link.json", "results.json"]
+    assert elsewhere.read_text() == "keep"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["elsewhere", "results.json"]
+
+
+def _special(tmp_path, kind):
+    """A thing that is not a regular file at ``tmp_path / kind`` (our own: never the real /dev/null)."""
+    p = tmp_path / kind
+    if kind == "fifo":
+        os.mkfifo(p, 0o600)
+    elif kind == "char-device":
+        if os.geteuid() != 0:
+            pytest.skip("mknod needs root")
+        os.mknod(p, 0o666 | stat.S_IFCHR, os.makedev(1, 3))  # a /dev/null of our own
+    elif kind == "socket":
+        s = socket.socket(socket.AF_UNIX)
+        s.bind(str(p))
+        s.close()
+    elif kind == "symlink":
+        (tmp_path / "elsewhere").write_text("keep")
+        p.symlink_to(tmp_path / "elsewhere")
+    else:
+        p.mkdir()
+    return p, os.lstat(p)
+
+
+@pytest.mark.parametrize(("kind", "words"), [("fifo", "a FIFO"), ("char-device", "a character device"),
+                                             ("socket", "a socket"), ("symlink", "a symlink"), ("directory", "a directory")])
+def test_only_a_regular_file_is_replaced(tmp_path, kind, words):
+    """Attack pass 7, A7-6: ``--ready-file`` and ``kvtier replay --json`` renamed a 0600 file over whatever
+    was at the path: a device node (as root, /dev/null for everyone), a FIFO, the daemon's own socket.
+    Now the check at start and the write itself refuse anything but a regular file, in one line naming
+    the path and what is there, and leave it as it was (no temporary file either). A symlink is refused
+    too (replacing it cut the link silently)."""
+    p, before = _special(tmp_path, kind)
+    names = sorted(os.listdir(tmp_path))
+    for attempt in (lambda: check_output_path(p, "--json"), lambda: write_private_file(p, "new", "--json")):
+        with pytest.raises(OutputPathError) as info:
+            attempt()
+        assert str(info.value) == (f"--json {p} is {words}, not a regular file: kvtier writes a new file or "
+                                   f"replaces a regular one only; remove it or give another path")
+    after = os.lstat(p)
+    assert (after.st_ino, after.st_mode, after.st_rdev) == (before.st_ino, before.st_mode, before.st_rdev)
+    assert sorted(os.listdir(tmp_path)) == names
+    if kind == "symlink":
+        assert (tmp_path / "elsewhere").read_text() == "keep"
 
 
 def test_a_stale_fixed_temporary_name_is_not_in_the_way(tmp_path):
@@ -59,7 +99,7 @@ def test_a_stale_fixed_temporary_name_is_not_in_the_way(tmp_path):
 
 def test_a_failed_write_leaves_nothing_behind(tmp_path):
     (tmp_path / "adir").mkdir()
-    with pytest.raises(IsADirectoryError):
+    with pytest.raises(OutputPathError, match="is a directory, not a regular file"):
         write_private_file(tmp_path / "adir", "x")
     with pytest.raises(FileNotFoundError):
         write_private_file(tmp_path / "missing" / "f", "x")

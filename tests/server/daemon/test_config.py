@@ -176,3 +176,99 @@ def test_unit_settings_have_upper_bounds(units, words):
 
     with pytest.raises(ValueError, match=words):
         UnitSettings(**units)
+
+
+@pytest.mark.parametrize(("workers", "streams", "words"), [
+    (4, 4, "max_streams (4) must be below workers (4), so control calls always have a thread: set --max-streams "
+           "(max_streams) to at most 3, or leave it unset (half the workers)"),
+    (4, 8, "max_streams (8) must be below workers (4)"),
+    (1, 1, "max_streams (1) must be below workers (1), so control calls always have a thread: set --workers "
+           "(workers) to 2 or more, or leave --max-streams (max_streams) unset"),
+])
+def test_max_streams_at_or_above_workers_is_refused_from_toml_and_flags(workers, streams, words):
+    """Attack pass 7, A7-11: ``--workers 4 --max-streams 4`` (or 8) started without a word, and two
+    stalled streams then held every worker: control calls waited ~30 s for the idle watchdog. The
+    same rule holds for the TOML keys and the flags (``replace`` is what ``kvtier serve`` applies
+    its flags with)."""
+    for make in (lambda: DaemonConfig(workers=workers, max_streams=streams),
+                 lambda: DaemonConfig.from_mapping({"workers": workers, "max_streams": streams}),
+                 lambda: DaemonConfig(workers=workers).replace(max_streams=streams)):
+        with pytest.raises(ValueError) as info:
+            make()
+        assert words in str(info.value) and "\n" not in str(info.value)
+    assert DaemonConfig(workers=4, max_streams=3).stream_slots == 3
+    assert DaemonConfig(workers=1).stream_slots == 1  # unset: half the workers, at least 1
+
+
+@pytest.mark.parametrize(("text", "words"), [
+    ("[tenants.a]\nattach_uids = 5", "[tenants.a] attach_uids must be a list of uids (integers 0..2^32-1), got 5"),
+    ("[tiers]\nstack = 5", 'tiers.stack must be a list of tier names (or "host,disk"), got 5'),
+    ("[tiers.mooncake]\nnamespaces = 5", "tiers.mooncake.namespaces must be a list of strings, got 5"),
+    ("[[pools]]\nmodel = 5\ntokens = 64", "[[pools]] model must be a string, got 5"),
+    ('[[pools]]\nmodel = "glm-5.2"\ntokens = 64\npool_id = 5', "[[pools]] pool_id must be a string, got 5"),
+    ("[tiers.mooncake]\nkey_prefix = 5", "tiers.mooncake.key_prefix must be a string, got 5"),
+    ("[tiers.mooncake]\nreplicas = -1", "mooncake replicas must be a non-negative integer, got -1"),
+    ("[tiers]\nhost_pin_memory = 5", "tiers.host_pin_memory must be true or false, got 5"),
+    ("[units]\npending_seconds = nan", "units.pending_seconds must be > 0 and at most 86400 (a day), got nan"),
+])
+def test_toml_values_that_were_tracebacks_are_one_line_errors(tmp_path, text, words):
+    """Attack pass 7, A7-1: these values gave Python tracebacks at start (TypeError: 'int' object is
+    not iterable, ... not int, has no len()), or were taken unread (a mooncake table when the stack
+    has no mooncake tier; [units] was first read when the daemon built its tiers)."""
+    p = tmp_path / "c.toml"
+    p.write_text(text + "\n")
+    p.chmod(0o600)
+    with pytest.raises(ValueError) as info:
+        DaemonConfig.from_toml(p)
+    assert words in str(info.value) and "\n" not in str(info.value)
+
+
+def _every_key_with(values):
+    """(key, document) for every key of every table the config file takes, set to each of ``values``."""
+    import dataclasses
+
+    from kvtier.server.daemon.quotas import Quota
+    from kvtier.server.daemon.tenants import TenantSettings
+    from kvtier.server.daemon.tier_settings import TierSettings
+    from kvtier.server.daemon.unit_settings import UnitSettings
+    from kvtier.server.tiers.mooncake_config import MooncakeStoreTierConfig
+
+    def names(cls, leave=()):
+        return [f.name for f in dataclasses.fields(cls) if f.name not in leave]
+
+    for v in values:
+        for k in names(DaemonConfig):
+            yield k, {k: v}
+        for k in names(TierSettings):
+            yield f"tiers.{k}", {"tiers": {k: v}}
+        for k in names(MooncakeStoreTierConfig):
+            yield f"tiers.mooncake.{k}", {"tiers": {"mooncake": {k: v}}}
+        for k in names(UnitSettings):
+            yield f"units.{k}", {"units": {k: v}}
+        for k in names(PoolSpec):
+            yield f"pools.{k}", {"pools": [{"model": "glm-5.2", "tokens": 64, k: v}]}
+        for k in names(TenantSettings):
+            yield f"tenants.a.{k}", {"tenants": {"a": {k: v}}}
+        for k in names(Quota):
+            yield f"quotas.a.{k}", {"quotas": {"a": {k: v}}}
+        yield "tenants.a", {"tenants": {"a": v}}
+        yield "quotas.a", {"quotas": {"a": v}}
+
+
+def test_every_key_of_the_config_file_takes_a_wrong_type_as_one_line():
+    """Attack pass 7, A7-1 (every key, not only the five found): each key of each table, set to a
+    value of each TOML type, is taken or refused with a one-line ValueError; never another exception
+    (the tracebacks were TypeErrors from ``tuple(5)``, ``len(5)``, ``os.fspath(5)``)."""
+    import math
+
+    wrong = [5, -1, 1.5, "x", True, [1], {"a": 1}, math.nan, math.inf, [], ""]
+    seen = 0
+    for key, doc in _every_key_with(wrong):
+        seen += 1
+        try:
+            DaemonConfig.from_mapping(doc)
+        except ValueError as e:
+            assert "\n" not in str(e), (key, doc, str(e))
+        except Exception as e:  # noqa: BLE001 - the point: no other exception
+            pytest.fail(f"{key} = {doc}: {type(e).__name__}: {e}")
+    assert seen > 900

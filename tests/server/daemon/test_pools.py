@@ -26,7 +26,7 @@ def d():
     (PoolRequest(pool_id="x", hf_config={"num_hidden_layers": 10**9, "kv_lora_rank": 512, "qk_rope_head_dim": 64},
                  size_tokens=64), "num_hidden_layers must be an integer in 1..4096"),
     (PoolRequest(pool_id="x", hf_config={"num_hidden_layers": 4, "kv_lora_rank": 2**40, "qk_rope_head_dim": 64},
-                 size_tokens=64), "kv_lora_rank must be at most 65536"),
+                 size_tokens=64), "kv_lora_rank must be an integer in 1..65536, got 1099511627776"),
     (PoolRequest(pool_id="x", preset="glm-5.2", size_tokens=2**63), "size_tokens must be at most"),
     (PoolRequest(pool_id="x" * 500, preset="glm-5.2", size_tokens=64), "pool_id must be at most"),
 ])
@@ -141,3 +141,89 @@ def test_a_delete_whose_caller_gave_up_while_it_waited_deletes_nothing():
     assert d.pools.get(me, "p").allocator.used_pages == 1
     assert d.delete_pool(me, "p", force=True) > 0
     d.close()
+
+
+@pytest.mark.parametrize("true_answers", [0, 1])
+def test_a_create_whose_caller_gave_up_creates_nothing(d, true_answers):
+    """Attack pass 7, A7-5: a CreatePool told DEADLINE_EXCEEDED still created its pool (with a random
+    id, every retry of the "failed" call made one more, each holding memory and quota). The caller
+    is checked under the registry's lock before the reservation (0: gone from the start) and right
+    before the pool becomes visible (1: gone while the pool was allocated)."""
+    from kvtier.server.daemon.errors import Cancelled
+
+    answers = iter([True] * true_answers + [False] * 10)
+    with pytest.raises(Cancelled, match="CreatePool .*cancelled or ran past its deadline"):
+        d.pools.create(A, PoolRequest(pool_id="p", preset="glm-5.2", num_layers=2, size_tokens=256),
+                       wanted=lambda: next(answers))
+    assert d.pools.list() == [] and d.pools._reserved == {}
+    with pytest.raises(NotFound):
+        d.pools.get(A, "p")
+    assert pool(d, A, "p").pool_id == "p"  # the id and its bytes are free again
+
+
+_HF = '{"num_hidden_layers": 4, "kv_lora_rank": 512, "qk_rope_head_dim": 64, "index_head_dim": 128, %s}'
+
+
+@pytest.mark.parametrize(("field", "value", "words"), [
+    *[(f, v, "is not a number an HF config may hold") for f in ("kv_lora_rank", "qk_rope_head_dim", "index_head_dim")
+      for v in ("Infinity", "-Infinity", "NaN")],
+    *[(f, v, f"{f} must be an integer in 1..65536, got {shown}")
+      for f in ("kv_lora_rank", "qk_rope_head_dim", "index_head_dim")
+      for v, shown in (("1e400", "inf"), ("-1e400", "-inf"), ("512.5", "512.5"), ("true", "True"), ('"8"', "'8'"),
+                       ("-1", "-1"), ("99999999999999999999", "99999999999999999999"))],
+    ("index_head_dim", "null", "index_head_dim must be an integer in 1..65536, got None"),
+    ("kv_lora_rank", "null", "HF config lacks required field 'kv_lora_rank'"),
+    ("index_topk_freq", "true", "index_topk_freq must be an integer in 1..4096, got True"),
+    ("index_topk_freq", "99999999999999999999", "index_topk_freq must be an integer in 1..4096, got 99999999999999999999"),
+    ("index_skip_topk_offset", "1.5", "index_skip_topk_offset must be an integer in 1..4096, got 1.5"),
+    ("cli_factor", "true", "cli_factor must be an integer in 1..4096, got True"),
+    ("model_type", "5", "model_type must be a string, got 5"),
+    ("x", "1" + "0" * 5000, "Exceeds the limit (4300 digits)"),
+])
+def test_odd_numbers_in_an_hf_config_are_invalid_argument_naming_the_field(d, field, value, words):
+    """Attack pass 7, A7-8: Infinity or 1e400 in an HF config gave INTERNAL (``int(inf)``: OverflowError,
+    which ``build_model`` did not catch) and a traceback; a string size, ``true`` or 10^20 for
+    ``index_topk_freq`` and any JSON value as ``model_type`` were taken; a 5001-digit number was a
+    ValueError ``parse_hf_config`` did not catch. Each is INVALID_ARGUMENT naming the field, and no pool
+    is made."""
+    text = _HF % f'"{field}": {value}'
+    with pytest.raises(InvalidArgument) as info:
+        d.pools.create(A, PoolRequest(pool_id="x", hf_config=parse_hf_config(text), size_tokens=64))
+    assert words in str(info.value) and "\n" not in str(info.value)
+    assert d.pools.list() == []
+
+
+def test_a_start_pool_from_a_config_json_with_infinity_is_a_one_line_error(tmp_path):
+    """Attack pass 7, A7-8: a ``[[pools]]`` model naming a config.json with ``1e400`` ended the start in
+    a traceback."""
+    from kvtier.server.daemon import Daemon, DaemonConfig, PoolSpec
+
+    path = tmp_path / "inf.json"
+    path.write_text('{"num_hidden_layers": 4, "kv_lora_rank": 1e400, "qk_rope_head_dim": 64}')
+    dm = Daemon(DaemonConfig(device="cpu", host_memory_bytes=8 << 20, pools=(PoolSpec(model=str(path), tokens=64),)))
+    try:
+        with pytest.raises(InvalidArgument, match=r"kv_lora_rank must be an integer in 1\.\.65536, got inf"):
+            dm.create_configured_pools()
+        assert dm.pools.list() == []
+    finally:
+        dm.close()
+
+
+ESC = "\x1b]0;pwned\x07\x1b[2J\x1b[31mFAKE"
+
+
+@pytest.mark.parametrize("req", [
+    PoolRequest(pool_id="x", hf_config={"num_hidden_layers": 2, "kv_lora_rank": 512, "qk_rope_head_dim": 64},
+                model_name=ESC, size_tokens=64),
+    PoolRequest(pool_id="x", hf_config={"num_hidden_layers": 2, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
+                                        "model_type": ESC}, size_tokens=64),
+    PoolRequest(pool_id="x", hf_config={"num_hidden_layers": 2, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
+                                        "model_type": "m" * 257}, size_tokens=64),
+])
+def test_a_model_name_with_control_characters_or_too_long_is_refused(d, req):
+    """Attack pass 7, A7-9: a model name (ModelSpec.name, or an HF config's model_type) could hold
+    terminal escapes, which ``kvtier status`` and ``kvtier pools`` printed raw; a model_type of any
+    length was taken (only ModelSpec.name had the 256-character bound). The rule A6-10 gave pool ids."""
+    with pytest.raises(InvalidArgument, match=r"model name .*(must be printable characters|at most 256 characters)"):
+        d.pools.create(A, req)
+    assert d.pools.list() == []
