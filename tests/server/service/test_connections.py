@@ -33,6 +33,24 @@ def _open_fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
+def _start_daemon(tmp_path: Path, *args: str) -> tuple[subprocess.Popen, str, Path]:
+    """A TCP daemon under the 256-descriptor limit (``args`` added to its flags); returns it, its
+    address once ready, and its log."""
+    ready, log = tmp_path / "ready", tmp_path / "daemon.log"
+    cmd = [sys.executable, "-m", "kvtier.cli", "serve", "--listen", "127.0.0.1:0", "--allow-unauthenticated",
+           "--device", "cpu", "--pool", "glm-5.2:64", "--pool-layers", "2", "--log-level", "WARNING",
+           *args, "--ready-file", str(ready)]
+    with open(log, "wb") as out:
+        daemon = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, preexec_fn=_limit_fds)
+    deadline = time.monotonic() + 60
+    while not ready.exists():
+        if daemon.poll() is not None or time.monotonic() > deadline:
+            daemon.kill()
+            raise AssertionError(log.read_text())
+        time.sleep(0.05)
+    return daemon, ready.read_text().strip(), log
+
+
 def _closed_by_peer(s: socket.socket) -> bool:
     """Read what the daemon sent (its SETTINGS, then GOAWAY: about 100 bytes; read a byte a poll, they
     took 24 s to drain here) and say whether it has closed the connection."""
@@ -48,20 +66,9 @@ def _closed_by_peer(s: socket.socket) -> bool:
 
 
 def test_connections_that_send_nothing_are_capped_and_closed_and_health_answers_again(tmp_path: Path):
-    ready = tmp_path / "ready"
-    log = tmp_path / "daemon.log"
-    cmd = [sys.executable, "-m", "kvtier.cli", "serve", "--listen", "127.0.0.1:0", "--allow-unauthenticated",
-           "--device", "cpu", "--pool", "glm-5.2:64", "--pool-layers", "2", "--log-level", "WARNING",
-           "--request-arrival-seconds", str(ARRIVAL_S), "--ready-file", str(ready)]
-    with open(log, "wb") as out:
-        daemon = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, preexec_fn=_limit_fds)
+    daemon, address, _ = _start_daemon(tmp_path, "--request-arrival-seconds", str(ARRIVAL_S))
     socks: list[socket.socket] = []
     try:
-        deadline = time.monotonic() + 60
-        while not ready.exists():
-            assert daemon.poll() is None and time.monotonic() < deadline, log.read_text()
-            time.sleep(0.05)
-        address = ready.read_text().strip()
         host, port = address.rsplit(":", 1)
         for _ in range(IDLE_CONNECTIONS):
             socks.append(socket.create_connection((host, int(port)), timeout=5))
@@ -147,21 +154,10 @@ def test_with_mutual_tls_a_peer_without_a_certificate_cannot_hold_connections(tm
     from pki import make_pki
 
     pki = make_pki(tmp_path)
-    ready = tmp_path / "ready"
-    log = tmp_path / "daemon.log"
-    cmd = [sys.executable, "-m", "kvtier.cli", "serve", "--listen", "127.0.0.1:0", "--allow-unauthenticated",
-           "--device", "cpu", "--pool", "glm-5.2:64", "--pool-layers", "2", "--log-level", "WARNING",
-           "--tls-cert", str(pki["server.pem"]), "--tls-key", str(pki["server.key"]),
-           "--tls-client-ca", str(pki["ca.pem"]), "--ready-file", str(ready)]
-    with open(log, "wb") as out:
-        daemon = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, preexec_fn=_limit_fds)
+    daemon, address, _ = _start_daemon(tmp_path, "--tls-cert", str(pki["server.pem"]), "--tls-key", str(pki["server.key"]),
+                                       "--tls-client-ca", str(pki["ca.pem"]))
     socks: list[socket.socket] = []
     try:
-        deadline = time.monotonic() + 60
-        while not ready.exists():
-            assert daemon.poll() is None and time.monotonic() < deadline, log.read_text()
-            time.sleep(0.05)
-        address = ready.read_text().strip()
         host, port = address.rsplit(":", 1)
         # the check is real: a client with the CA's certificate holds its connection
         own = _hold_tls_connections(host, int(port), 1, cert=(str(pki["client.pem"]), str(pki["client.key"])))

@@ -17,6 +17,8 @@ import time
 import grpc
 import pytest
 
+from stalled import StalledCalls
+
 from kvtier.client import KVTierClient
 from kvtier.client.spawn import DaemonProcess
 from kvtier.v1 import transfer_pb2, transfer_pb2_grpc
@@ -31,29 +33,6 @@ ARGS = ["--device", "cpu", "--workers", str(WORKERS), "--max-streams", str(WORKE
 def d():
     with DaemonProcess(extra_args=ARGS) as dp:
         yield dp
-
-
-class StalledCalls:
-    """``n`` calls of unary ``method`` that send their headers and never their request message, each
-    on a channel of its own (as in test_arrival)."""
-
-    def __init__(self, address: str, method: str, n: int) -> None:
-        self.release = threading.Event()
-        self.channels = [grpc.insecure_channel(address) for _ in range(n)]
-        self.calls = [ch.stream_stream(method, request_serializer=bytes, response_deserializer=bytes)(self._never(), timeout=120)
-                      for ch in self.channels]
-
-    def _never(self):
-        self.release.wait(120)
-        return
-        yield b""
-
-    def close(self) -> None:
-        self.release.set()
-        for call in self.calls:
-            call.cancel()
-        for ch in self.channels:
-            ch.close()
 
 
 def test_monitoring_answers_while_every_worker_is_held(d):

@@ -13,12 +13,13 @@ worker); a ReadPages of its own would find no slot left.
 
 from __future__ import annotations
 
-import threading
 import time
 
 import grpc
 import pytest
 import torch
+
+from stalled import StalledCalls
 
 from kvtier.client import InvalidArgumentError, KVTierClient
 from kvtier.client.spawn import DaemonProcess
@@ -166,22 +167,11 @@ def test_a_pull_naming_its_own_socket_through_a_symlink_copies_in_process(tmp_pa
         src, dst = c.allocate_slots("a", PS), c.allocate_slots("b", PS)
         rows = torch.randint(0, 256, (PS, 656), dtype=torch.uint8, generator=torch.Generator().manual_seed(11))
         c.write_kv("a", src, latent={x: rows for x in range(2)})
-        release = threading.Event()
-
-        def never():
-            release.wait(120)
-            return
-            yield b""
-
-        channel = grpc.insecure_channel(dp.address)
-        stalled = channel.stream_stream("/kvtier.v1.PoolService/AllocateSlots", request_serializer=bytes,
-                                        response_deserializer=bytes)(never(), timeout=120)
+        stalled = StalledCalls(dp.address, "/kvtier.v1.PoolService/AllocateSlots", 1)
         try:
             time.sleep(0.5)  # the stalled call holds a worker
             r = c.pull_kv("b", f"unix://{alias}", "a", src_slots=src, dst_slots=dst, transport="grpc", timeout=10)
         finally:
-            release.set()
-            stalled.cancel()
-            channel.close()
+            stalled.close()
         assert r.transport == "local"
         assert torch.equal(c.read_kv("b", dst, index_layers=[]).latent[1], rows)
