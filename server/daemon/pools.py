@@ -589,6 +589,8 @@ class PoolRegistry:
                 raise FailedPrecondition(
                     f"pool {pool_id!r} still has {entry.allocator.used_pages} pages allocated{held}; free them or force")
             entry.deleted = True
+            if entry.prefix_cache is not None:
+                entry.prefix_cache.detach()  # else the tier stack kept the cache, and so the pool, alive
         for shm in entry.pool.shared_memory.values():
             shm.close_fd()  # no new attach; mappings (the daemon's, attached workers') keep the memory until gone
         with self._lock:

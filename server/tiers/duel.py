@@ -86,6 +86,7 @@ class DuelPolicy(CachePolicy):
         self._own_referee = True
         self._above: Callable[[Key], bool] | None = None  # whether a faster tier holds a key now
         self._copied: OrderedDict[Key, None] = OrderedDict()  # keys a faster tier took a copy of, oldest first
+        self._own_pages: int | None = None  # the size of the history's referee this tier asked for
 
     def watch_above(self, held_above: Callable[[Key], bool]) -> None:
         self._above = held_above
@@ -119,8 +120,15 @@ class DuelPolicy(CachePolicy):
         if isinstance(history, ReuseHistory):
             self.history, self._key_of = history, key_of
             referee = history.referee if own_pages is None else history.referee_for(own_pages)
+            if own_pages is not None:
+                self._own_pages = own_pages
             if isinstance(referee, ShadowReferee):
                 self.referee, self._own_referee = referee, False
+
+    def close(self) -> None:
+        if self._own_pages is not None and isinstance(self.history, ReuseHistory):
+            self.history.release_referee(self._own_pages)
+            self._own_pages = None
 
     @property
     def leader(self) -> int:

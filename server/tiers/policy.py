@@ -81,6 +81,10 @@ class CachePolicy(ABC):
         """A faster tier took a copy of ``key`` (present here): while that copy lasts, evicting this
         one loses no hit. Default: nothing."""
 
+    def close(self) -> None:
+        """The tier is gone (its pool deleted): give back what :meth:`use_history` took from the
+        history (a referee of the tier's own size). Default: nothing."""
+
     @abstractmethod
     def order(self) -> list[Key]:
         """Keys, next victim first."""

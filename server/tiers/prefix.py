@@ -140,7 +140,8 @@ class PrefixCache:
         self.history.add_namespace(self.namespace)
         self._device.policy.use_history(self.history, self._tier_key, own_pages=allocator.num_pages)
         ns = len(self.namespace)
-        stack.add_device(lambda tk: tk.startswith(self.namespace) and tk[ns:] in self._pages)
+        self._holds = lambda tk: tk.startswith(self.namespace) and tk[ns:] in self._pages
+        stack.add_device(self._holds)
         self._pages: dict[bytes, int] = {}
         self._leases: dict[str, _Lease] = {}
         self.lease_ttl_seconds = lease_ttl_seconds
@@ -495,6 +496,12 @@ class PrefixCache:
             if dropped:
                 self.allocator.free_pages_by_id(dropped)
             return len(dropped)
+
+    def detach(self) -> None:
+        """The pool is deleted: the stack forgets its device pages (so it keeps neither this cache nor
+        the pool alive) and the device policy gives back its referee (attack pass 8, A8-1, A8-2)."""
+        self.stack.remove_device(self._holds)
+        self._device.policy.close()
 
     def fresh_leases(self, pages: Sequence[int]) -> list[str | None]:
         """For each of ``pages``, the open lease whose fresh page it is (the caller fills it before

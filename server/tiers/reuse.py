@@ -42,6 +42,7 @@ class ReuseHistory:
         self._lock = threading.Lock()
         self.referee = None  # a ShadowReferee the stack attaches, told every request after the history
         self._own_referees: dict[int, ShadowReferee] = {}  # pages -> a ShadowReferee a tier heading its own cache asked for
+        self._referee_users: dict[int, int] = {}  # pages -> how many tiers use that referee
         self.namespaces: tuple[bytes, ...] = ()  # tier-key prefixes of the prefix caches that report here
 
     def __len__(self) -> int:
@@ -73,7 +74,21 @@ class ReuseHistory:
             got = self._own_referees.get(pages)
             if got is None:
                 got = self._own_referees[pages] = ShadowReferee(pages)
+            self._referee_users[pages] = self._referee_users.get(pages, 0) + 1
             return got
+
+    def release_referee(self, pages: int) -> None:
+        """A tier that asked :meth:`referee_for` ``pages`` is gone (its pool deleted): the referee is
+        dropped with its last user, so requests no longer pay for sizes no pool has (attack pass 8,
+        A8-2: each pool size ever used added a referee every later request fed)."""
+        pages = max(int(pages), 1)
+        with self._lock:
+            left = self._referee_users.get(pages, 0) - 1
+            if left > 0:
+                self._referee_users[pages] = left
+            else:
+                self._referee_users.pop(pages, None)
+                self._own_referees.pop(pages, None)
 
     def add_namespace(self, namespace: bytes) -> None:
         """A prefix cache whose tier keys start with ``namespace`` reports its requests here."""

@@ -142,9 +142,17 @@ class TierStack:
             return self._history
 
     def add_device(self, holds: Callable[[bytes], bool]) -> None:
-        """A prefix cache's device pool: ``holds(tier_key)`` says whether a page is on it now."""
+        """A prefix cache's device pool: ``holds(tier_key)`` says whether a page is on it now (until
+        :meth:`remove_device`)."""
         with self._moves_lock:
             self._devices = [*self._devices, holds]
+
+    def remove_device(self, holds: Callable[[bytes], bool]) -> None:
+        """The device pool ``holds`` answered for is gone (deleted): forget it, so neither its cache
+        nor its pool is kept alive by the stack (attack pass 8, A8-1: a deleted pool's memory was
+        never freed) and its pages no longer count as held above."""
+        with self._moves_lock:
+            self._devices = [h for h in self._devices if h is not holds]
 
     def held_above(self, level: int, key: bytes) -> bool:
         """Whether a device pool or a cascade tier above ``level`` holds ``key`` now (no locks: plain

@@ -155,3 +155,34 @@ def test_a_failed_shutdown_hook_is_counted_and_the_rest_still_run():
     d.add_shutdown_hook(lambda: ran.append("last added"))
     d.close()
     assert ran == ["last added", "fails", "first added"] and d.failed_shutdown_hooks == 1
+
+
+def test_a_deleted_pool_with_a_prefix_cache_is_freed_and_its_referee_goes():
+    """Attack pass 8, A8-1 and A8-2: the tier stack kept every prefix cache's device-page check, so
+    a deleted pool's cache, and with it the pool's memory, was never freed (a create, prefix call,
+    delete loop grew the daemon by a pool each round), and every pool size ever used kept a device
+    referee that every later request fed. After a delete the stack holds no check of the pool,
+    the pool object is garbage once collected, and the history has no referee of its size; the
+    pool that remains keeps its own."""
+    import gc
+    import weakref
+
+    from kvtier.server.daemon.tier_settings import TierSettings
+
+    d = daemon(host_memory_bytes=8 << 20, tiers=TierSettings(policy="duel"))
+    try:
+        pool(d, A, "keep", tokens=512)
+        store_prefix(d, A, "keep", keys(2), seed=1)
+        stack = d.tiers.stack
+        history = d.pools.get(A, "keep").prefix_cache.history
+        for tokens in (1024, 2048):
+            pool(d, A, "p", tokens=tokens)
+            store_prefix(d, A, "p", keys(2, seed=2), seed=2)
+            gone = weakref.ref(d.pools.get(A, "p").pool)
+            assert len(stack._devices) == 2 and len(history._own_referees) == 2
+            d.pools.delete(A, "p", force=True)
+            gc.collect()
+            assert gone() is None  # nothing keeps the deleted pool's memory alive
+            assert len(stack._devices) == 1 and sorted(history._own_referees) == [512 // 64]
+    finally:
+        d.close()
