@@ -21,6 +21,16 @@ def test_parse_bytes(text, value):
     assert parse_bytes(text) == value
 
 
+@pytest.mark.parametrize("text", [(1 << 60) + 1, 2**63 - 1, str(2**64), "2000000TiB", "9" * 400 + "MiB"])
+def test_parse_bytes_refuses_more_than_an_exbibyte(text):
+    """Attack pass 8, A8-8: ``--host-memory 2^63-1`` and ``--disk-size 2^64`` (flags and TOML) passed the
+    parser and overflowed in ``os.ftruncate`` and ``lmdb.open`` with a traceback; 400 digits of MiB
+    overflowed the float. Every size is at most 2^60 bytes (1 EiB), said in one line."""
+    with pytest.raises(ValueError, match=r"must be at most 1 EiB \(2\^60 bytes\)"):
+        parse_bytes(text, "--disk-size")
+    assert parse_bytes(1 << 60) == 1 << 60 and parse_bytes("1048576TiB") == 1 << 60
+
+
 @pytest.mark.parametrize("text", ["-1", "4 parsecs", "", True, -5])
 def test_parse_bytes_rejects(text):
     with pytest.raises(ValueError):
