@@ -48,7 +48,7 @@ def _layers(_ctx: click.Context, _param: click.Parameter, value: str | None) -> 
               help="Host tier budget (offloaded copies, and prefix pages evicted from the pools), e.g. 8GiB [4GiB].")
 @click.option("--pool-memory", "pool_memory_bytes", callback=_bytes, default=None, metavar="BYTES",
               help="Cap on all pools' bytes together; 0 = none [0].")
-@click.option("--workers", type=click.IntRange(min=1), default=None, help="gRPC worker threads [16].")
+@click.option("--workers", type=click.IntRange(min=2), default=None, help="gRPC worker threads, at least 2 [16].")
 @click.option("--torch-threads", type=click.IntRange(min=1), default=None, help="torch intra-op threads [1].")
 @click.option("--copy-threads", type=click.IntRange(min=0, max=64), default=None,
               help="Threads a large host copy is split over; 0 = the machine's cores [0].")

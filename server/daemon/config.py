@@ -251,8 +251,9 @@ class DaemonConfig:
         if self.log_level.upper() not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
         # upper bounds: 100,000 torch threads took the machine's thread limit and crashed (attack pass 6, A6-8)
-        if not 1 <= self.workers <= MAX_WORKERS:
-            raise ValueError(f"workers must be 1..{MAX_WORKERS}, got {self.workers}")
+        if not 2 <= self.workers <= MAX_WORKERS:  # 1: its one stream slot was the only worker (attack pass 8, A8-9)
+            raise ValueError(f"workers must be 2..{MAX_WORKERS} (KV streams take at most all but one, so control calls "
+                             f"always have a thread), got {self.workers}")
         if not 1 <= self.torch_threads <= 256:
             raise ValueError(f"torch_threads must be 1..256, got {self.torch_threads}")
         if not 0 <= self.copy_threads <= 64:
@@ -274,9 +275,7 @@ class DaemonConfig:
             raise ValueError(
                 f"max_streams ({self.max_streams}) must be below workers ({self.workers}), so control calls always "
                 f"have a thread: set --max-streams (max_streams) to at most {self.workers - 1}, or leave it unset "
-                f"(half the workers)" if self.workers > 1 else
-                f"max_streams ({self.max_streams}) must be below workers (1), so control calls always have a thread: "
-                f"set --workers (workers) to 2 or more, or leave --max-streams (max_streams) unset")
+                f"(half the workers)")
         if not 0 <= self.max_streams_per_tenant <= MAX_STREAMS:
             raise ValueError(f"max_streams_per_tenant must be 0..{MAX_STREAMS}, got {self.max_streams_per_tenant}")
         if self.stream_idle_seconds <= 0:

@@ -64,7 +64,7 @@ def test_bad_values_are_refused():
     ({"attach_staging_tenant_bytes": -1}, "attach_staging_tenant_bytes must be 0.."),
     # attack pass 6, A6-8: 100,000 torch threads took the machine's thread limit and crashed
     ({"torch_threads": 100000}, "torch_threads must be 1..256"),
-    ({"workers": 100000}, "workers must be 1..1024"),
+    ({"workers": 100000}, "workers must be 2..1024"),
     ({"max_streams": 1000000}, "max_streams must be 0..65536"),
 ])
 def test_values_too_large_for_the_deadlines_or_grpc_are_refused(kwargs, words):
@@ -192,8 +192,8 @@ def test_unit_settings_have_upper_bounds(units, words):
     (4, 4, "max_streams (4) must be below workers (4), so control calls always have a thread: set --max-streams "
            "(max_streams) to at most 3, or leave it unset (half the workers)"),
     (4, 8, "max_streams (8) must be below workers (4)"),
-    (1, 1, "max_streams (1) must be below workers (1), so control calls always have a thread: set --workers "
-           "(workers) to 2 or more, or leave --max-streams (max_streams) unset"),
+    (2, 2, "max_streams (2) must be below workers (2), so control calls always have a thread: set --max-streams "
+           "(max_streams) to at most 1, or leave it unset (half the workers)"),
 ])
 def test_max_streams_at_or_above_workers_is_refused_from_toml_and_flags(workers, streams, words):
     """Attack pass 7, A7-11: ``--workers 4 --max-streams 4`` (or 8) started without a word, and two
@@ -207,7 +207,11 @@ def test_max_streams_at_or_above_workers_is_refused_from_toml_and_flags(workers,
             make()
         assert words in str(info.value) and "\n" not in str(info.value)
     assert DaemonConfig(workers=4, max_streams=3).stream_slots == 3
-    assert DaemonConfig(workers=1).stream_slots == 1  # unset: half the workers, at least 1
+    assert DaemonConfig(workers=2).stream_slots == 1  # unset: half the workers, at least 1
+    # attack pass 8, A8-9: with 1 worker its one stream slot was the only worker, flags and TOML alike
+    for make in (lambda: DaemonConfig(workers=1), lambda: DaemonConfig.from_mapping({"workers": 1})):
+        with pytest.raises(ValueError, match=r"workers must be 2\.\.1024 \(KV streams take at most all but one"):
+            make()
 
 
 @pytest.mark.parametrize(("text", "words"), [
