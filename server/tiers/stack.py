@@ -43,6 +43,7 @@ from kvtier.server.tiers.errors import TierFullError, TierUnavailableError
 from kvtier.server.tiers.host import HostTier, HostTierConfig
 from kvtier.server.tiers.mooncake_config import MooncakeStoreTierConfig
 from kvtier.server.tiers.mooncake_store import MooncakeStoreTier
+from kvtier.server.tiers.policy import CachePolicy
 from kvtier.server.tiers.referee import ShadowReferee
 from kvtier.server.tiers.reuse import ReuseHistory
 from kvtier.server.tiers.sim import SimTier, SimTierConfig
@@ -161,10 +162,13 @@ class TierStack:
 
     def copied_up(self, keys: Sequence[bytes]) -> None:
         """Pages ``keys`` were loaded or stored onto a device: every cascade tier below the first
-        that holds one is told (its policy may evict such copies first)."""
+        that holds one is told (its policy may evict such copies first). Tiers whose policy ignores
+        it (``lru`` and the others but ``duel``) are not asked, so their index locks stay off the
+        device-only path."""
         if keys:
             for t in self.cascade[1:]:
-                t.index.copied_up(keys)
+                if type(t.index.policy).copied_up is not CachePolicy.copied_up:
+                    t.index.copied_up(keys)
 
     @property
     def names(self) -> list[str]:
