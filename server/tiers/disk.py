@@ -184,6 +184,8 @@ class DiskTier(Tier):
         self._map_full_evictions = 0
         self._resyncing = False  # records evicted because LMDB's map, not the budget, was full
         self._writer = WriteBehind(self._apply, self._writer_failed, max_pending_bytes=config.write_behind_bytes,
+                                   max_batch_bytes=min(config.max_txn_bytes,
+                                                       int(config.capacity_bytes * config.reserve_fraction) // 4),
                                    is_full=lambda e: isinstance(e, lmdb.MapFullError), make_room=self._make_room_for,
                                    room_lock=self.index.lock, after_failure=self._after_writer_failure) \
             if config.write_behind else None

@@ -15,8 +15,21 @@ follows its put), so applying the jobs in order leaves LMDB exactly as the index
 
 Bounds and barriers: at most ``max_pending_bytes`` of records wait (a write that would pass it waits
 for the writer: memory stays bounded when the disk is slower than the spills); :meth:`drain` waits
-until every job has committed (the tier drains before any transaction of its own, a reload of its
-index from LMDB, a flush and close).
+until every job queued *before it was called* has committed (the tier drains before any transaction
+of its own, a reload of its index from LMDB, a flush and close; a durable Offload waits for its own
+commit). Jobs are numbered as they are queued and the writer counts those it finished (applied or
+dropped by a failure), so a drain waits for a number, not for an empty queue: jobs queued after it
+began never hold it up (attack pass 8, A8-5: another tenant writing faster than the disk commits
+kept the queue from ever emptying, and every durable Offload, Drop and ClearUnits waited out its
+deadline). A caller that holds the tier's index lock queues nothing new meanwhile, so for it the
+two are the same.
+
+Group commit: the writer applies the jobs waiting at its turn together, as one job (their deletes
+in one transaction, then their puts and stamps in one), up to ``max_batch_bytes`` of records, so a
+backlog costs one commit (one fsync with ``sync``), not one a job: a disk whose commits are slow
+(fsync-bound) catches up with writers faster than it. A job joins only when its deletes touch no key
+an earlier job of the batch puts or stamps (applied apart, that put would come first and the delete
+after; together the deletes go first), so LMDB ends exactly as applying them one by one would leave it.
 
 LMDB's map full (A4-9): large records need runs of contiguous pages, and churn with read transactions
 pinning freed pages can fill the map while the tier's charged bytes are under budget. A job that meets
@@ -103,6 +116,10 @@ class WriteBehind:
             were still pending (records the index holds but LMDB never got) and ``deleted`` the keys
             those jobs were to delete (victims the index no longer holds but LMDB may still have).
         max_pending_bytes: record bytes that may wait before :meth:`submit` blocks.
+        max_batch_bytes: record bytes the writer applies in one batch of jobs at most (a job larger
+            than this alone is still applied, alone). The disk tier passes the smaller of its
+            ``max_txn_bytes`` and a quarter of its map's reserve: pages a commit frees are reusable
+            only two transactions later, so the reserve must hold a couple of batches.
         name: the thread's name.
         is_full: whether an error of ``apply`` is LMDB's map full (the job is held back for room).
         make_room: ``(job, busy) -> bool``, called with ``room_lock`` held while ``job`` is held
@@ -114,7 +131,7 @@ class WriteBehind:
     """
 
     def __init__(self, apply: Callable[[DiskJob], None], on_failure: Callable[[BaseException, list[tuple[bytes, torch.Tensor]], list[bytes]], None],
-                 *, max_pending_bytes: int, name: str = "kvtier-disk-writer",
+                 *, max_pending_bytes: int, max_batch_bytes: int = 64 << 20, name: str = "kvtier-disk-writer",
                  is_full: Callable[[BaseException], bool] = lambda e: False,
                  make_room: Callable[[DiskJob, set[bytes]], bool] | None = None,
                  room_lock: threading.RLock | None = None,  # type: ignore[valid-type]
@@ -133,11 +150,14 @@ class WriteBehind:
         self._room: bool | None = None
         self.room_rounds = 0
         self.max_pending_bytes = max_pending_bytes
+        self.max_batch_bytes = max_batch_bytes
         self.name = name
         self._lock = threading.Lock()  # leaf
         self._changed = threading.Condition(self._lock)
         self._queue: deque[DiskJob] = deque()
         self._busy = False  # a job is being applied
+        self._queued = 0  # jobs queued since the start (a drain's ticket is this number)
+        self._finished = 0  # of those, jobs applied or dropped by a failure (in queue order)
         self._bytes = 0  # record bytes of the queued and in-flight jobs
         self._closed = False
         self._thread: threading.Thread | None = None
@@ -145,6 +165,8 @@ class WriteBehind:
         #: Read without the lock (one dict lookup); a reader keeps the tuple while it copies.
         self.pending: dict[bytes, tuple[torch.Tensor, memoryview]] = {}
         self.jobs_applied = 0
+        #: Transactions (batches of jobs, each one commit) the writer applied.
+        self.batches_applied = 0
         self.jobs_failed = 0
         self.jobs_refused = 0
         #: Why the last job failed, until :meth:`resume` (monitoring reads it without the lock).
@@ -184,6 +206,7 @@ class WriteBehind:
         for k, rec in job.puts:
             pend[k] = (rec, memoryview(rec.numpy()))
         self._queue.append(job)
+        self._queued += 1
         self._bytes += n
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
@@ -191,15 +214,18 @@ class WriteBehind:
         self._changed.notify_all()
 
     def drain(self) -> None:
-        """Wait until every queued job has been applied (or dropped by a failure); while the writer
-        holds a job back for room, make it here. A no-op on the writer thread itself."""
+        """Wait until every job queued before this call has been applied (or dropped by a failure):
+        jobs queued meanwhile are not waited for (module docstring). While the writer holds a job
+        back for room, make it here. A no-op on the writer thread itself."""
         if threading.current_thread() is self._thread:
             return
+        with self._changed:
+            ticket = self._queued
         while True:
             with self._changed:
-                while (self._queue or self._busy) and self.full is None:
+                while self._finished < ticket and self.full is None:
                     self._changed.wait()
-                if not (self._queue or self._busy):
+                if self._finished >= ticket:
                     return
             self.make_room_now(None)
 
@@ -264,12 +290,15 @@ class WriteBehind:
                     self._changed.wait()
                 if not self._queue:
                     return
-                job = self._queue.popleft()
+                batch = self._take_batch()
                 self._busy = True
+            job = batch[0] if len(batch) == 1 else DiskJob(
+                deletes=[d for j in batch for d in j.deletes], puts=[p for j in batch for p in j.puts],
+                stamps=[t for j in batch for t in j.stamps])
             try:
                 self._apply_making_room(job)
             except BaseException as e:  # noqa: BLE001 - handed to the tier, which turns unhealthy
-                self._fail(e, job)
+                self._fail(e, job, len(batch))
                 if self._after_failure is not None:
                     try:
                         self._after_failure(e)
@@ -284,8 +313,28 @@ class WriteBehind:
                         del pend[k]
                 self._bytes -= job.nbytes
                 self._busy = False
-                self.jobs_applied += 1
+                self._finished += len(batch)
+                self.jobs_applied += len(batch)
+                self.batches_applied += 1
                 self._changed.notify_all()
+
+    def _take_batch(self) -> list[DiskJob]:
+        """(``_lock`` held, queue not empty) Pop the next job and the queued jobs that may join it
+        (module docstring: group commit)."""
+        q = self._queue
+        first = q.popleft()
+        batch, nbytes = [first], first.nbytes
+        written = {k for k, _ in first.puts} | {k for k, _, _ in first.stamps}
+        while q and not first.room_rounds:
+            nxt = q[0]
+            n = nxt.nbytes
+            if nbytes + n > self.max_batch_bytes or nxt.room_rounds or any(k in written for k, _ in nxt.deletes):
+                break
+            batch.append(q.popleft())
+            nbytes += n
+            written.update(k for k, _ in nxt.puts)
+            written.update(k for k, _, _ in nxt.stamps)
+        return batch
 
     def _apply_making_room(self, job: DiskJob) -> None:
         """Apply ``job``; while LMDB's map has no room for it, hold it back until room is made (by
@@ -314,22 +363,25 @@ class WriteBehind:
                 if not ok:
                     raise
 
-    def _fail(self, err: BaseException, job: DiskJob) -> None:
+    def _fail(self, err: BaseException, job: DiskJob, n_jobs: int = 1) -> None:
+        """``job`` (a batch of ``n_jobs`` queued jobs) failed: drop it and every queued job."""
         with self._changed:
             dropped = [job, *self._queue]
+            n_dropped = n_jobs + len(self._queue)
             pend = self.pending
             lost = [(k, r) for j in dropped for k, r in j.puts if (ent := pend.get(k)) is not None and ent[0] is r]
             deleted = list(dict.fromkeys(k for j in dropped for k, _ in j.deletes))
             self._queue.clear()
             pend.clear()
             self._bytes = 0
-            self.jobs_failed += len(dropped)
+            self.jobs_failed += n_dropped
             self.failure = " ".join(str(err).split()) or type(err).__name__  # submit refuses from now on
         try:
             self._on_failure(err, lost, deleted)
         except BaseException:  # noqa: BLE001 - the thread must go on serving later jobs
             log.exception("disk tier: handling a failed write-behind job failed")
         finally:
-            with self._changed:
+            with self._changed:  # finished once the tier has heard of the failure (a drain then sees it)
                 self._busy = False
+                self._finished += n_dropped
                 self._changed.notify_all()

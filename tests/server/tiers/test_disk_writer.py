@@ -306,3 +306,88 @@ def test_a_write_planned_before_a_failure_is_refused_until_the_probe_resyncs(tmp
     assert read(disk, keys[0], size) is None
     stack.close()
     assert set(lmdb_contents(tmp_path / "lmdb")) == set(keys[1:4])
+
+
+def test_a_drain_returns_while_other_writers_keep_the_queue_from_emptying():
+    """Attack pass 8, A8-5: a durable Offload's drain waited until the write-behind queue was empty,
+    so another tenant queueing writes faster than the disk committed kept it waiting past its
+    deadline. Here a producer queues a job every millisecond for 2 s while each commit takes 20 ms
+    (the queue is never empty); a drain begun meanwhile returns after the batches holding the jobs
+    queued before it, long before the producer stops."""
+    from kvtier.server.tiers.disk_writer import DiskJob, WriteBehind
+
+    def apply(job: DiskJob) -> None:
+        time.sleep(0.02)
+
+    wb = WriteBehind(apply, lambda e, lost, deleted: None, max_pending_bytes=1 << 20, name="t-writer")
+    stop = threading.Event()
+
+    def produce() -> None:
+        i = 0
+        while not stop.is_set():
+            wb.submit(DiskJob(stamps=[(b"k%d" % i, None, i)]), [])
+            i += 1
+            time.sleep(0.001)
+
+    producer = threading.Thread(target=produce)
+    producer.start()
+    drained = threading.Event()
+    try:
+        time.sleep(0.2)
+        before = wb.batches_applied
+        drainer = threading.Thread(target=lambda: (wb.drain(), drained.set()))
+        drainer.start()
+        returned = drained.wait(10)  # the queue is still being fed all this while
+        batches = wb.batches_applied - before
+    finally:
+        stop.set()
+        producer.join()
+        drainer.join()
+        wb.close()
+    assert returned, "the drain waited for jobs queued after it began"
+    assert batches <= 3  # the batch in flight when it began and the one holding its jobs (+1: the count is read after)
+
+
+def test_queued_jobs_commit_as_a_few_batches_and_leave_lmdb_as_one_by_one_would(tmp_path, codec, pool):
+    """Group commit: 20 writes of one record each into a disk tier of 6 records, queued while the
+    writer is held (each write from the 7th on evicts the oldest, a delete of a record whose own put
+    is still queued). Released, the writer commits them in a few batches, not 20 transactions, and
+    LMDB holds exactly the 6 newest records, byte-exact, as applying the jobs one by one would."""
+    per = disk_charge(codec.page_nbytes())
+    tier = tier_at(tmp_path, capacity=int(per * 6 / 0.2) + 4096, reserve_fraction=0.8)
+    assert tier.index.capacity // per == 6
+    recs = {b"gc-%02d" % i: record_of(codec, pool, 1, seed=90 + i) for i in range(20)}
+    held = HeldWriter(tier)
+    for k, r in recs.items():
+        tier.write([(k, r)])
+    held.release()
+    tier.drain()
+    writer = tier._writer  # noqa: SLF001 - its counters
+    assert writer.jobs_applied == 20
+    assert writer.batches_applied <= 6  # the held first job, then batches ended by each conflicting delete
+    tier.close()
+    keys = list(recs)
+    assert lmdb_contents(tmp_path) == {k: bytes(recs[k].numpy()) for k in keys[14:]}
+
+
+def test_a_drain_after_a_failed_job_returns_only_once_the_tier_heard_of_the_failure():
+    """The jobs a failure drops count as finished only after ``on_failure`` ran: a durable Offload's
+    drain must not return while the tier still says it holds a record that was lost."""
+    from kvtier.server.tiers.disk_writer import DiskJob, WriteBehind
+
+    heard = threading.Event()
+    told_at_drain: list[bool] = []
+
+    def apply(job: DiskJob) -> None:
+        raise OSError(28, "No space left on device")
+
+    def on_failure(err, lost, deleted) -> None:
+        time.sleep(0.2)  # the tier takes a while to mark itself unhealthy
+        heard.set()
+
+    wb = WriteBehind(apply, on_failure, max_pending_bytes=1 << 20, name="t-writer")
+    wb.submit(DiskJob(stamps=[(b"k", None, 1)]), [])
+    wb.drain()
+    told_at_drain.append(heard.is_set())
+    wb.close()
+    assert told_at_drain == [True]
