@@ -1,4 +1,4 @@
-"""A readers-writer lock: many readers at once, one writer alone, writers not starved."""
+"""A readers-writer lock (many readers at once, one writer alone, writers not starved) and a lock per key."""
 
 from __future__ import annotations
 
@@ -58,3 +58,35 @@ class RWLock:
                 self._writer = False
                 self._cond.notify_all()
 
+
+
+class KeyLocks:
+    """One mutex per key, made when first wanted and forgotten when its last holder or waiter leaves:
+    calls on the same key go one at a time, calls on different keys never wait for each other (the
+    offload store: one tenant's slow disk commit held every tenant's Offload, attack pass 8, A8-7).
+    The registry's own lock guards one dict operation only. Not re-entrant per key."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._locks: dict[object, list] = {}  # key -> [its mutex, holders and waiters]
+
+    @contextmanager
+    def holding(self, key: object) -> Iterator[None]:
+        """Hold ``key``'s mutex for the ``with`` block."""
+        with self._lock:
+            ent = self._locks.get(key)
+            if ent is None:
+                ent = self._locks[key] = [threading.Lock(), 0]
+            ent[1] += 1
+        try:
+            with ent[0]:
+                yield
+        finally:
+            with self._lock:
+                ent[1] -= 1
+                if not ent[1]:
+                    del self._locks[key]
+
+    def __len__(self) -> int:
+        """Keys with a holder or a waiter now."""
+        return len(self._locks)

@@ -21,8 +21,14 @@ unless dropped, and a copy that only that tier could take is UNAVAILABLE. :meth:
 returns whether the copy is durable (it reached a persistent tier: write-through, or straight to the
 disk tier when the host tier could not take it).
 
-Locking: the store's lock (one put at a time: the room check and the write go together) is taken
-after the pool's lock and before the tier index locks; reads take no store lock.
+Locking: a lock per copy key (:class:`~kvtier.server.daemon.locks.KeyLocks`): one call at a time on
+a key (a put's room check and write go together; a drop, a restore's drop and a put's take-back of
+the same key wait for it), taken after the pool's lock and before the tier index locks. Calls on
+different keys never wait for each other, so one tenant's copy whose disk commit is slow (write-through
+without write-behind, a write past ``write_behind_bytes``, a removal waiting for the write-behind)
+holds up no other copy (attack pass 8, A8-7). The store's own dict lock guards its bookkeeping
+(put numbers, sources, copies being taken) for one dict operation, never a tier call. Reads take no
+store lock.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ import torch
 
 from kvtier.server.daemon.errors import (AlreadyExists, InvalidArgument, NotFound, ResourceExhausted, Unavailable,
                                          always, still_wanted)
+from kvtier.server.daemon.locks import KeyLocks
 from kvtier.server.daemon.quotas import Quotas
 from kvtier.server.daemon.tenants import Caller, tenant_key
 from kvtier.server.tiers import RecordCodec, RecordError, TierStack, disk_charge
@@ -81,7 +88,8 @@ class OffloadStore:
         self.stack = stack
         self.quotas = quotas or Quotas()
         self._sources: dict[tuple[str, str], str] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the dicts below: one operation at a time, no tier call under it
+        self._keys = KeyLocks()  # one call at a time per tier key (module docstring)
         self._taken: dict[bytes, int] = {}  # keys a Restore(drop=True) is taking -> the put it took (under _lock)
         self._puts: dict[bytes, int] = {}  # key -> a number of its latest put (under _lock)
         self._put_seq = 0
@@ -154,10 +162,10 @@ class OffloadStore:
         """Store ``copy`` as one record (latent + indexer + src_loc) in the top tier (older records,
         the tenant's own first when over a quota, move down to make room).
 
-        The store's lock is held only while the record is placed (a few tier index operations): a
-        durable copy's wait for the disk's commit holds no lock of the store, so other Offloads and
-        Restores of every tenant go on meanwhile (attack pass 7, A7-2: one tenant's durable offload
-        held every tenant's Offload and Restore(drop) for as long as the disk took).
+        Only the key's own lock is held while the record is placed, and none while a durable copy
+        waits for the disk's commit: Offloads and Restores of other keys, of every tenant, go on
+        meanwhile (attack pass 7, A7-2, and pass 8, A8-7: one tenant's durable offload held every
+        tenant's Offload and Restore(drop) for as long as the disk took).
 
         Returns:
             True if the copy is durable: committed to a persistent tier (LMDB) before this returned.
@@ -171,7 +179,7 @@ class OffloadStore:
                 on error.
         """
         tkey = self._key(caller, key)
-        with self._lock:
+        with self._keys.holding(tkey):
             self.check_room(caller, key, copy.nbytes)
             codec = RecordCodec(model_from_fingerprint(dict(copy.layout)))
             try:  # built where the top cascade tier keeps records (its host arena: no copy on entry)
@@ -184,9 +192,10 @@ class OffloadStore:
                 raise InvalidArgument(f"copy {key!r}: {e}") from None
             still_wanted(wanted, "Offload")  # the last check before the copy can be seen
             placed = self.stack.put(tkey, rec, source="device")
-            self._sources[(caller.tenant, key)] = copy.source_pool
-            self._put_seq += 1
-            seq = self._puts[tkey] = self._put_seq
+            with self._lock:
+                self._sources[(caller.tenant, key)] = copy.source_pool
+                self._put_seq += 1
+                seq = self._puts[tkey] = self._put_seq
         stored = [t for t in self.stack.cascade if t.persistent and t.name in placed]
         for t in stored:  # durable means committed: wait for the disk tier's write-behind (no lock held)
             t.drain()
@@ -212,12 +221,14 @@ class OffloadStore:
     def _unput(self, caller: Caller, key: str, tkey: bytes, seq: int) -> None:
         """Take back the put numbered ``seq`` (a copy its caller will be told failed), unless a newer
         put or a Drop has replaced it since."""
-        with self._lock:
-            if self._puts.get(tkey) != seq:
-                return
+        with self._keys.holding(tkey):
+            with self._lock:
+                if self._puts.get(tkey) != seq:
+                    return
             self.stack.remove([tkey])
-            self._sources.pop((caller.tenant, key), None)
-            self._puts.pop(tkey, None)
+            with self._lock:
+                self._sources.pop((caller.tenant, key), None)
+                self._puts.pop(tkey, None)
 
     def get(self, caller: Caller, key: str) -> HostCopy:
         """The tenant's copy under ``key``, checked (a damaged record is dropped and NOT_FOUND; one on
@@ -272,12 +283,14 @@ class OffloadStore:
             pass 7, A7-3: a Restore(drop=True) told DEADLINE_EXCEEDED had taken the copy)."""
         tkey = self._key(caller, key)
         self.stack.quiesce(lambda k: k == tkey)  # the long waits, holding nothing
-        with self._lock:  # (as a put: its stack work under this lock, so no put lands in between)
-            if self._puts.get(tkey, 0) != self._taken.get(tkey):
-                return False
+        with self._keys.holding(tkey):  # (as a put: no put of this key lands in between)
+            with self._lock:
+                if self._puts.get(tkey, 0) != self._taken.get(tkey):
+                    return False
             self.stack.remove([tkey], ready=ready)
-            self._sources.pop((caller.tenant, key), None)
-            self._puts.pop(tkey, None)
+            with self._lock:
+                self._sources.pop((caller.tenant, key), None)
+                self._puts.pop(tkey, None)
             return True
 
     def drop(self, caller: Caller, key: str, *, known_nbytes: int | None = None,
@@ -306,10 +319,11 @@ class OffloadStore:
             if self._unhealthy_holder(tkey) is None:
                 return None
             nbytes = 0
-        self.stack.remove([tkey], ready=lambda: still_wanted(wanted, "Drop"))
-        with self._lock:
-            self._sources.pop((caller.tenant, key), None)
-            self._puts.pop(tkey, None)
+        with self._keys.holding(tkey):  # no put of this key lands between the removal and the bookkeeping
+            self.stack.remove([tkey], ready=lambda: still_wanted(wanted, "Drop"))
+            with self._lock:
+                self._sources.pop((caller.tenant, key), None)
+                self._puts.pop(tkey, None)
         return nbytes
 
     def contains(self, caller: Caller, key: str) -> bool:

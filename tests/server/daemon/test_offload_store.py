@@ -153,3 +153,74 @@ def test_a_restore_or_offload_whose_caller_is_gone_at_the_end_changes_nothing():
         assert d.offload_store.contains(ME, "k2")
     finally:
         d.close()
+
+
+def test_a_copy_whose_disk_commit_is_slow_holds_up_no_offload_or_restore_of_another_key(tmp_path, monkeypatch):
+    """Attack pass 8, A8-7: without write-behind, an Offload whose copy goes to the disk (larger than
+    the host tier) committed under the offload store's one lock, so another tenant's Offload that
+    needed the host tier only waited for that disk (4.55 s in the attack). Now each key has its own
+    lock: while tenant A's copy waits in its disk commit (held by the test's slow-disk file), tenant
+    B's Offload and Restore of other keys, host tier only, complete; A's Offload completes once the
+    disk goes on. (A Drop or a Restore(drop) takes every tier's index lock to remove a copy wherever
+    it is, so without write-behind it waits for the disk's commit: that is the tier's own lock.)"""
+    import threading
+
+    from kvtier.server.daemon.tier_settings import TierSettings
+    from kvtier.server.tiers.disk_faults import SLOW_FILE_ENV
+
+    slow = tmp_path / "slow"
+    monkeypatch.setenv(SLOW_FILE_ENV, str(slow))
+    d = _daemon(host_memory_bytes=4 << 20, tiers=TierSettings(disk_path=str(tmp_path / "disk"), disk_bytes=256 << 20,
+                                                                  disk_write_behind=False))
+    a, b = Caller(tenant="team-a"), Caller(tenant="team-b")
+    try:
+        for caller, tokens in ((a, 4096), (b, 512)):
+            d.pools.create(caller, PoolRequest(pool_id="p", preset="glm-5.2", num_layers=4, size_tokens=tokens))
+        with d.pools.locked(a, "p", exclusive=True) as e:
+            big = e.alloc(4096)  # about 11 MB: more than the 4 MiB host tier, so the copy goes to disk
+        slots, rows = _fill_as(d, b, PS, seed=11)
+        kv_ops.offload(d.pools, d.offload_store, b, "p", "old", slots, free_slots=False)
+        slow.write_text("")  # every disk commit now waits until the file holds a number
+        done: list[object] = []
+        holder = threading.Thread(target=lambda: done.append(
+            kv_ops.offload(d.pools, d.offload_store, a, "p", "big", big, free_slots=False)))
+        holder.start()
+        try:
+            disk = d.tiers.stack.cascade[-1]
+            for _ in range(250):  # until A's put holds the disk tier (its commit waits on the file)
+                if disk.index.lock._is_owned() if hasattr(disk.index.lock, "_is_owned") else False:  # noqa: SLF001
+                    break
+                if not disk.index.lock.acquire(timeout=0.02):
+                    break
+                disk.index.lock.release()
+            assert not disk.index.lock.acquire(timeout=0.2)  # A's commit holds the disk
+            finished: list[str] = []
+
+            def b_calls() -> None:
+                kv_ops.offload(d.pools, d.offload_store, b, "p", "new", slots, free_slots=False)
+                finished.append("offload")
+                back, _ = kv_ops.restore(d.pools, d.offload_store, b, "p", "old", None, drop=False)
+                with d.pools.locked(b, "p", exclusive=False) as e:
+                    assert torch.equal(e.pool.get_kv_buffer_rows(0, back).reshape(PS, -1), rows)
+                finished.append("restore")
+
+            other = threading.Thread(target=b_calls)
+            other.start()
+            other.join(5)
+            assert finished == ["offload", "restore"] and not done  # B done while A's commit still waits
+        finally:
+            slow.unlink()
+            holder.join(30)
+        assert len(done) == 1 and d.offload_store.contains(a, "big")
+        assert d.offload_store.drop(b, "old") is not None and d.offload_store.drop(b, "new") is not None
+    finally:
+        d.close()
+
+
+def _fill_as(d: Daemon, caller: Caller, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    with d.pools.locked(caller, "p", exclusive=True) as e:
+        slots = e.alloc(n)
+        rows = torch.randint(0, 256, (n, e.pool.row_bytes), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+        for layer in range(e.pool.layer_num):
+            e.pool.set_kv_buffer(layer, slots, rows)
+    return slots, rows
