@@ -255,3 +255,44 @@ def test_the_disk_evicts_its_copy_of_a_device_page_first():
     stack.copied_up([b"c"])  # told, but no faster tier holds c: the disk's own order again
     stack.put(b"g", 10, source="device")  # host evicts e: the disk drops a, its least recently used
     assert stack.where([b"a", b"c", b"e"]) == [[], ["disk"], ["disk"]]
+
+
+def test_telling_a_tier_of_a_copy_up_never_waits_for_its_index_lock():
+    """Attack pass 8, A8-4: a StorePrefix told the disk tier of its pages' copies up under the disk's
+    index lock, after its caller check and holding its pool and cache, so a slow disk commit held it
+    6 s. Now the tier records the copies without the lock (as deferred uses) and its next operation
+    applies them: with the disk's lock held by another thread, ``copied_up`` returns at once, and
+    the eviction that follows still takes the copy first, as the test above."""
+    import threading
+
+    from kvtier.server.tiers.sim import SimTierConfig
+    from kvtier.server.tiers.stack import TierStack
+
+    stack = TierStack.from_configs([SimTierConfig(capacity_bytes=20, name="host", policy="duel"),
+                                    SimTierConfig(capacity_bytes=30, name="disk", policy="duel")], simulate=True)
+    disk = stack.cascade[1]
+    on_device: set[bytes] = set()
+    stack.add_device(on_device.__contains__)
+    for k in (b"a", b"b", b"c", b"d", b"e"):
+        stack.put(k, 10, source="device")
+    on_device.add(b"b")
+    held, let_go = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with disk.index.lock:
+            held.set()
+            let_go.wait(10)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    held.wait(5)
+    told = threading.Thread(target=lambda: stack.copied_up([b"b", b"d"]))
+    told.start()
+    told.join(2)
+    returned = not told.is_alive()
+    let_go.set()
+    holder.join(5)
+    told.join(5)
+    assert returned  # it did not wait for the lock the other thread held
+    stack.put(b"f", 10, source="device")  # the disk makes room: its copy of b goes first, not a
+    assert stack.where([b"a", b"b", b"c", b"d"]) == [["disk"], [], ["disk"], ["disk"]]
