@@ -29,7 +29,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -147,6 +147,19 @@ class PendingTable:
             self._tenant_bytes[tenant] = left
         self.nbytes -= part.nbytes
         return part
+
+    def withdraw(self, keys: Sequence[bytes], writer: bytes, parts: Sequence[torch.Tensor]) -> int:
+        """Take out the parts of ``keys`` from ``writer`` that are exactly ``parts`` (the same tensors:
+        a put taken back withdraws what it left waiting, never a newer put's part); returns how many."""
+        mine = {id(t) for t in parts}
+        n = 0
+        with self._lock:
+            for k in keys:
+                part = self._parts.get((k, writer))
+                if part is not None and id(part.kv_rec if part.kv_rec is not None else part.index) in mine:
+                    self._remove((k, writer))
+                    n += 1
+        return n
 
     def tenant_bytes(self, tenant: str) -> int:
         """Bytes of ``tenant``'s waiting parts (a plain read: monitoring)."""

@@ -257,17 +257,47 @@ class UnitStore:
         return p.commit()
 
     def _commit(self, p: UnitPut, wanted: Callable[[], bool] = always) -> PutResult:
+        """Store ``p`` holding the clear guard shared; the caller is checked before and again after
+        the tier writes (a write-through put without write-behind commits to LMDB here, seconds on a
+        slow disk): a caller gone by then has what this call stored taken back, and is told
+        Cancelled (attack pass 8, A8-11: a PutUnits told DEADLINE_EXCEEDED was stored)."""
         with self._guard.shared():  # a clear comes wholly before (it dropped the waiting parts) or after
             still_wanted(wanted, "PutUnits")
-            return self._commit_unguarded(p)
+            result, made, waiting, joined = self._commit_unguarded(p, lambda: not wanted())
+            if made is None:  # its caller left once the tier writes were done: taken back
+                self._take_back(p, waiting, joined)
+                still_wanted(lambda: False, "PutUnits")
+            return result
 
-    def _commit_unguarded(self, p: UnitPut) -> PutResult:
+    def _take_back(self, p: UnitPut, made: list[bytes], joined: list[tuple[bytes, torch.Tensor | None]]) -> None:
+        """Undo a put whose caller left: remove the units it stored (``made``: none was there before
+        it; a reader may have seen them meanwhile, as it may see any unit before an eviction), and
+        give the waiting parts it completed back to the pending table (``joined``: the other part,
+        from this writer's earlier call, waits again). Parts it left waiting are withdrawn."""
+        if made:
+            self.stack.remove(made)
+        for tkey, other in joined:
+            if other is not None:
+                if p.part == KV:
+                    self.pending.offer(tkey, index=other, writer=p.writer)
+                else:
+                    self.pending.offer(tkey, kv_rec=other, writer=p.writer)
+        prefix = self._space_prefix(p.caller, p.space)
+        mine = [prefix + k for k, buf in zip(p.keys, p.bufs)]
+        self.pending.withdraw(mine, p.writer, p.bufs)
+
+    def _commit_unguarded(self, p: UnitPut, gone: Callable[[], bool] = lambda: False
+                          ) -> tuple[PutResult, list[bytes] | None, list[bytes], list[tuple[bytes, torch.Tensor | None]]]:
+        """The put's work; returns ``(result, made, made_keys, joined)``. When ``gone()`` is true once
+        the tier writes are done, ``made`` is None, nothing is published or counted, and the caller
+        takes the put back (:meth:`_take_back` with ``made_keys`` and ``joined``)."""
         space, codec, ps = p.space, p.space.codec, p.space.model.page_size
         prefix = self._space_prefix(p.caller, space)
         accepted, completed, stored_before = [], 0, 0
         tkeys = [prefix + k for k in p.keys]
         present = self._present(tkeys)
         made: list[tuple[bytes, torch.Tensor]] = []
+        joined: list[tuple[bytes, torch.Tensor | None]] = []  # units completed with an earlier part: that part
         for tkey, buf, there in zip(tkeys, p.bufs, present):
             if there:
                 accepted.append(True)
@@ -283,6 +313,9 @@ class UnitStore:
                     accepted.append(self.pending.waits(tkey, p.writer))
                     continue
                 rec, index = m.kv_rec, m.index
+                # the earlier part, kept to wait again if this put is taken back (the completion below
+                # rewrites a KV record past its KV bytes only; an arena block lives while referenced)
+                joined.append((tkey, index if p.part == KV else rec))
             if index is not None:
                 h, lat = codec.header_nbytes, space.kv_nbytes
                 rec[h + lat:h + lat + space.index_nbytes].copy_(index)
@@ -293,6 +326,8 @@ class UnitStore:
             accepted.append(bool(placed))
             completed += bool(placed)
             made.append((tkey, rec))
+        if gone():
+            return PutResult(accepted, completed, 0), None, [k for k, _ in made], joined
         if made and self.stack.shared:  # a shared tier (Mooncake Store) keeps them too, if it keeps "u:" keys
             self.stack.publish([k for k, _ in made], lambda i, out: _into(made[i][1], out), source="client",
                                record_size=codec.page_nbytes())
@@ -300,7 +335,7 @@ class UnitStore:
         self._count(p.caller, units_stored=completed, parts_already_stored=stored_before,
                     units_dropped_no_room=sum(1 for a in accepted if not a), put_bytes=p.total,
                     **{f"put_bytes_{p.via}": p.total})
-        return PutResult(accepted, completed, n_pending)
+        return PutResult(accepted, completed, n_pending), [k for k, _ in made], [], joined
 
     # ----- get ----------------------------------------------------------------------------------
     def read(self, caller: Caller, space: UnitSpace, keys: Sequence[bytes], part: str,

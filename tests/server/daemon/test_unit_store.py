@@ -181,6 +181,45 @@ def test_a_put_whose_caller_is_gone_once_it_holds_the_clear_guard_stores_nothing
     assert s.exists(ME, sp, [b"whole"]) == 1 and s.stats(ME)["parts_pending"] == 1
 
 
+def test_a_put_whose_caller_left_while_its_tier_writes_ran_is_taken_back():
+    """Attack pass 8, A8-11: with write-through and no write-behind a PutUnits commits to LMDB inside
+    the put, after its caller check, so one told DEADLINE_EXCEEDED (4 of 4 in the attack) was stored.
+    The commit checks its caller again once the tier writes are done: a caller gone by then is told
+    Cancelled and the put is taken back. A whole unit is removed; a part that completed a unit with
+    this writer's earlier part leaves that earlier part waiting again (a later put of the missing
+    part completes the unit, byte-exact); a lone part is withdrawn. The same puts with the caller
+    there are stored."""
+    s = store()
+    sp = s.space(space_req())
+    kv, idx = parts(7)
+    gone_after_writes = lambda: iter([True, False]).__next__  # noqa: E731 - checked before, then after the writes
+    p = s.begin_put(ME, sp, [b"whole"], "both")
+    p.add(torch.cat((kv, idx)))
+    with pytest.raises(Cancelled):
+        p.commit(gone_after_writes())
+    assert s.exists(ME, sp, [b"whole"]) == 0 and s.stats(ME).get("units_stored", 0) == 0
+
+    s.put(ME, sp, [b"pair"], "kv", kv)  # the earlier part, from the same writer
+    p = s.begin_put(ME, sp, [b"pair"], "index")
+    p.add(idx)
+    with pytest.raises(Cancelled):
+        p.commit(gone_after_writes())
+    assert s.exists(ME, sp, [b"pair"]) == 0 and s.stats(ME)["parts_pending"] == 1  # the KV part waits again
+
+    p = s.begin_put(ME, sp, [b"lone"], "kv")
+    p.add(kv)
+    with pytest.raises(Cancelled):
+        p.commit(gone_after_writes())
+    assert s.stats(ME)["parts_pending"] == 1  # only the pair's KV part: the lone part was withdrawn
+
+    assert s.put(ME, sp, [b"pair"], "index", idx).completed == 1
+    s.put(ME, sp, [b"whole"], "both", torch.cat((kv, idx)))
+    assert s.exists(ME, sp, [b"whole"]) == 1 and s.exists(ME, sp, [b"pair"]) == 1
+    for key in (b"whole", b"pair"):
+        assert torch.equal(read_all(s, ME, sp, [key], "both")[0], torch.cat((kv, idx)))
+    assert s.stats(ME)["parts_pending"] == 0
+
+
 def test_a_unit_read_from_disk_comes_back_up_to_the_host_tier(tmp_path):
     from kvtier.server.tiers import DiskTierConfig
 
