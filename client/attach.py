@@ -38,7 +38,7 @@ from kvtier.addresses import UnsafeSocketError, check_socket_path, is_unix
 import torch
 
 from kvtier.attach_wire import (
-    PROTOCOL_VERSION, SESSION_METADATA, WireError, decode_slots, encode_keys, encode_slots, recv_message, send_message,
+    MAX_TIMEOUT_S, PROTOCOL_VERSION, SESSION_METADATA, WireError, decode_slots, encode_keys, encode_slots, recv_message, send_message,
 )
 from kvtier.client.base import BaseClient
 from kvtier.client.errors import (
@@ -326,6 +326,8 @@ class AttachedPool:
                 raise RuntimeError("the pool was detached; attach again to use it")
             self._calls += 1
             message["id"] = self._calls
+            if 0 < wait <= MAX_TIMEOUT_S:  # the daemon changes nothing for a caller that gave up (A8-6)
+                message["timeout_s"] = wait
             self._sock.settimeout(wait)
             try:
                 send_message(self._sock, message)

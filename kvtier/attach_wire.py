@@ -26,7 +26,11 @@ A message is one JSON object (UTF-8, at most :data:`MAX_MESSAGE_BYTES`), optiona
   ``{"kind": "store_prefix", "id": n, "lease_id": id, "keys": [hex], "slots": b64, "release": bool}``,
   ``{"kind": "release_prefix", "id": n, "lease_id": id}`` -- later, on an attached connection: the
   prefix cache's LoadPrefix / StorePrefix / ReleasePrefix on the attached pool, in the session (the
-  same calls and checks as over gRPC, without HTTP/2: a local worker's control path). Page keys
+  same calls and checks as over gRPC, without HTTP/2: a local worker's control path). Each may carry
+  ``"timeout_s": seconds`` (a number, finite, above 0 and at most :data:`MAX_TIMEOUT_S`; absent or
+  null: no deadline), the client's deadline counted from the daemon's receipt: like a gRPC deadline,
+  a call whose caller gave up by then (or whose connection closed) changes nothing and answers
+  CANCELLED (the client raised DeadlineExceededError already); a load then releases its lease. Page keys
   travel as hex strings, slots as base64 of little-endian int64 (:func:`encode_slots`). Replies echo
   ``id`` (an int64 or null; anything else is refused INVALID_ARGUMENT, without an ``id``):
   ``{"id", "lease_id", "slots", "tiers"}``, ``{"id", "stored_pages"}``, ``{"id"}``.
@@ -60,6 +64,9 @@ MAX_MESSAGE_BYTES = 1 << 20
 MAX_FDS = 16
 MAX_ERROR_CHARS = 1024  # an error reply's message at most: it may quote the request, which may be ~1 MiB
 PREFIX_KINDS = ("load_prefix", "store_prefix", "release_prefix")
+MAX_TIMEOUT_S = 1e8
+"""The largest ``timeout_s`` of a prefix call (gRPC's own "no deadline" is centuries away): a client
+with a longer one sends none."""
 KINDS = ("attach", "storage", "staging", *PREFIX_KINDS)
 _PEERCRED = struct.Struct("3i")
 

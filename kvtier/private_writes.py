@@ -17,6 +17,12 @@ Everything kvtier writes (the daemon's ready file and disk directory, ``kvtier b
   :class:`OutputPathError` before anything is written (attack pass 7, A7-6: a ready file over the
   daemon's own socket, or over a device node, replaced it). :func:`check_output_path` makes the same
   check at a command's start, before its work.
+
+Every path kvtier writes a file or makes a directory at passes the rule of its sockets and ready file
+first (:func:`kvtier.addresses.check_path_owners`): no directory on the way and no symlink followed
+may belong to another user (a sticky directory such as ``/tmp`` is fine; another user's symlink in it
+is not), else :class:`OutputPathError` names the path and the owner (attack pass 8, A8-12: ``kvtier
+replay --json`` and ``kvtier bench --out`` followed another user's symlink into a root-only directory).
 """
 
 from __future__ import annotations
@@ -29,21 +35,41 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from kvtier.addresses import UnsafePathError, check_path_owners
+
 DIR_MODE = 0o700
 FILE_MODE = 0o600
 
 
-def private_dirs(path: str | Path) -> Path:
+def check_owners(path: str | Path, what: str = "output file") -> None:
+    """Refuse ``path`` if another user controls its way: a directory on it, or a symlink followed,
+    not owned by root or this uid (:func:`kvtier.addresses.check_path_owners`, the rule of the
+    sockets and the ready file; the entry itself is :func:`check_output_path`'s).
+
+    Raises:
+        OutputPathError: ``refusing WHAT PATH: symlink X is owned by uid N, ...`` (one line).
+    """
+    try:
+        check_path_owners(path, what, "file", UnsafePathError, entry_owner=False)
+    except UnsafePathError as e:
+        raise OutputPathError(str(e)) from None
+    except OSError:
+        return  # an unreadable path: the write itself says why
+
+
+def private_dirs(path: str | Path, what: str = "output directory") -> Path:
     """Create ``path`` and its missing parents, each mode 0700 whatever the umask (an existing
-    directory is left as it is).
+    directory is left as it is), once :func:`check_owners` passed (named ``what``).
 
     Returns:
         The directory, absolute.
 
     Raises:
+        OutputPathError: another user controls the way to ``path``; nothing is made.
         OSError: a directory cannot be created (a file in the way, read-only filesystem, no permission).
     """
     p = Path(os.path.abspath(os.path.expanduser(str(path))))
+    check_owners(p, what)
     missing: list[Path] = []
     q = p
     while not os.path.lexists(q) and q != q.parent:
@@ -77,12 +103,14 @@ def _what_is(mode: int) -> str:
 def check_output_path(path: str | Path, what: str = "output file") -> None:
     """Refuse ``path`` unless nothing is there or a regular file is (the file kvtier would replace).
     A symlink is refused too, whatever it points at: replacing it would silently cut the link, and
-    writing through it would write wherever it points; give the file's own path.
+    writing through it would write wherever it points; give the file's own path. The way to it must
+    pass :func:`check_owners` first.
 
     Raises:
         OutputPathError: ``WHAT PATH is a character device (a FIFO, a socket, a symlink, a directory),
-            not a regular file; ...``.
+            not a regular file; ...``, or :func:`check_owners`' refusal.
     """
+    check_owners(path, what)
     try:
         st = os.lstat(path)
     except FileNotFoundError:

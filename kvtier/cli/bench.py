@@ -68,8 +68,9 @@ def bench(quick: bool, out: Path, as_json: bool, only: tuple[str, ...], sglang_p
     if only:
         cases = [c for c in cases if c.name in only]
     try:
-        private_dirs(out)  # 0700 (and any parent it makes): the results are this user's alone, whatever the umask
-        check_output_path(Path(out) / "results.json", "--out file")  # not a device node, FIFO, socket (A7-6)
+        # the way to it checked before any directory is made there (A8-12), and what is at results.json (A7-6)
+        check_output_path(Path(out) / "results.json", "--out file")
+        private_dirs(out, "--out")  # 0700 (and any parent it makes): the results are this user's alone, whatever the umask
     except OutputPathError as e:
         raise click.ClickException(str(e)) from None
     except OSError as e:

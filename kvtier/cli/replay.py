@@ -353,7 +353,7 @@ def _lab(requests: list[Any], scale: ReplayScale, policies: list[str], capacitie
     if json_path:
         write_private_file(json_path, json.dumps({"sweep": [r.to_dict() for r in rows]}, indent=1) + "\n")
     if plot_dir:
-        private_dirs(plot_dir)
+        private_dirs(plot_dir, "--plot")
         plot_sweep(rows, str(Path(plot_dir) / "policy-sweep.png"))
         click.echo(f"plot: {Path(plot_dir) / 'policy-sweep.png'}")
 

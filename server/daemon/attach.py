@@ -26,15 +26,18 @@ one IPC handle each (:func:`kvtier.cuda_ipc.export_arena`).
 from __future__ import annotations
 
 import logging
+import math
 import os
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvtier.attach_wire import PROTOCOL_VERSION, WireError, decode_keys, decode_slots, encode_slots
+from kvtier.attach_wire import MAX_TIMEOUT_S, PROTOCOL_VERSION, WireError, decode_keys, decode_slots, encode_slots
 from kvtier.memfd import SharedMemory
-from kvtier.server.daemon.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from kvtier.server.daemon.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, always
 from kvtier.server.daemon.pools import MAX_POOL_ID_CHARS, PoolEntry
 from kvtier.server.daemon.sessions import AttachSession, PeerCredentials
 from kvtier.server.daemon.tenants import Caller, authenticate
@@ -232,17 +235,24 @@ class AttachService:
         self.daemon.counters.add(Caller(session.tenant), "attach_staging_buffers")
         return {"staging": {"index": len(session.staging) - 1, "nbytes": nbytes}}, shm
 
-    def prefix_call(self, session: AttachSession, request: dict[str, Any]) -> dict[str, Any]:
+    def prefix_call(self, session: AttachSession, request: dict[str, Any], *, received: float | None = None,
+                    connected: Callable[[], bool] = always) -> dict[str, Any]:
         """LoadPrefix, StorePrefix or ReleasePrefix on the session's pool, in the session, from an
         attach-channel message (``kvtier.attach_wire``: keys hex, slots base64 int64): the same
         :class:`~kvtier.server.daemon.tier_runtime.TierRuntime` calls, checks and lease ownership as
         the gRPC methods, without HTTP/2 (a local worker's control path). Returns the reply (``id``
         echoed).
 
+        The caller check is a gRPC call's (:func:`~kvtier.server.daemon.errors.still_wanted`, at the
+        same points): the caller is there while ``connected()`` (its connection is open), its session
+        lives, and the message's ``timeout_s`` (:func:`call_deadline`, counted from ``received``, a
+        ``time.monotonic()``; now when None) has not run out (attack pass 8, A8-6).
+
         Raises:
-            InvalidArgument: a malformed message (keys, slots, lease id, total_tokens), or what the
-                prefix cache refuses. NotFound: the lease is not this session's, or the session ended.
+            InvalidArgument: a malformed message (keys, slots, lease id, total_tokens, timeout_s), or what
+                the prefix cache refuses. NotFound: the lease is not this session's, or the session ended.
                 ResourceExhausted: the pool cannot make room. Unavailable: a tier is unhealthy.
+                Cancelled: the caller gave up or left before the call changed anything.
         """
         kind = request.get("kind")
         caller = Caller(session.tenant, None, session)
@@ -250,6 +260,11 @@ class AttachService:
             raise FailedPrecondition("prefix calls need an attached pool; a storage session has none")
         if session.ended:
             raise NotFound("the attach session has ended")
+        deadline = call_deadline(request, time.monotonic() if received is None else received)
+
+        def wanted() -> bool:
+            return connected() and not session.ended and (deadline is None or time.monotonic() < deadline)
+
         pool_id, tiers = session.pool_id, self.daemon.tiers
         try:
             if kind == "load_prefix":
@@ -257,7 +272,7 @@ class AttachService:
                 total = request.get("total_tokens")
                 if total is not None and (isinstance(total, bool) or not isinstance(total, int)):
                     raise InvalidArgument(f"total_tokens must be an integer or null, got {total!r}")
-                ld = tiers.load(caller, pool_id, keys, total)
+                ld = tiers.load(caller, pool_id, keys, total, wanted)
                 slots = ld.slots.to(torch.int64).contiguous().numpy().astype("<i8", copy=False).tobytes()
                 reply: dict[str, Any] = {"lease_id": ld.lease, "slots": encode_slots(slots), "tiers": list(ld.tiers)}
             elif kind in ("store_prefix", "release_prefix"):
@@ -265,7 +280,7 @@ class AttachService:
                 if not isinstance(lease, str) or not lease:
                     raise InvalidArgument("lease_id must be a non-empty string")
                 if kind == "release_prefix":
-                    tiers.release(caller, pool_id, lease)
+                    tiers.release(caller, pool_id, lease, wanted)
                     reply = {}
                 else:
                     keys = decode_keys(request.get("keys"))
@@ -274,7 +289,8 @@ class AttachService:
                     if not isinstance(release, bool):
                         raise InvalidArgument("release must be true or false")
                     slots = torch.frombuffer(bytearray(raw), dtype=torch.int64) if raw else torch.empty(0, dtype=torch.int64)
-                    reply = {"stored_pages": tiers.store(caller, pool_id, lease, keys, slots.tolist(), release=release)}
+                    reply = {"stored_pages": tiers.store(caller, pool_id, lease, keys, slots.tolist(), release=release,
+                                                         wanted=wanted)}
             else:
                 raise InvalidArgument(f"unknown prefix call {kind!r}")
         except WireError as e:
@@ -291,3 +307,21 @@ class AttachService:
                 self.daemon.tiers.release(Caller(session.tenant, None, session), session.pool_id, lease)
             except Exception:  # noqa: BLE001 - ended meanwhile: the session's end released it
                 log.debug("attach: an unsent lease was released already")
+
+
+def call_deadline(request: dict[str, Any], received: float) -> float | None:
+    """The ``time.monotonic()`` by which a prefix call's caller gives up: ``received`` plus its
+    message's ``timeout_s``; None without one (absent or null: a client that predates it).
+
+    Raises:
+        InvalidArgument: ``timeout_s`` is not a number, not finite, not above 0, or above
+            :data:`~kvtier.attach_wire.MAX_TIMEOUT_S`.
+    """
+    timeout = request.get("timeout_s")
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise InvalidArgument(f"timeout_s must be a number of seconds or null, got {str(timeout)[:40]!r}")
+    if (isinstance(timeout, float) and not math.isfinite(timeout)) or not 0 < timeout <= MAX_TIMEOUT_S:
+        raise InvalidArgument(f"timeout_s must be above 0 and at most {MAX_TIMEOUT_S:g} seconds, got {timeout!r}"[:200])
+    return received + float(timeout)

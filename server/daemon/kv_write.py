@@ -296,13 +296,8 @@ def abort_claimed(registry: PoolRegistry, caller: Caller, buf: KVWriteBuffer) ->
         if entry.deleted:
             return
         buf.restore()  # the old rows again: their content stamp stays (PoolEntry.claim_gen)
-        entry.unclaim(buf.pages)
+        entry.end_claim(buf.pages, caller)
         buf.claimed = False
-        session = caller.session
-        if session is not None and session.entry is entry and session.ended:
-            mine = buf.pages[entry.page_owner[buf.pages] == session.number]
-            if mine.numel():
-                entry.free(mine * entry.page_size, session.number)
 
 
 def abort_write(registry: PoolRegistry, caller: Caller, buf: KVWriteBuffer) -> None:

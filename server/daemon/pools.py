@@ -341,6 +341,17 @@ class PoolEntry:
         self.page_claimed[pages] = False
         self.claimed_pages = int(self.page_claimed.sum())
 
+    def end_claim(self, pages: torch.Tensor, caller: Caller) -> None:
+        """End the claim of :meth:`claim` on ``pages`` made for ``caller`` (a write or a Restore into
+        its named slots, done or given up), and free those of them its attach session held if the
+        session ended meanwhile (its end left claimed pages to the claim); caller holds the lock exclusive."""
+        self.unclaim(pages)
+        session = caller.session
+        if session is not None and session.entry is self and session.ended:
+            mine = pages[self.page_owner[pages] == session.number]
+            if mine.numel():
+                self.free(mine * self.page_size, session.number)
+
     def alloc(self, n_tokens: int, owner: int = 0) -> torch.Tensor:
         """Allocate whole pages for ``n_tokens``; caller holds the lock exclusive. Returns ``(n,)`` slots.
         ``owner``: the attach session the pages belong to (:meth:`owner_of`; 0: none).

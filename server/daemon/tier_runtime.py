@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvtier.server.daemon.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable, always, still_wanted
+from kvtier.server.daemon.errors import Cancelled, InvalidArgument, NotFound, ResourceExhausted, Unavailable, always, still_wanted
 from kvtier.server.daemon.pools import PoolEntry
 from kvtier.server.daemon.quotas import Quotas
 from kvtier.server.daemon.tenants import Caller, key_body, tenant_key, tenant_of_key
@@ -240,12 +240,23 @@ class TierRuntime:
             session = caller.session if entry.owner_of(caller) else None
             yield entry, self.cache_of(entry), session
 
-    def load(self, caller: Caller, pool_id: str, keys: Sequence[bytes], total_tokens: int | None) -> PrefixLoad:
+    def load(self, caller: Caller, pool_id: str, keys: Sequence[bytes], total_tokens: int | None,
+             wanted: Callable[[], bool] = always) -> PrefixLoad:
         """Load the present prefix into device slots and allocate the rest (see :meth:`PrefixCache.load`);
-        in an attach session the lease is the session's (no TTL; released when the session ends)."""
+        in an attach session the lease is the session's (no TTL; released when the session ends).
+
+        Raises:
+            Cancelled: ``wanted()`` was false once the pool's lock was held, or once the load was
+                done (its pages written down to a slow disk to make room): the lease is released
+                again, so a caller that gave up leaves no lease behind (attack pass 8, A8-6)."""
         keys = self.check_keys(keys)
         with self._session_cache(caller, pool_id) as (entry, c, session):
+            still_wanted(wanted, "LoadPrefix")
             ld = c.load(keys, total_tokens, expires=session is None)
+            if not wanted():  # gone while it made room: nobody would ever release the lease
+                c.release(ld.lease)
+                raise Cancelled("the LoadPrefix was cancelled or ran past its deadline while it loaded; its lease "
+                                "was released again; nothing was changed")
             if session is not None:
                 session.leases.add(ld.lease)
                 entry.lease_owner[ld.lease] = session.number

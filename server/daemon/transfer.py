@@ -51,6 +51,11 @@ networked peers tokens (docs/operations/security.md, "PD peers").
 Failure contract of PullKV: validation (mapping, destination pages allocated, layouts) happens
 before any byte moves and leaves everything as it was. A failure while moving bytes frees the
 destination pages -- they are never presented as valid -- and raises :class:`TransferError`.
+Never because the caller left (cancelled, past its deadline: told it failed, it still holds its
+pages; attack pass 8, A8-10): the caller is checked once the destination lock is held, before
+anything changes (Cancelled); a transport that asks the caller between batches (gRPC; the engine's
+generation check) may stop part way when it is gone, so the rows it replaces are copied first and
+written back then (Cancelled, the pages as they were).
 Destination pages pass :meth:`PoolEntry.check_writable` like every write: the caller's own pages or
 fresh pages of its own prefix lease (a decode side receiving the pages its LoadPrefix did not
 find); after a failure the latter leave the lease, freed, and the lease stays open.
@@ -73,7 +78,7 @@ import numpy as np
 import torch
 
 from kvtier.addresses import is_unix, resolve_address, socket_path
-from kvtier.server.daemon.errors import FailedPrecondition, InvalidArgument, KVTierError
+from kvtier.server.daemon.errors import Cancelled, FailedPrecondition, InvalidArgument, KVTierError, still_wanted
 from kvtier.server.daemon.kv_ops import chunk_size
 from kvtier.server.daemon.pools import PoolEntry, PoolRegistry
 from kvtier.server.daemon.tenants import Caller
@@ -115,6 +120,11 @@ class PullSpec:
     destination pool past the caller's deadline."""
     is_active: Callable[[], bool] = lambda: True
     """False once the caller has cancelled (checked before every batch)."""
+
+    def wanted(self) -> bool:
+        """Whether the caller is still there: not cancelled, its deadline not passed (the
+        ``still_wanted`` check of a pull)."""
+        return self.is_active() and (self.deadline is None or time.monotonic() < self.deadline)
 
     def remaining(self, cap: float) -> float:
         """Seconds a peer call may take: ``cap``, or less when the deadline is nearer (less a margin
@@ -441,15 +451,26 @@ class TransferState:
                 else:
                     assert peer is not None  # not this daemon: a link to the peer is open
                     transport = peer.page_transport(entry, self.chunk_bytes, self.fail_batch, spec, expect, peer_id)
+                # a caller that gave up while the pull waited for the destination pool was told it
+                # failed: nothing may change then, its pages stay its own as they are (A8-10)
+                still_wanted(spec.wanted, "PullKV")
+                # a transport that asks the caller between batches may stop part way because the caller
+                # left: the rows it replaces are kept to be written back then (a copy in process never stops)
+                dst_slots = slots_of_pages(torch.from_numpy(dst), entry.page_size)
+                undo = None if snapshot is not None else entry.pool.get_cpu_copy(dst_slots)
                 start = time.perf_counter()
-                entry.changed(dst)  # their bytes change from here on (whole, or freed on failure)
+                entry.changed(dst)  # their bytes change from here on (whole, old again, or freed on failure)
                 try:
                     stats = pull_pages(transport, remote, plan)
                     if transport.name == "mooncake" and expect:  # the engine read without the peer's lock
                         self._check_unchanged(peer, address, caller, spec, src, expect, peer_id)
                 except Exception as e:
-                    freed = _free_destination(entry, dst, owner)
                     self.counters.add(caller, "pulls_failed")
+                    if not spec.wanted() and undo is not None:  # the caller left: never free its pages for that
+                        entry.pool.load_cpu_copy(undo, dst_slots)
+                        raise Cancelled("the PullKV was cancelled or ran past its deadline while its pages moved; "
+                                        "the destination pages hold their old bytes again; nothing was changed") from e
+                    freed = _free_destination(entry, dst, owner)
                     raise TransferError(f"pull from {address} pool {spec.peer_pool_id!r} failed; the {freed} destination "
                                         f"pages {dst.tolist()[:16]} were freed (a prefix lease's fresh pages among "
                                         f"them left the lease): {e}") from e

@@ -413,21 +413,24 @@ class AttachChannel:
                                     "id": request.get("id")})
                 self._observe(kind, "RESOURCE_EXHAUSTED", conn.session, start)
                 return
-            self._calls.submit(self._prefix_call, conn, request, start)
+            self._calls.submit(self._prefix_call, conn, request, start, time.monotonic())
             return
         self._answer(conn, error_reply(InvalidArgument(f"unknown request kind {kind!r} on an attached connection; "
                                                        f"known: 'staging', {', '.join(repr(k) for k in PREFIX_KINDS)}")))
 
-    def _prefix_call(self, conn: _Conn, request: dict[str, Any], start: float) -> None:
+    def _prefix_call(self, conn: _Conn, request: dict[str, Any], start: float, received: float) -> None:
         """(A call thread.) Run one prefix call of ``conn``'s session and send its reply. The
         connection is watched by the selector meanwhile, so this thread never closes it: a failed
-        send shuts it down and the selector's worker ends the session (:meth:`_close_later`)."""
+        send shuts it down and the selector's worker ends the session (:meth:`_close_later`). The
+        call checks its caller as a gRPC call does: its connection still open, its ``timeout_s``
+        (counted from ``received``, the hand-off) not run out."""
         session = conn.session
         assert session is not None
         code = "CANCELLED"  # the reply never reached the peer (unless set below)
         try:
             try:
-                reply = self.daemon.attach.prefix_call(session, request)
+                reply = self.daemon.attach.prefix_call(session, request, received=received,
+                                                       connected=lambda: not conn.closed)
             except Exception as e:  # noqa: BLE001 - mapped to a code like a gRPC call's error
                 reply = {**error_reply(e), "id": request.get("id")}
             with conn.lock:

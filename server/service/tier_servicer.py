@@ -31,7 +31,7 @@ class TierServicer(tier_pb2_grpc.TierServiceServicer):
     def LoadPrefix(self, request: tier_pb2.LoadPrefixRequest, context: grpc.ServicerContext) -> tier_pb2.LoadPrefixResponse:
         caller = caller_of(context)
         total = request.total_tokens if request.HasField("total_tokens") else None
-        ld = self.tiers.load(caller, request.pool_id, request.page_keys, total)
+        ld = self.tiers.load(caller, request.pool_id, request.page_keys, total, caller_waits(context))
         if not caller_waits(context)():  # the caller is gone (cancelled, deadline): it can never release
             self.tiers.release(caller, request.pool_id, ld.lease)
         return tier_pb2.LoadPrefixResponse(lease_id=ld.lease, slots=ld.slots.tolist(), page_tiers=ld.tiers,

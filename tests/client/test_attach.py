@@ -215,3 +215,31 @@ def test_deleting_a_pool_ends_its_sessions(tiny):
         ap.allocate_slots(PAGE_SIZE)
     assert c.stats().attach_sessions == 0
     ap.detach()
+
+
+def test_prefix_calls_on_the_attach_connection_carry_their_timeout(tiny, monkeypatch):
+    """Attack pass 8, A8-6: the client's prefix calls on the attach connection carried no deadline,
+    so the daemon applied a store_prefix the client had reported as DeadlineExceededError. Each now
+    sends its timeout (``timeout_s``: the call's ``timeout``, else the client's), which the daemon
+    accepts: the three calls go through, and each message carried the timeout its call was given."""
+    import kvtier.client.attach as client_attach
+
+    sent: list[dict] = []
+    send = client_attach.send_message
+
+    def recording(sock, message, fds=()):
+        sent.append(dict(message))
+        return send(sock, message, fds)
+
+    pool = tiny.client.attach(tiny.pool_id)
+    try:
+        monkeypatch.setattr(client_attach, "send_message", recording)
+        keys = tiny.page_keys(2, seed=41)
+        lease = pool.load_prefix(keys, timeout=7.5)
+        assert pool.store_prefix(lease, keys, lease.slots, timeout=8.5) == 2
+        pool.release_prefix(lease)
+    finally:
+        monkeypatch.undo()
+        pool.detach()
+    assert [(m["kind"], m.get("timeout_s")) for m in sent] == [
+        ("load_prefix", 7.5), ("store_prefix", 8.5), ("release_prefix", tiny.client.timeout)]

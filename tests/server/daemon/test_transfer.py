@@ -6,15 +6,18 @@ pull read with the layout sends a page only while it still has them (attack pass
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import pytest
 import torch
-from daemonkit import A, PS, daemon, fill, keys, pool
+from daemonkit import A, PS, daemon, fill, keys, pool, read_rows
 from test_kv_write import stream_bytes
 
 from kvtier.server.daemon import kv_ops, kv_write
-from kvtier.server.daemon.errors import Busy, InvalidArgument, NotFound
+from kvtier.server.daemon.errors import Busy, Cancelled, InvalidArgument, NotFound
 from kvtier.server.daemon.kv_ops import KVSelection
-from kvtier.server.transfer import PageChanged
+from kvtier.server.daemon.transfer import PeerLayout, PullSpec
+from kvtier.server.transfer import PageChanged, TransferError
 
 
 @pytest.fixture
@@ -150,3 +153,140 @@ def test_a_stream_with_wrong_expectations_is_refused_before_its_first_chunk(d):
         next(d.transfer.read_pages(A, "p", [(0, "latent", 1, 2)], 1 << 20, [1], gens[:1], d.transfer.daemon_id))
     with pytest.raises(InvalidArgument, match="expect_generations"):
         next(d.transfer.read_pages(A, "p", [(0, "latent", 1, 2)], 1 << 20, [1, 2], gens[:1], d.transfer.daemon_id))
+
+
+# ----- a PullKV whose caller left (attack pass 8, A8-10) -----------------------------------------
+
+class _Caller:
+    """A PullKV caller that is there until :meth:`leave`."""
+
+    def __init__(self, there: bool = True) -> None:
+        self.there = there
+
+    def leave(self) -> None:
+        self.there = False
+
+    def __call__(self) -> bool:
+        return self.there
+
+
+class _HalfThenAskTransport:
+    """A gRPC-like transport: lands 0xEE on the destination pages' rows (a first batch arrived),
+    then the caller leaves and the next batch asks for its time left, as GrpcPageTransport does."""
+
+    name = "grpc"
+
+    def __init__(self, entry, dst_slots: torch.Tensor, spec, caller: _Caller) -> None:
+        self.entry, self.dst_slots, self.spec, self.caller = entry, dst_slots, spec, caller
+        self.batches = 0
+
+    def pull(self, remote, plan) -> None:
+        self.batches += 1
+        junk = torch.full((self.dst_slots.numel(), self.entry.pool.row_bytes), 0xEE, dtype=torch.uint8)
+        for layer in range(self.entry.pool.layer_num):
+            self.entry.pool.set_kv_buffer(layer, self.dst_slots, junk)
+        self.caller.leave()
+        self.spec.remaining(60.0)  # raises TransferError: the caller is gone
+
+
+class _Peer:
+    """A peer daemon (another in-process Daemon) reached without gRPC."""
+
+    def __init__(self, src_daemon, caller: _Caller) -> None:
+        self.src, self.caller = src_daemon, caller
+        self.transports: list[_HalfThenAskTransport] = []
+
+    @contextmanager
+    def connect(self, address, caller):
+        yield self
+
+    def layout(self, pool_id, check_pages, spec, known_digest=""):
+        _, layout, digest, gens = self.src.transfer.transfer_layout(A, pool_id, check_pages, known_digest)
+        return PeerLayout(digest, layout, self.src.transfer.daemon_id, gens)
+
+    def page_transport(self, entry, chunk_bytes, fail_batch, spec, expect, daemon_id):
+        dst = torch.tensor(sorted(set(spec.dst_slots)), dtype=torch.int64)
+        t = _HalfThenAskTransport(entry, dst, spec, self.caller)
+        self.transports.append(t)
+        return t
+
+
+def _free_pages(d, pool_id: str) -> int:
+    with d.pools.locked(A, pool_id, exclusive=False) as e:
+        return e.allocator.free_pages
+
+
+def test_a_pull_from_this_daemon_whose_caller_left_while_it_waited_changes_nothing(d):
+    """Attack pass 8, A8-10 (same-daemon variant): a PullKV told DEADLINE_EXCEEDED while it waited for
+    its destination pool went on once it had the pool and copied the source's bytes into the caller's
+    pages. Now it is CANCELLED there: the 2 destination pages stay allocated, holding their old rows."""
+    pool(d, A, "src")
+    pool(d, A, "dst")
+    src, _ = fill(d, A, "src", 2 * PS, seed=11)
+    dst, old = fill(d, A, "dst", 2 * PS, seed=12)
+    free_before = _free_pages(d, "dst")
+    d.transfer.own_addresses.add("127.0.0.1:7")  # this daemon's address: the pull copies in process
+    spec = PullSpec(pool_id="dst", peer_address="127.0.0.1:7", peer_pool_id="src", src_slots=src.tolist(),
+                    dst_slots=dst.tolist(), transport="grpc", is_active=_Caller(there=False))
+    with pytest.raises(Cancelled, match="nothing was changed"):
+        d.transfer.pull(A, spec, peers=None)
+    assert _free_pages(d, "dst") == free_before == 512 // PS - 2
+    for layer in range(4):
+        assert torch.equal(read_rows(d, A, "dst", dst, layer), old)
+
+
+@pytest.mark.parametrize("leaves", ["while it waited", "between batches"])
+def test_a_pull_from_a_peer_whose_caller_left_keeps_the_destination_pages(d, leaves):
+    """Attack pass 8, A8-10: a PullKV from a peer whose caller left freed the caller's destination
+    pages and answered ABORTED, to a caller told DEADLINE_EXCEEDED that still believed it held them.
+    A caller gone while the pull waited for the destination pool gets CANCELLED before any byte moves;
+    one gone between batches gets CANCELLED with the rows the pull replaced written back. Either way
+    the 2 pages stay allocated holding their old rows."""
+    peer_daemon = daemon(host_memory_bytes=8 << 20)
+    try:
+        pool(peer_daemon, A, "src")
+        src, _ = fill(peer_daemon, A, "src", 2 * PS, seed=21)
+        pool(d, A, "dst")
+        dst, old = fill(d, A, "dst", 2 * PS, seed=22)
+        free_before = _free_pages(d, "dst")
+        caller = _Caller(there=leaves != "while it waited")
+        peer = _Peer(peer_daemon, caller)
+        spec = PullSpec(pool_id="dst", peer_address="127.0.0.1:7", peer_pool_id="src", src_slots=src.tolist(),
+                        dst_slots=dst.tolist(), transport="grpc", is_active=caller)
+        with pytest.raises(Cancelled, match="nothing was changed"):
+            d.transfer.pull(A, spec, peer)
+        assert sum(t.batches for t in peer.transports) == (0 if leaves == "while it waited" else 1)
+        assert _free_pages(d, "dst") == free_before == 512 // PS - 2
+        for layer in range(4):
+            assert torch.equal(read_rows(d, A, "dst", dst, layer), old)
+    finally:
+        peer_daemon.close()
+
+
+def test_a_pull_that_fails_while_its_caller_waits_still_frees_its_destination_pages(d):
+    """The other side of A8-10: a move that fails for another reason (here the peer's transport)
+    while the caller still waits frees the 2 destination pages (ABORTED: never presented as valid)."""
+    peer_daemon = daemon(host_memory_bytes=8 << 20)
+    try:
+        pool(peer_daemon, A, "src")
+        src, _ = fill(peer_daemon, A, "src", 2 * PS, seed=31)
+        pool(d, A, "dst")
+        dst, _ = fill(d, A, "dst", 2 * PS, seed=32)
+        free_before = _free_pages(d, "dst")
+
+        class Failing(_Peer):
+            def page_transport(self, entry, chunk_bytes, fail_batch, spec, expect, daemon_id):
+                class T:
+                    name = "grpc"
+
+                    def pull(self, remote, plan):
+                        raise TransferError("the peer's stream broke")
+                return T()
+
+        spec = PullSpec(pool_id="dst", peer_address="127.0.0.1:7", peer_pool_id="src", src_slots=src.tolist(),
+                        dst_slots=dst.tolist(), transport="grpc", is_active=_Caller())
+        with pytest.raises(TransferError, match="the 2 destination pages"):
+            d.transfer.pull(A, spec, Failing(peer_daemon, _Caller()))
+        assert _free_pages(d, "dst") == free_before + 2
+    finally:
+        peer_daemon.close()

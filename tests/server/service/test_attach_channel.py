@@ -172,3 +172,129 @@ def test_the_handshake_cap_refusal_says_it_changed_nothing():
     assert attach_channel.error_reply(ResourceExhausted("full")) == {"error": {"code": "RESOURCE_EXHAUSTED",
                                                                                "message": "full"}}
     assert attach_channel.error_reply(Busy("claimed"))["error"]["unchanged"] is True
+
+
+# ----- the caller check of prefix calls (attack pass 8, A8-6) -------------------------------------
+
+POOL_PAGES = 8
+
+
+@pytest.fixture()
+def attached(tmp_path):
+    """An in-process daemon with pool ``p`` (8 pages of 64 tokens), its attach channel, and a raw
+    attached connection to ``p``."""
+    from kvtier.server.daemon.pools import PoolRequest
+    from kvtier.server.daemon.tenants import Caller
+
+    os.chmod(tmp_path, 0o700)
+    d = Daemon(DaemonConfig(device="cpu"))
+    caller = Caller("default")
+    d.pools.create(caller, PoolRequest(pool_id="p", preset="glm-5.2", num_layers=2, size_tokens=POOL_PAGES * 64))
+    ch = AttachChannel(d, tmp_path / "kvtier.sock.attach")
+    ch.start()
+    s = connect(ch)
+    try:
+        send_message(s, {"kind": "attach", "version": PROTOCOL_VERSION, "token": None, "pool_id": "p"})
+        reply, fds = recv_message(s, accept_fds=True)
+        for fd in fds:
+            os.close(fd)  # the pool's memory: not needed here
+        assert "session_id" in reply, reply
+        yield d, caller, s
+    finally:
+        s.close()
+        ch.stop()
+        d.close()
+
+
+def _keys(n: int, seed: int) -> list[bytes]:
+    from kvtier.page_keys import page_keys
+    return page_keys(list(range(seed * 10000, seed * 10000 + n * 64)), 64)
+
+
+def _call(s: socket.socket, message: dict) -> dict:
+    send_message(s, message)
+    reply, _ = recv_message(s)
+    return reply
+
+
+def _free_pages(d, caller) -> int:
+    with d.pools.locked(caller, "p", exclusive=False) as e:
+        return e.allocator.free_pages
+
+
+def _while_the_pool_is_held(d, caller, s: socket.socket, message: dict, hold_s: float) -> dict:
+    """Send ``message`` while the test holds pool ``p``'s lock for ``hold_s`` seconds (past the
+    message's ``timeout_s``); returns the reply, read once the lock is free."""
+    with d.pools.locked(caller, "p", exclusive=True):
+        send_message(s, message)
+        time.sleep(hold_s)
+    reply, _ = recv_message(s)
+    return reply
+
+
+def test_a_store_prefix_whose_timeout_ran_out_while_it_waited_stores_nothing(attached):
+    """Attack pass 8, A8-6: a store_prefix(release=True) told DeadlineExceededError by the client was
+    applied once the pool was free (its keys cached, its lease released: a retry was NOT_FOUND).
+    Its message now carries the client's timeout: the call answers CANCELLED, the 2 keys are not
+    cached, and the lease is still open (a store of it then adopts its 2 pages)."""
+    from kvtier.attach_wire import encode_keys
+
+    d, caller, s = attached
+    keys = _keys(2, seed=1)
+    load = _call(s, {"kind": "load_prefix", "id": 1, "keys": encode_keys(keys), "total_tokens": None})
+    assert "lease_id" in load, load
+    late = _while_the_pool_is_held(d, caller, s, {"kind": "store_prefix", "id": 2, "lease_id": load["lease_id"],
+                                                  "keys": encode_keys(keys), "slots": load["slots"],
+                                                  "release": True, "timeout_s": 0.2}, hold_s=0.6)
+    assert late["error"]["code"] == "CANCELLED" and late["id"] == 2, late
+    assert d.tiers.lookup(caller, "p", keys).tiers == []
+    again = _call(s, {"kind": "store_prefix", "id": 3, "lease_id": load["lease_id"], "keys": encode_keys(keys),
+                      "slots": load["slots"], "release": True})
+    assert again == {"stored_pages": 2, "id": 3}
+
+
+def test_a_load_prefix_whose_timeout_ran_out_while_it_waited_leaves_no_lease(attached):
+    """A8-6, load: a load_prefix told DeadlineExceededError by the client took a lease of fresh
+    pages that nobody knew of until the session ended. Now it answers CANCELLED and all 8 pages of
+    the pool stay free; the session holds no lease."""
+    from kvtier.attach_wire import encode_keys
+
+    d, caller, s = attached
+    assert _free_pages(d, caller) == POOL_PAGES
+    late = _while_the_pool_is_held(d, caller, s, {"kind": "load_prefix", "id": 1, "keys": encode_keys(_keys(4, 2)),
+                                                  "total_tokens": None, "timeout_s": 0.2}, hold_s=0.6)
+    assert late["error"]["code"] == "CANCELLED", late
+    assert _free_pages(d, caller) == POOL_PAGES
+    (session,) = d.sessions.all()
+    assert session.leases == set()
+
+
+def test_a_release_prefix_whose_timeout_ran_out_while_it_waited_keeps_the_lease(attached):
+    """A8-6, release: a release_prefix past its timeout leaves the lease open (a later release ends it)."""
+    from kvtier.attach_wire import encode_keys
+
+    d, caller, s = attached
+    load = _call(s, {"kind": "load_prefix", "id": 1, "keys": encode_keys(_keys(3, 3)), "total_tokens": None})
+    assert _free_pages(d, caller) == POOL_PAGES - 3
+    late = _while_the_pool_is_held(d, caller, s, {"kind": "release_prefix", "id": 2, "lease_id": load["lease_id"],
+                                                  "timeout_s": 0.2}, hold_s=0.6)
+    assert late["error"]["code"] == "CANCELLED", late
+    assert _free_pages(d, caller) == POOL_PAGES - 3
+    assert _call(s, {"kind": "release_prefix", "id": 3, "lease_id": load["lease_id"]}) == {"id": 3}
+    assert _free_pages(d, caller) == POOL_PAGES
+
+
+@pytest.mark.parametrize("raw", [b'"2"', b"true", b"0", b"-1", b"1e400", b"-1e400", b"100000000.5", b"[1]"])
+def test_a_bad_timeout_is_invalid_argument_and_the_session_lives(attached, raw):
+    """A8-6: ``timeout_s`` must be a finite number of seconds above 0 and at most 1e8 (JSON's 1e400
+    reads as infinity); anything else is INVALID_ARGUMENT, nothing changes, and the session goes on
+    (a load without a timeout, as an older client sends it, then works)."""
+    from kvtier.attach_wire import encode_keys
+
+    d, caller, s = attached
+    s.send(b'{"kind": "load_prefix", "id": 1, "keys": ["00"], "total_tokens": null, "timeout_s": ' + raw + b"}")
+    reply, _ = recv_message(s)
+    assert reply["error"]["code"] == "INVALID_ARGUMENT" and "timeout_s" in reply["error"]["message"], reply
+    assert _free_pages(d, caller) == POOL_PAGES
+    ok = _call(s, {"kind": "load_prefix", "id": 2, "keys": encode_keys(_keys(1, 4)), "total_tokens": None})
+    assert "lease_id" in ok and _free_pages(d, caller) == POOL_PAGES - 1
