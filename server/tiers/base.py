@@ -128,11 +128,14 @@ class Tier(ABC):
 
     # ----- presence -------------------------------------------------------------------------
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
-        """For each key, whether the tier holds its record (all False while unhealthy)."""
+        """For each key, whether the tier holds its record (all False while unhealthy). Plain
+        membership reads, no index lock: an answer is a snapshot either way, and a check of one
+        copy (an Offload's "key taken?") must not wait for a disk tier committing another under its
+        lock (attack pass 8, A8-7)."""
         if not self.health.healthy:
             return [False] * len(keys)
-        with self.index.lock:
-            return [k in self.index for k in keys]
+        index = self.index
+        return [k in index for k in keys]
 
     def held_while_unhealthy(self, key: bytes) -> bool:
         """True when the tier is unhealthy and its storage holds ``key``'s record (unreachable until

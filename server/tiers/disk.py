@@ -183,6 +183,8 @@ class DiskTier(Tier):
         self.index.on_touch = self._note_touched
         self._map_full_evictions = 0
         self._resyncing = False  # records evicted because LMDB's map, not the budget, was full
+        self._loaded_pid: int | None = None  # the process whose open environment's index is loaded
+        self._reloads = 0  # index reloads begun plus ended: odd while one runs (contains)
         self._writer = WriteBehind(self._apply, self._writer_failed, max_pending_bytes=config.write_behind_bytes,
                                    max_batch_bytes=min(config.max_txn_bytes,
                                                        int(config.capacity_bytes * config.reserve_fraction) // 4),
@@ -218,6 +220,7 @@ class DiskTier(Tier):
                     self._read_arena = HostArena(self.config.read_buffer_bytes, pin=False, name="kvtier-disk-reads")
                     self._chunks = ReadChunks(self._read_arena)
                 self._load_index(scrub=self.config.scrub_on_open)
+                self._loaded_pid = self._pid
             return (self._env_obj, *self._dbs)
 
     def _pages_in_use(self, env: lmdb.Environment) -> int:
@@ -243,6 +246,7 @@ class DiskTier(Tier):
         if self.config.capacity_bytes >= needed:
             return
         self._env_obj = None
+        self._loaded_pid = None
         close_environment(self.config.path, env)
         raise DiskPathError(
             f"--disk-size {self.config.capacity_bytes:,} bytes is too small for the {in_use * LMDB_PAGE_BYTES:,} bytes "
@@ -298,7 +302,15 @@ class DiskTier(Tier):
 
     def _load_index(self, *, scrub: bool) -> None:
         """Rebuild the in-memory index (and LRU order) from what LMDB holds (after the write-behind
-        transactions queued so far); drop damaged records and stray order entries when ``scrub``."""
+        transactions queued so far); drop damaged records and stray order entries when ``scrub``.
+        :attr:`_reloads` is odd while it runs (lock-free readers then ask under the lock)."""
+        self._reloads += 1
+        try:
+            self._load_index_now(scrub=scrub)
+        finally:
+            self._reloads += 1
+
+    def _load_index_now(self, *, scrub: bool) -> None:
         self.drain()
         env, records, seqdb, orderdb = self._env_obj, *self._dbs
         sizes: dict[bytes, int] = {}
@@ -355,9 +367,23 @@ class DiskTier(Tier):
     # While unhealthy nothing below touches the environment: after a panic it is closed until a probe
     # reopens it, and opening it again must not be tried (and fail) on the data path.
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
-        if self.health.healthy:
-            self._env()
-        return super().contains(keys)
+        """For each key, whether the tier holds its record. Once the environment is open, plain
+        membership reads without the index lock, so an Offload's "key taken?" check does not wait
+        for a synchronous commit of another copy (attack pass 8, A8-7); an index reload (which
+        clears and refills the index) is detected by its counter (odd while it runs, bumped at its
+        end) and the answer then comes from under the lock."""
+        if not self.health.healthy:
+            return [False] * len(keys)
+        if self._loaded_pid == os.getpid() and self._env_obj is not None:
+            g = self._reloads
+            if not g & 1:
+                index = self.index
+                out = [k in index for k in keys]
+                if self._reloads == g:
+                    return out
+        self._env()
+        with self.index.lock:
+            return [k in self.index for k in keys] if self.health.healthy else [False] * len(keys)
 
     def lookup(self, keys: Sequence[bytes]) -> int:
         if self.health.healthy:
@@ -1027,4 +1053,5 @@ class DiskTier(Tier):
             if self._env_obj is not None and self._pid == os.getpid():
                 self.flush()
                 close_environment(self.config.path, self._env_obj)
+            self._loaded_pid = None
             self._env_obj = None
