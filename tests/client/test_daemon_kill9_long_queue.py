@@ -11,12 +11,13 @@ spills one copy to disk, one write-behind job each):
 1. the writer runs freely: copies of four pages (too large for the host tier: straight to disk) are
    acknowledged ``durable``, some one-page copies are offloaded and some dropped;
 2. the slow file holds nothing: the writer stops inside a put transaction; two threads offload
-   one-page copies until the disk tier's index holds 1,400 records more than LMDB can have (the
+   one-page copies until the disk tier's index holds 1,200 records more than LMDB can have (the
    daemon's ``entries`` minus those at the hold), all waiting in the write-behind queue;
-3. the file says 0.1 s: the writer commits one batch of queued jobs per 100 ms at most (group commit:
-   at most a quarter of the map's reserve, 16 MiB here, about 320 one-page records a batch); after a
-   random 0-0.25 s the daemon is killed with SIGKILL (most kills land inside an open put transaction,
-   some in a commit), with at least 1,400 - 1 - 320 records still queued.
+3. the file says 0.3 s: the writer commits the job it held after 0.3 s, then one batch of queued
+   jobs per 0.3 s at most (group commit: at most a quarter of the map's reserve, 16 MiB here, about
+   320 one-page records a batch); after a random 0-0.4 s the daemon is killed with SIGKILL (most
+   kills land inside an open put transaction, some in the held job's commit), with all but that one
+   job still queued.
 
 Then, before the next daemon starts, another process reads LMDB (every record checked against the
 record format); ``entries`` read just before the kill minus the records LMDB holds after it is the
@@ -25,7 +26,7 @@ queue at the kill, which must be at least 1,000. The next daemon's startup scrub
 for byte; every queued or in-flight copy restores byte for byte or is NOT_FOUND (whole or not at all);
 every acknowledged drop is NOT_FOUND. Nothing damaged is ever served.
 
-The full-disk variant does the same on a small tmpfs: with 1,400 records queued the filesystem is
+The full-disk variant does the same on a small tmpfs: with 1,200 records queued the filesystem is
 filled (a ballast file leaves room for 0-10 records), the writer is released, its commits fail with
 ENOSPC (the tier turns unhealthy and drops the queue, counted ``disk->gone``) and the kill lands
 before, during or after that. The next daemon must start on the full filesystem and agree with LMDB;
@@ -57,7 +58,7 @@ POOL = "off"
 LAYERS = range(1)  # GLM-5.2's layer 0 (owns an indexer buffer): the smallest page copy, ~50 KB
 LIVE = (0,)
 SMALL_RECORD = PAGE_SIZE * (656 + 132) + 1024  # a one-page copy's record, generously (header included)
-QUEUE_AT_HOLD = 1_400  # records queued before the writer is released (a batch of ~320 may commit before the kill)
+QUEUE_AT_HOLD = 1_200  # records queued before the writer is released (64 MiB of write-behind holds ~1,300)
 QUEUE_AT_KILL = 1_000  # records the issue asks to be queued at the kill
 
 
@@ -196,9 +197,9 @@ def long_queue_rounds(tmp_path: Path, rounds: int, *, seed: int, full_disk: bool
                 time.sleep(0.05)
             if full_disk:
                 write_ballast(ballast, leave_free=rng.randint(0, 10) * SMALL_RECORD)
-            # 3. released at one batch per 100 ms at most; killed a random moment later
-            slow.write_text("0.1")
-            time.sleep(rng.uniform(0.0, 0.25))
+            # 3. released at one commit per 0.3 s at most; killed a random moment later
+            slow.write_text("0.3")
+            time.sleep(rng.uniform(0.0, 0.4))
             before_kill = c.tier_stats()
             d.signal(signal.SIGKILL)
             assert d.wait(60) == -signal.SIGKILL
