@@ -7,6 +7,7 @@ GLM-5.2, 1,024 tokens; skip mask ``FFFSSSFS``) and deletes it afterwards.
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Iterator
 
@@ -101,3 +102,17 @@ def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:  #
     other = counts.get("other", 0) or (len(deselected) - sum(counts.get(m, 0) for m in LEFT_OUT_WHY))
     if other > 0:
         stats["deselected"] = [None] * other
+
+
+@pytest.fixture
+def others_symlink(tmp_path):
+    """A sticky 1777 directory holding uid 65534's symlink ``evil`` to a root-only 0700 directory
+    (``/tmp`` with another user's link in it); returns ``(sticky dir, target dir)``. The tests run as root."""
+    assert os.getuid() == 0, "the suite runs as root (it chowns a symlink to another uid)"
+    sticky, victim = tmp_path / "sticky", tmp_path / "victim"
+    sticky.mkdir()
+    os.chmod(sticky, 0o1777)
+    victim.mkdir(mode=0o700)
+    (sticky / "evil").symlink_to(victim)
+    os.lchown(sticky / "evil", 65534, 65534)
+    return sticky, victim

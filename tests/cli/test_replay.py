@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -178,19 +179,12 @@ def test_replay_json_over_something_not_a_regular_file_is_refused_before_the_rep
 
 
 @pytest.mark.parametrize("flag", ["--json", "--plot"])
-def test_cli_refuses_an_output_path_through_another_users_symlink(tmp_path, flag):
+def test_cli_refuses_an_output_path_through_another_users_symlink(tmp_path, flag, others_symlink):
     """Attack pass 8, A8-12: ``kvtier replay --json`` (and ``--plot``) followed another user's symlink
     in a sticky directory and wrote, as root, into the root-only directory it points at; the daemon's
     --ready-file refused the same path. Now replay refuses it the same way, one line, before it runs,
     and writes nothing there."""
-    import os
-    assert os.getuid() == 0, "the suite runs as root (it chowns a symlink to another uid)"
-    sticky, victim = tmp_path / "sticky", tmp_path / "victim"
-    sticky.mkdir()
-    os.chmod(sticky, 0o1777)
-    victim.mkdir(mode=0o700)
-    (sticky / "evil").symlink_to(victim)
-    os.lchown(sticky / "evil", 65534, 65534)
+    sticky, victim = others_symlink
     target = sticky / "evil" / ("out.json" if flag == "--json" else "plots")
     extra = ["--sweep", "1000"] if flag == "--plot" else []
     r = CliRunner().invoke(main, ["replay", "--trace", str(TRACE), "--requests", "3", "--simulate", *extra,

@@ -118,20 +118,6 @@ def test_a_figure_is_saved_0600(tmp_path, umask_022):
     assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and mode(tmp_path / "plot.png") == 0o600
 
 
-@pytest.fixture
-def others_symlink(tmp_path):
-    """A sticky 1777 directory holding uid 65534's symlink ``evil`` to a root-only 0700 directory
-    (``/tmp`` with another user's link in it); returns ``(sticky dir, target dir)``. The tests run as root."""
-    assert os.getuid() == 0, "the suite runs as root (it chowns a symlink to another uid)"
-    sticky, victim = tmp_path / "sticky", tmp_path / "victim"
-    sticky.mkdir()
-    os.chmod(sticky, 0o1777)
-    victim.mkdir(mode=0o700)
-    (sticky / "evil").symlink_to(victim)
-    os.lchown(sticky / "evil", 65534, 65534)
-    return sticky, victim
-
-
 def test_another_users_symlink_on_the_way_is_refused_before_anything_is_written(others_symlink):
     """Attack pass 8, A8-12: the output checks looked at the last name only, so a path through another
     user's symlink in a sticky directory wrote (as root) into the directory it points at. The rule of

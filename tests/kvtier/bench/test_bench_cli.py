@@ -144,17 +144,11 @@ def test_bench_output_is_this_users_alone_under_umask_022(tmp_path):
     assert modes == {".": 0o755, "new": 0o700, "new/out": 0o700, **{name: 0o600 for name in files}}, modes
 
 
-def test_bench_refuses_an_out_directory_through_another_users_symlink(tmp_path):
+def test_bench_refuses_an_out_directory_through_another_users_symlink(tmp_path, others_symlink):
     """Attack pass 8, A8-12: ``kvtier bench --out`` through another user's symlink in a sticky
     directory made its directory, results.json and plots inside the root-only directory the symlink
     points at. Now it is refused (one line naming the symlink's owner) before anything is made."""
-    assert os.getuid() == 0, "the suite runs as root (it chowns a symlink to another uid)"
-    sticky, victim = tmp_path / "sticky", tmp_path / "victim"
-    sticky.mkdir()
-    os.chmod(sticky, 0o1777)
-    victim.mkdir(mode=0o700)
-    (sticky / "evil").symlink_to(victim)
-    os.lchown(sticky / "evil", 65534, 65534)
+    sticky, victim = others_symlink
     r = subprocess.run([sys.executable, "-m", "kvtier.cli", "bench", "--quick", "--case", "capacity",
                         "--out", str(sticky / "evil" / "benchout")], capture_output=True, text=True, timeout=120)
     assert r.returncode != 0, r.stdout
