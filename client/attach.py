@@ -151,10 +151,12 @@ def _reply_error(reply: dict[str, Any]) -> Exception:
                           bool(reply["error"].get("unchanged", False)))
 
 
-def request_staging(sock: socket.socket, nbytes: int, timeout: float) -> tuple[int, Any]:
+def request_staging(sock: socket.socket, nbytes: int, timeout: float, call_id: int) -> tuple[int, Any]:
     """Ask the daemon, on an attach session's connection ``sock``, for a new staging buffer of
     ``nbytes``: ``(its index in the session, kvtier.memfd.SharedMemory mapped here)``. The caller
-    serialises requests on ``sock`` (one reply per request, in order).
+    serialises requests on ``sock`` and numbers them (``call_id``, echoed in the reply): a reply that
+    arrives after its own request timed out (another staging buffer's, or a prefix call's) is read
+    and dropped, its descriptors closed, never taken for this request's.
 
     Raises:
         ResourceExhaustedError: past the session's staging budget. InvalidArgumentError: a bad size.
@@ -164,12 +166,12 @@ def request_staging(sock: socket.socket, nbytes: int, timeout: float) -> tuple[i
 
     sock.settimeout(timeout)
     try:
-        send_message(sock, {"kind": "staging", "nbytes": int(nbytes)})
+        send_message(sock, {"kind": "staging", "nbytes": int(nbytes), "id": int(call_id)})
         while True:
             got = recv_message(sock, accept_fds=True)
-            if got is None or "id" not in got[0]:
+            if got is None or got[0].get("id") == call_id:
                 break
-            _close_fds(got[1])  # the late reply of a prefix call that timed out
+            _close_fds(got[1])  # the late reply of a call that timed out
     except (OSError, WireError) as e:
         raise UnavailableError(f"the attach connection to the daemon failed: {e}") from None
     if got is None:
@@ -332,12 +334,14 @@ class AttachedPool:
             try:
                 send_message(self._sock, message)
                 while True:
-                    got = recv_message(self._sock)
+                    got = recv_message(self._sock, accept_fds=True)
                     if got is None:
                         raise UnavailableError("the daemon closed the attach session")
                     reply = got[0]
                     if reply.get("id") == self._calls:
+                        _close_fds(got[1])
                         break
+                    _close_fds(got[1])  # a staging buffer whose request timed out: its descriptor
                     if "lease_id" in reply and "slots" in reply:  # a load that timed out: nobody holds its lease
                         self._orphans.append(str(reply["lease_id"]))
                 while self._orphans:  # released now, best effort (the session's end would release them too)
@@ -377,7 +381,8 @@ class AttachedPool:
         with self._lock:
             if self._detached:
                 raise RuntimeError("the pool was detached")
-            _, shm = request_staging(self._sock, nbytes, timeout)
+            self._calls += 1
+            _, shm = request_staging(self._sock, nbytes, timeout, self._calls)
             self._staging.append(shm)
             return shm.tensor()
 

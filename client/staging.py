@@ -74,6 +74,7 @@ class StagingSession:
         self._buffers: list[Any] = []
         self._lock = threading.Lock()
         self._closed = False
+        self._requests = 0  # staging requests sent (their ids: a late reply is matched and dropped)
         self._finalizer = weakref.finalize(self, _release, self._buffers, sock, client)
 
     @property
@@ -91,7 +92,8 @@ class StagingSession:
         with self._lock:
             if self._closed:
                 raise RuntimeError("the storage session was closed")
-            index, shm = request_staging(self._sock, nbytes, timeout)
+            self._requests += 1
+            index, shm = request_staging(self._sock, nbytes, timeout, self._requests)
             self._buffers.append(shm)
             return StagingBuffer(index, shm.nbytes, shm.tensor())
 

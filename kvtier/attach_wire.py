@@ -18,9 +18,10 @@ A message is one JSON object (UTF-8, at most :data:`MAX_MESSAGE_BYTES`), optiona
   (``kvtier.integrations.sglang``). Reply: ``{"version", "session_id", "tenant", "staging_max_bytes",
   "staging_max_buffers"}``; its staging buffers carry the unit store's page bytes
   (``StorageService.PutUnitsStaged`` / ``GetUnitsStaged`` name a buffer and an offset).
-* ``{"kind": "staging", "nbytes": N}`` -- later, on an attached connection: a fresh staging buffer of
-  ``N`` bytes for page transfers (anonymous shared memory of this session alone), its descriptor
-  with the reply ``{"staging": {"index": i, "nbytes": N}}``.
+* ``{"kind": "staging", "nbytes": N, "id": n}`` -- later, on an attached connection: a fresh staging
+  buffer of ``N`` bytes for page transfers (anonymous shared memory of this session alone), its
+  descriptor with the reply ``{"staging": {"index": i, "nbytes": N}, "id": n}`` (``id``: an int64
+  or null, echoed as a prefix call's is, so the client drops the late reply of a request that timed out).
 
 * ``{"kind": "load_prefix", "id": n, "keys": [hex], "total_tokens": N or null}``,
   ``{"kind": "store_prefix", "id": n, "lease_id": id, "keys": [hex], "slots": b64, "release": bool}``,

@@ -391,11 +391,17 @@ class AttachChannel:
         assert conn.session is not None
         kind = request.get("kind")
         if kind == "staging":
+            rid = request.get("id")
+            if not _valid_id(rid):  # echoed in the reply: never one that would not fit
+                self._answer(conn, error_reply(InvalidArgument("id must be an integer (int64) or null")))
+                return
+            echo = {} if rid is None else {"id": rid}
             try:
                 reply, shm = self.daemon.attach.staging(conn.session, request)
             except Exception as e:  # noqa: BLE001
-                self._answer(conn, error_reply(e))
+                self._answer(conn, {**error_reply(e), **echo})
                 return
+            reply = {**reply, **echo}  # matched by the client: a late reply is never taken for a newer request's
             if not self._send(conn, reply, [shm.fd]):
                 self._ended(conn, "its connection failed")
             return

@@ -243,3 +243,25 @@ def test_prefix_calls_on_the_attach_connection_carry_their_timeout(tiny, monkeyp
         pool.detach()
     assert [(m["kind"], m.get("timeout_s")) for m in sent] == [
         ("load_prefix", 7.5), ("store_prefix", 8.5), ("release_prefix", tiny.client.timeout)]
+
+
+def test_a_staging_reply_that_comes_after_its_request_timed_out_is_not_taken_for_the_next(tiny):
+    """A staging request that timed out leaves its reply (a buffer's descriptor) on the connection;
+    the next staging request read that reply as its own and handed back a buffer of the earlier
+    request's size (and every later request the one before it). Requests are now numbered and the
+    reply echoes the number: here a 4096-byte request whose reply nobody read (as after a timeout)
+    is followed by an 8192-byte one, which gets an 8192-byte buffer; a prefix call after it skips
+    nothing of its own."""
+    from kvtier.attach_wire import send_message
+
+    pool = tiny.client.attach(tiny.pool_id)
+    try:
+        send_message(pool._sock, {"kind": "staging", "nbytes": 4096, "id": 10_000})  # noqa: SLF001 - timed out
+        buf = pool.staging_buffer(8192)
+        assert buf.numel() == 8192
+        keys = tiny.page_keys(1, seed=43)
+        lease = pool.load_prefix(keys)
+        assert len(lease.slots) == PAGE_SIZE
+        pool.release_prefix(lease)
+    finally:
+        pool.detach()
