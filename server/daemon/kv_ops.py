@@ -360,8 +360,11 @@ def _restore_into(registry: PoolRegistry, caller: Caller, pool_id: str, key: str
             if t.numel() != hc.num_tokens:
                 raise InvalidArgument(f"copy {key!r} holds {hc.num_tokens} tokens but {t.numel()} slots were given")
             entry.check_writable(t // entry.page_size, owner)
-            # the rows the load replaces, written back if the Restore fails or its caller leaves (A8-3)
-            loaded = _Loaded(entry, t, fresh=False, old=entry.pool.get_cpu_copy(t), pages=torch.unique(t // entry.page_size))
+            # the rows the load replaces, written back if the Restore fails or its caller leaves (A8-3);
+            # none to keep when the pages were not written since their allocation (nothing to put back)
+            pages = torch.unique(t // entry.page_size)
+            old = None if entry.unwritten(pages) else entry.pool.get_cpu_copy(t)
+            loaded = _Loaded(entry, t, fresh=False, old=old, pages=pages)
         t = loaded.slots
         entry.changed(torch.unique(t // entry.page_size))
         try:

@@ -148,6 +148,8 @@ class PoolEntry:
             A page whose stamp is the same at two times held the same bytes of the same allocation
             whenever it was unclaimed in between. Writes an attached worker makes into the memory it
             maps are not seen. Under the exclusive lock only.
+        alloc_gen: ``(num_pages + 1,)`` int64, the content stamp each page got when it was last
+            allocated (-1: never); equal to ``page_gen`` while nothing wrote it since (:meth:`unwritten`).
         claim_gen: ``(num_pages + 1,)`` int64, the stamp of each page's latest :meth:`claim` (its
             rows change in place, unlocked, until the write commits or puts them back). A claim that
             is given back leaves ``page_gen`` as it was: the rows are the old ones again.
@@ -174,6 +176,7 @@ class PoolEntry:
     page_claimed: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.bool))
     page_gen: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
     claim_gen: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
+    alloc_gen: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
     claimed_pages: int = 0
     """How many pages :attr:`page_claimed` marks (0: no check needed)."""
     deleted: bool = False
@@ -185,13 +188,29 @@ class PoolEntry:
         self.page_owner = torch.zeros(self.allocator.num_pages + 1, dtype=torch.int64)
         self.page_gen = torch.zeros(self.allocator.num_pages + 1, dtype=torch.int64)
         self.claim_gen = torch.zeros(self.allocator.num_pages + 1, dtype=torch.int64)
+        self.alloc_gen = torch.full((self.allocator.num_pages + 1,), -1, dtype=torch.int64)
 
-    def changed(self, pages: Any) -> None:
+    def changed(self, pages: Any, *, allocated: bool = False) -> None:
         """Give ``pages`` (page ids: a tensor, array or list) a new content stamp (:attr:`page_gen`);
-        caller holds the lock exclusive, before or with the change, in the same exclusive section."""
+        ``allocated``: they were just handed out, so the stamp is their allocation's too
+        (:attr:`alloc_gen`, :meth:`unwritten`). Caller holds the lock exclusive, before or with the
+        change, in the same exclusive section."""
         ids = torch.as_tensor(pages, dtype=torch.int64).reshape(-1).numpy()
         if ids.size:
-            self.page_gen.numpy()[ids] = next(_STAMPS)  # a numpy view: ~1 us, not ~10
+            stamp = next(_STAMPS)
+            self.page_gen.numpy()[ids] = stamp  # a numpy view: ~1 us, not ~10
+            if allocated:
+                self.alloc_gen.numpy()[ids] = stamp
+
+    def unwritten(self, pages: Any) -> bool:
+        """Whether none of ``pages`` has been written through the daemon since it was allocated (its
+        content stamp is still its allocation's, no claim since): their bytes are whatever the
+        allocator left, which no call may rely on, so a call that fails part way through writing them
+        has nothing to put back (a PullKV's destination, a Restore's named slots). Writes an attached
+        worker makes through its own mapping are not seen. Caller holds the lock."""
+        ids = torch.as_tensor(pages, dtype=torch.int64).reshape(-1).numpy()
+        gen = self.page_gen.numpy()[ids]
+        return bool(((gen == self.alloc_gen.numpy()[ids]) & (self.claim_gen.numpy()[ids] <= gen)).all())
 
     def generations(self, pages: Any) -> list[int]:
         """The write generation of each of ``pages`` (in range: checked by the caller), as a pull
@@ -394,7 +413,7 @@ class PoolEntry:
         pages = torch.unique(slots // self.page_size)
         self.page_allocated[pages] = True
         self.page_owner[pages] = owner
-        self.changed(pages)
+        self.changed(pages, allocated=True)
 
     def unreserve(self, slots: torch.Tensor) -> int:
         """Give back the pages of ``slots`` taken by :meth:`reserve` and never granted; returns the

@@ -76,7 +76,7 @@ class EntryAllocator:
             ids = pages.numpy()
             self.entry.page_allocated.numpy()[ids] = True  # numpy views: one page at a time costs ~1 us, not ~10
             self.entry.cache_owned.numpy()[ids] = True
-            self.entry.changed(ids)
+            self.entry.changed(ids, allocated=True)
         return pages
 
     def free_pages_by_id(self, pages: list[int]) -> int:

@@ -455,9 +455,12 @@ class TransferState:
                 # failed: nothing may change then, its pages stay its own as they are (A8-10)
                 still_wanted(spec.wanted, "PullKV")
                 # a transport that asks the caller between batches may stop part way because the caller
-                # left: the rows it replaces are kept to be written back then (a copy in process never stops)
+                # left: the rows it replaces are kept to be written back then (a copy in process never
+                # stops). Pages not written since their allocation (a decode side's fresh slots, the
+                # usual destination) hold nothing to put back: no copy, which would halve the pull's speed
                 dst_slots = slots_of_pages(torch.from_numpy(dst), entry.page_size)
-                undo = None if snapshot is not None else entry.pool.get_cpu_copy(dst_slots)
+                keep = snapshot is None and not entry.unwritten(dst)
+                undo = entry.pool.get_cpu_copy(dst_slots) if keep else None
                 start = time.perf_counter()
                 entry.changed(dst)  # their bytes change from here on (whole, old again, or freed on failure)
                 try:
@@ -466,10 +469,14 @@ class TransferState:
                         self._check_unchanged(peer, address, caller, spec, src, expect, peer_id)
                 except Exception as e:
                     self.counters.add(caller, "pulls_failed")
-                    if not spec.wanted() and undo is not None:  # the caller left: never free its pages for that
-                        entry.pool.load_cpu_copy(undo, dst_slots)
-                        raise Cancelled("the PullKV was cancelled or ran past its deadline while its pages moved; "
-                                        "the destination pages hold their old bytes again; nothing was changed") from e
+                    if not spec.wanted() and snapshot is None:  # the caller left: never free its pages for that
+                        if undo is not None:
+                            entry.pool.load_cpu_copy(undo, dst_slots)
+                            raise Cancelled("the PullKV was cancelled or ran past its deadline while its pages moved; "
+                                            "the destination pages hold their old bytes again; nothing was changed") from e
+                        raise Cancelled("the PullKV was cancelled or ran past its deadline while its pages moved; the "
+                                        "destination pages, never written since they were allocated, stay allocated "
+                                        "(their bytes were undefined and still are); nothing was changed") from e
                     freed = _free_destination(entry, dst, owner)
                     raise TransferError(f"pull from {address} pool {spec.peer_pool_id!r} failed; the {freed} destination "
                                         f"pages {dst.tolist()[:16]} were freed (a prefix lease's fresh pages among "

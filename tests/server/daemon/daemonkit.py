@@ -26,12 +26,14 @@ def rows(n: int, row_bytes: int, seed: int) -> torch.Tensor:
 
 
 def fill(d: Daemon, caller: Caller, pool_id: str, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Allocate ``n`` slots and write the same random latent rows on every layer; returns ``(slots, rows)``."""
+    """Allocate ``n`` slots and write the same random latent rows on every layer, stamped as a WriteKV
+    commit stamps them (:meth:`PoolEntry.changed`); returns ``(slots, rows)``."""
     with d.pools.locked(caller, pool_id, exclusive=True) as e:
         slots = e.alloc(n)
         r = rows(n, e.pool.row_bytes, seed)
         for layer in range(e.pool.layer_num):
             e.pool.set_kv_buffer(layer, slots, r)
+        e.changed(torch.unique(slots // e.page_size))
     return slots, r
 
 

@@ -263,6 +263,43 @@ def test_a_pull_from_a_peer_whose_caller_left_keeps_the_destination_pages(d, lea
         peer_daemon.close()
 
 
+def test_a_pull_into_pages_never_written_since_allocation_copies_no_undo_rows(d, monkeypatch):
+    """The undo rows of A8-10 cost a host copy of the destination (PullKV at about half the engine
+    read's speed in the pd benchmark). Fresh destination pages (a decode side's freshly allocated
+    slots, the usual case) hold nothing a call may rely on, so no copy is taken: a caller gone
+    between batches gets CANCELLED and its 2 pages stay allocated; a destination the caller had
+    written (stamped by a WriteKV) is copied once and written back, as the test above shows."""
+    peer_daemon = daemon(host_memory_bytes=8 << 20)
+    try:
+        pool(peer_daemon, A, "src")
+        src, _ = fill(peer_daemon, A, "src", 2 * PS, seed=51)
+        pool(d, A, "dst")
+        with d.pools.locked(A, "dst", exclusive=True) as e:
+            fresh = e.alloc(2 * PS)  # allocated, never written
+            pool_obj = e.pool
+        copies: list[int] = []
+        real = type(pool_obj).get_cpu_copy
+        monkeypatch.setattr(type(pool_obj), "get_cpu_copy",
+                            lambda self, idx, *a, **k: (copies.append(int(idx.numel())), real(self, idx, *a, **k))[1])
+        free_before = _free_pages(d, "dst")
+        caller = _Caller(there=True)
+        spec = PullSpec(pool_id="dst", peer_address="127.0.0.1:7", peer_pool_id="src", src_slots=src.tolist(),
+                        dst_slots=fresh.tolist(), transport="grpc", is_active=caller)
+        with pytest.raises(Cancelled, match="never written since they were allocated"):
+            d.transfer.pull(A, spec, _Peer(peer_daemon, caller))
+        assert copies == []  # no undo rows taken of the destination
+        assert _free_pages(d, "dst") == free_before == 512 // PS - 2  # still the caller's
+        written, _ = fill(d, A, "dst", 2 * PS, seed=52)
+        caller = _Caller(there=True)
+        spec = PullSpec(pool_id="dst", peer_address="127.0.0.1:7", peer_pool_id="src", src_slots=src.tolist(),
+                        dst_slots=written.tolist(), transport="grpc", is_active=caller)
+        with pytest.raises(Cancelled, match="hold their old bytes again"):
+            d.transfer.pull(A, spec, _Peer(peer_daemon, caller))
+        assert copies == [2 * PS]
+    finally:
+        peer_daemon.close()
+
+
 def test_a_pull_that_fails_while_its_caller_waits_still_frees_its_destination_pages(d):
     """The other side of A8-10: a move that fails for another reason (here the peer's transport)
     while the caller still waits frees the 2 destination pages (ABORTED: never presented as valid)."""
