@@ -269,116 +269,71 @@ def restore(registry: PoolRegistry, store: OffloadStore, caller: Caller, pool_id
         NotFound: no copy under ``key`` (or another tenant's). FailedPrecondition: the copy's layout differs from the pool's.
         InvalidArgument: bad slots or a count other than the copy's. ResourceExhausted: no free pages.
         Cancelled: the caller gave up while the call waited for the pool, while the copy was
-            loaded, or (with ``drop``) while the drop waited for the tiers: fresh pages are freed
-            again (attack pass 7, A7-3), named slots get their old rows back (attack pass 8, A8-3),
-            the copy is kept. The same for any other failure after the load.
+            loaded, or (with ``drop``) while the drop waited for the tiers' locks: fresh pages are
+            freed again (attack pass 7, A7-3), named slots get their old rows back (attack pass 8,
+            A8-3), the copy is kept. The same for any other failure after the load.
 
-    Named slots are undone the way a WriteKV into them is (:mod:`~kvtier.server.daemon.kv_write`):
-    the rows the load replaces are copied first (:meth:`get_cpu_copy`) and written back on failure;
-    with ``drop`` their pages are claimed (:meth:`PoolEntry.claim`) from the load until the drop is
-    done or undone, so nothing reads, writes or frees them meanwhile (UNAVAILABLE, "changed nothing").
+    With ``drop`` nothing is written into the slots until every wait is over and the caller was
+    checked: the long waits (records in flight, the disk's write-behind: :meth:`OffloadStore.quiesce_key`)
+    come first, holding nothing; then, holding the pool's lock, the key's lock and every tier's index
+    lock (the daemon's order), the caller is checked, the copy loaded and dropped, with no wait
+    between. So a caller told its deadline passed never finds its slots changed, and there is no
+    undo to run later: an undo after the pool's lock was let go (A8-3's first fix) wrote old rows
+    over what an attached worker, told the call failed, had written since, and over pages it had
+    stored in the prefix cache (attack pass 9, A9-2). Named slots keep undo rows (for a load that
+    fails part way, or a caller gone while a Restore without drop loads) only when written since
+    their allocation (:meth:`PoolEntry.unwritten`): fresh slots hold nothing to put back.
     """
     registry.get(caller, pool_id)  # an unknown pool is NOT_FOUND before the copy is decoded
     with store.taking(caller, key) if drop else nullcontext(store.get(caller, key)) as hc:
-        loaded = _restore_into(registry, caller, pool_id, key, hc, slots, wanted, hold=drop)
-        if drop:  # the copy it took, never a newer one; only while the caller is still there (A7-3)
-            try:
-                store.drop_taken(caller, key, hc.nbytes, ready=lambda: still_wanted(wanted, "Restore"))
-            except BaseException:
-                loaded.undo(registry, caller)  # fresh pages go back, named slots get their old rows; the copy stays
-                raise
-            loaded.done(registry, caller)
-    return loaded.slots, hc.nbytes
-
-
-@dataclass
-class _Loaded:
-    """A Restore's load, until it is done or undone: its pool, slots, and for named slots the rows
-    the load replaced (``old``), whether their pages are claimed, and their generations after the load."""
-
-    entry: PoolEntry
-    slots: torch.Tensor
-    fresh: bool
-    old: dict[str, Any] | None = None
-    pages: torch.Tensor | None = None
-    claimed: bool = False
-    generations: list[int] | None = None
-
-    def put_back(self, owner: int) -> None:
-        """(The pool's lock held exclusive.) Free fresh slots, or write the old rows back into named ones."""
-        if self.fresh:
-            self.entry.free(self.slots, owner)
-        elif self.old is not None:
-            self.entry.pool.load_cpu_copy(self.old, self.slots)
-            self.entry.changed(self.pages)
-
-    def undo(self, registry: PoolRegistry, caller: Caller) -> None:
-        """Undo the load after the pool's lock was let go (a drop that failed or whose caller left):
-        nothing when the pool was deleted or the slots changed since (a page freed or written: only
-        possible when they were not claimed). Never raises a daemon error."""
-        entry = self.entry
-        with entry.lock.exclusive():
-            if entry.deleted:
-                return
-            if self.fresh:
-                session = caller.session
-                owner = session.number if session is not None and session.entry is entry else 0
-                if not (session is not None and session.entry is entry and session.ended):  # ended: freed with it
-                    self.put_back(owner)
-                return
-            if entry.generations(self.pages) == self.generations:
-                self.put_back(0)
-            if self.claimed:
-                entry.end_claim(self.pages, caller)
-                self.claimed = False
-
-    def done(self, registry: PoolRegistry, caller: Caller) -> None:
-        """The drop is done: end the claim of named slots (their new rows stand). Never raises a daemon error."""
-        if self.claimed:
-            with self.entry.lock.exclusive():
-                if not self.entry.deleted:
-                    self.entry.end_claim(self.pages, caller)
-                self.claimed = False
-
-
-def _restore_into(registry: PoolRegistry, caller: Caller, pool_id: str, key: str, hc: HostCopy,
-                  slots: Sequence[int] | None, wanted: Callable[[], bool], *, hold: bool) -> _Loaded:
-    """Load ``hc`` into ``slots`` or fresh ones (:func:`restore`). With ``hold`` (a drop follows,
-    outside the pool's lock) named slots stay claimed until :meth:`_Loaded.done` or :meth:`_Loaded.undo`."""
-    with registry.locked(caller, pool_id, exclusive=True) as entry:
-        still_wanted(wanted, "Restore")
-        if hc.layout_digest != entry.model.fingerprint_digest():
-            raise FailedPrecondition(
-                f"copy {key!r} has another layout than pool {pool_id!r}: "
-                f"{_layout_difference(dict(hc.layout), entry.model.fingerprint())}")
-        owner = entry.owner_of(caller)
-        fresh = slots is None or len(slots) == 0
-        if fresh:
-            loaded = _Loaded(entry, entry.alloc(hc.num_tokens, owner), fresh=True)
-        else:
-            t = entry.slots(slots, unique=True)
-            if t.numel() != hc.num_tokens:
-                raise InvalidArgument(f"copy {key!r} holds {hc.num_tokens} tokens but {t.numel()} slots were given")
-            entry.check_writable(t // entry.page_size, owner)
-            # the rows the load replaces, written back if the Restore fails or its caller leaves (A8-3);
-            # none to keep when the pages were not written since their allocation (nothing to put back)
+        if drop:
+            store.quiesce_key(caller, key)  # the long waits, holding nothing (A7-3)
+        with registry.locked(caller, pool_id, exclusive=True) as entry:
+            still_wanted(wanted, "Restore")
+            if hc.layout_digest != entry.model.fingerprint_digest():
+                raise FailedPrecondition(
+                    f"copy {key!r} has another layout than pool {pool_id!r}: "
+                    f"{_layout_difference(dict(hc.layout), entry.model.fingerprint())}")
+            owner = entry.owner_of(caller)
+            fresh = slots is None or len(slots) == 0
+            old = None
+            if fresh:
+                t = entry.alloc(hc.num_tokens, owner)
+            else:
+                t = entry.slots(slots, unique=True)
+                if t.numel() != hc.num_tokens:
+                    raise InvalidArgument(f"copy {key!r} holds {hc.num_tokens} tokens but {t.numel()} slots were given")
+                entry.check_writable(t // entry.page_size, owner)
+                # the rows the load replaces, written back if the Restore fails or its caller leaves (A8-3)
+                old = None if entry.unwritten(t // entry.page_size) else entry.pool.get_cpu_copy(t)
             pages = torch.unique(t // entry.page_size)
-            old = None if entry.unwritten(pages) else entry.pool.get_cpu_copy(t)
-            loaded = _Loaded(entry, t, fresh=False, old=old, pages=pages)
-        t = loaded.slots
-        entry.changed(torch.unique(t // entry.page_size))
-        try:
-            entry.pool.load_cpu_copy(hc.copy, t)
-            still_wanted(wanted, "Restore")  # gone while loading: fresh pages go back, named ones get their rows
-        except BaseException:
-            loaded.put_back(owner)
-            raise
-        if hold and not fresh:
-            if not bool(entry.cache_owned[loaded.pages].any()):  # (a lease's pages are not claimed, as in a WriteKV)
-                entry.claim(loaded.pages)
-                loaded.claimed = True
-            loaded.generations = entry.generations(loaded.pages)
-    return loaded
+
+            written: list[bool] = []
+
+            def load() -> None:
+                written.append(True)
+                entry.changed(pages)
+                entry.pool.load_cpu_copy(hc.copy, t)
+
+            try:
+                if drop:  # load, then drop the copy it took (never a newer one), all after the last check
+                    def ready() -> None:  # under every tier's index lock, the waits done
+                        still_wanted(wanted, "Restore")
+                        load()
+                    if not store.drop_taken(caller, key, hc.nbytes, ready=ready, quiesced=True):
+                        still_wanted(wanted, "Restore")  # a newer copy was put under the key meanwhile: it is
+                        load()                           # kept, and the one taken is restored
+                else:
+                    load()
+                    still_wanted(wanted, "Restore")  # gone while loading: fresh pages go back, named ones get their rows
+            except BaseException:
+                if fresh:
+                    entry.free(t, owner)
+                elif old is not None and written:
+                    entry.pool.load_cpu_copy(old, t)
+                    entry.changed(pages)
+                raise
+    return t, hc.nbytes
 
 
 def buffer_infos(registry: PoolRegistry, caller: Caller, pool_id: str) -> tuple[PoolEntry, BufInfos, BufInfos]:

@@ -259,7 +259,7 @@ class OffloadStore:
         Restore(drop=True) of one copy never both succeed (attack pass 4, A4-12: 449 of 600 copies
         were restored twice). The block drops the copy once it is loaded; a failure leaves it."""
         tkey = self._key(caller, key)
-        with self._lock:
+        with self._keys.holding(tkey), self._lock:  # a put of the key in progress has recorded its number first (A9-3)
             if tkey in self._taken:
                 raise NotFound(f"no offloaded copy under key {key!r} (another Restore with drop is taking it)")
             self._taken[tkey] = self._puts.get(tkey, 0)
@@ -269,20 +269,30 @@ class OffloadStore:
             with self._lock:
                 self._taken.pop(tkey, None)
 
-    def drop_taken(self, caller: Caller, key: str, nbytes: int, *, ready: Callable[[], None] | None = None) -> bool:
+    def quiesce_key(self, caller: Caller, key: str) -> None:
+        """Wait for what a removal of the tenant's copy under ``key`` waits for (its record in flight
+        between tiers, the disk's write-behind queued so far), holding no lock: a Restore with drop
+        calls it before it takes its pool's lock (:func:`~kvtier.server.daemon.kv_ops.restore`)."""
+        tkey = self._key(caller, key)
+        self.stack.quiesce(lambda k: k == tkey)
+
+    def drop_taken(self, caller: Caller, key: str, nbytes: int, *, ready: Callable[[], None] | None = None,
+                   quiesced: bool = False) -> bool:
         """Inside :meth:`taking`: drop the copy that was taken -- only if no newer copy was put under
         ``key`` since (a Drop and a new Offload meanwhile must not lose the new one: attack pass 5,
         A5-6). Returns whether it dropped.
 
         The wait for the tiers (records in flight, the disk's write-behind) comes first, holding no
-        lock; ``ready`` is then called holding the store's lock and every tier's index lock, just
-        before the copy goes (:meth:`TierStack.remove`).
+        lock (``quiesced``: the caller has waited already, :meth:`quiesce_key`); ``ready`` is then
+        called holding the key's lock and every tier's index lock, just before the copy goes
+        (:meth:`TierStack.remove`).
 
         Raises:
             Whatever ``ready`` raises (Cancelled: the caller is gone): nothing is dropped (attack
             pass 7, A7-3: a Restore(drop=True) told DEADLINE_EXCEEDED had taken the copy)."""
         tkey = self._key(caller, key)
-        self.stack.quiesce(lambda k: k == tkey)  # the long waits, holding nothing
+        if not quiesced:
+            self.stack.quiesce(lambda k: k == tkey)  # the long waits, holding nothing
         with self._keys.holding(tkey):  # (as a put: no put of this key lands in between)
             with self._lock:
                 if self._puts.get(tkey, 0) != self._taken.get(tkey):

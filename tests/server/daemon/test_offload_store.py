@@ -121,7 +121,7 @@ def test_a_restore_with_drop_never_drops_a_newer_copy_of_its_key():
 
 def test_a_restore_or_offload_whose_caller_is_gone_at_the_end_changes_nothing():
     """Attack pass 7, A7-2 and A7-3, in process: a Restore(drop=True) whose caller is gone by the time
-    its drop holds the tiers keeps the copy and frees the fresh pages it had allocated; an Offload
+    it holds the tiers (the last check, before the load) keeps the copy and frees the fresh pages it had allocated; an Offload
     whose caller is gone once its copy is committed takes the copy back and frees no slot. The same
     calls with their caller there restore (and drop) and offload as usual."""
     d = _daemon(host_memory_bytes=4 << 20)
@@ -131,7 +131,7 @@ def test_a_restore_or_offload_whose_caller_is_gone_at_the_end_changes_nothing():
         kv_ops.offload(d.pools, d.offload_store, ME, "p", "k", slots, free_slots=True)
         with d.pools.locked(ME, "p", exclusive=False) as e:
             free = e.allocator.free_pages
-        answers = iter([True, True, False])  # wanted(): once holding the pool, after loading, at the drop
+        answers = iter([True, False])  # wanted(): once holding the pool, then holding the tiers, before the load
         with pytest.raises(Cancelled):
             kv_ops.restore(d.pools, d.offload_store, ME, "p", "k", None, drop=True, wanted=lambda: next(answers))
         with d.pools.locked(ME, "p", exclusive=False) as e:
@@ -218,3 +218,52 @@ def _fill_as(d: Daemon, caller: Caller, n: int, seed: int) -> tuple[torch.Tensor
         for layer in range(e.pool.layer_num):
             e.pool.set_kv_buffer(layer, slots, rows)
     return slots, rows
+
+
+def test_a_restore_with_drop_during_its_copys_offload_waits_for_it_and_takes_it_once(tmp_path, monkeypatch):
+    """Attack pass 9, A9-3: with the per-key locks of A8-7 a Restore(drop=True) that found the copy
+    while its Offload was still committing (to a slow disk without write-behind; the host tier held
+    the record already) recorded "no put yet", answered OK and dropped nothing, and a second
+    Restore(drop=True) restored the same copy again. Taking a copy now waits for a put of its key in
+    progress: the first Restore(drop) gets the copy once the Offload ends and drops it, the second is
+    NOT_FOUND."""
+    import threading
+
+    from kvtier.server.daemon.tier_settings import TierSettings
+    from kvtier.server.tiers.disk_faults import SLOW_FILE_ENV
+
+    slow = tmp_path / "slow"
+    monkeypatch.setenv(SLOW_FILE_ENV, str(slow))
+    d = _daemon(host_memory_bytes=4 << 20, tiers=TierSettings(disk_path=str(tmp_path / "disk"), disk_bytes=64 << 20,
+                                                                  disk_write_behind=False, write_through=True))
+    try:
+        _pool(d)
+        slots, rows = _fill(d, "p", PS, seed=13)
+        slow.write_text("")  # every disk commit waits until the file holds a number
+        offloaded: list[object] = []
+        offload = threading.Thread(target=lambda: offloaded.append(
+            kv_ops.offload(d.pools, d.offload_store, ME, "p", "K", slots, free_slots=False)))
+        offload.start()
+        for _ in range(250):  # until the host tier holds the record (the disk commit is held)
+            if d.tiers.stack.cascade[0].contains([d.offload_store._key(ME, "K")])[0]:  # noqa: SLF001
+                break
+            threading.Event().wait(0.02)
+        restored: list[object] = []
+        first = threading.Thread(target=lambda: restored.append(
+            kv_ops.restore(d.pools, d.offload_store, ME, "p", "K", None, drop=True)))
+        first.start()
+        threading.Event().wait(0.3)
+        assert not restored  # it waits for the Offload of its key
+        slow.unlink()
+        offload.join(30)
+        first.join(30)
+        assert len(offloaded) == 1 and len(restored) == 1
+        with d.pools.locked(ME, "p", exclusive=False) as e:
+            assert torch.equal(e.pool.get_kv_buffer_rows(0, restored[0][0]).reshape(PS, -1), rows)
+        with pytest.raises(NotFound):
+            kv_ops.restore(d.pools, d.offload_store, ME, "p", "K", None, drop=True)
+        assert not d.offload_store.contains(ME, "K")
+    finally:
+        if slow.exists():
+            slow.unlink()
+        d.close()
