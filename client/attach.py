@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -332,6 +333,7 @@ class AttachedPool:
                 message["timeout_s"] = wait
             self._sock.settimeout(wait)
             try:
+                message["sent_at"] = time.monotonic()  # the daemon counts the timeout from here (A9-1)
                 send_message(self._sock, message)
                 while True:
                     got = recv_message(self._sock, accept_fds=True)

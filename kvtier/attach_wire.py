@@ -29,7 +29,9 @@ A message is one JSON object (UTF-8, at most :data:`MAX_MESSAGE_BYTES`), optiona
   prefix cache's LoadPrefix / StorePrefix / ReleasePrefix on the attached pool, in the session (the
   same calls and checks as over gRPC, without HTTP/2: a local worker's control path). Each may carry
   ``"timeout_s": seconds`` (a number, finite, above 0 and at most :data:`MAX_TIMEOUT_S`; absent or
-  null: no deadline), the client's deadline counted from the daemon's receipt: like a gRPC deadline,
+  null: no deadline) and ``"sent_at": t`` (the client's ``time.monotonic()`` when it sent the
+  message; absent or null: the daemon's receipt), the client's deadline counted from ``sent_at``
+  (attack pass 9, A9-1: counted from the receipt, time unread was not counted): like a gRPC deadline,
   a call whose caller gave up by then (or whose connection closed) changes nothing and answers
   CANCELLED (the client raised DeadlineExceededError already); a load then releases its lease. Page keys
   travel as hex strings, slots as base64 of little-endian int64 (:func:`encode_slots`). Replies echo

@@ -309,14 +309,30 @@ class AttachService:
                 log.debug("attach: an unsent lease was released already")
 
 
+#: How far a client's ``sent_at`` may lie after the daemon's receipt and still be read on the
+#: daemon's clock (seconds; later: another clock, ignored).
+SENT_AT_SLACK_S = 1.0
+
+
 def call_deadline(request: dict[str, Any], received: float) -> float | None:
-    """The ``time.monotonic()`` by which a prefix call's caller gives up: ``received`` plus its
-    message's ``timeout_s``; None without one (absent or null: a client that predates it).
+    """The ``time.monotonic()`` by which a prefix call's caller gives up: its message's ``timeout_s``
+    counted from when the client sent it (``sent_at``, the client's ``time.monotonic()``: one clock
+    for every process of a host, which the attach socket is on), else from ``received``. A message
+    that waited unread (in the socket, behind the channel's workers) has that wait counted: counted
+    from the receipt, a call the client had been told failed was applied seconds later (attack pass 9,
+    A9-1). A ``sent_at`` after the receipt by over :data:`SENT_AT_SLACK_S` cannot be on the daemon's
+    clock and is ignored; a client in another time namespace whose clock is behind the daemon's by
+    more than its timeouts finds its prefix calls CANCELLED (the attach guide says so). None without
+    ``timeout_s`` (absent or null: a client that predates it).
 
     Raises:
         InvalidArgument: ``timeout_s`` is not a number, not finite, not above 0, or above
-            :data:`~kvtier.attach_wire.MAX_TIMEOUT_S`.
+            :data:`~kvtier.attach_wire.MAX_TIMEOUT_S`; ``sent_at`` is not a finite number or null.
     """
+    sent = request.get("sent_at")
+    if sent is not None and (isinstance(sent, bool) or not isinstance(sent, (int, float))
+                             or (isinstance(sent, float) and not math.isfinite(sent))):
+        raise InvalidArgument(f"sent_at must be a number (the client's monotonic clock) or null, got {str(sent)[:40]!r}")
     timeout = request.get("timeout_s")
     if timeout is None:
         return None
@@ -324,4 +340,7 @@ def call_deadline(request: dict[str, Any], received: float) -> float | None:
         raise InvalidArgument(f"timeout_s must be a number of seconds or null, got {str(timeout)[:40]!r}")
     if (isinstance(timeout, float) and not math.isfinite(timeout)) or not 0 < timeout <= MAX_TIMEOUT_S:
         raise InvalidArgument(f"timeout_s must be above 0 and at most {MAX_TIMEOUT_S:g} seconds, got {timeout!r}"[:200])
-    return received + float(timeout)
+    deadline = received + float(timeout)
+    if sent is not None and sent <= received + SENT_AT_SLACK_S:
+        deadline = min(deadline, float(sent) + float(timeout))
+    return deadline

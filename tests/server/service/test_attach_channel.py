@@ -298,3 +298,42 @@ def test_a_bad_timeout_is_invalid_argument_and_the_session_lives(attached, raw):
     assert _free_pages(d, caller) == POOL_PAGES
     ok = _call(s, {"kind": "load_prefix", "id": 2, "keys": encode_keys(_keys(1, 4)), "total_tokens": None})
     assert "lease_id" in ok and _free_pages(d, caller) == POOL_PAGES - 1
+
+
+def test_a_store_prefix_counts_its_timeout_from_when_the_client_sent_it(attached):
+    """Attack pass 9, A9-1: the daemon counted ``timeout_s`` from when a worker read the message, so
+    a store_prefix that waited unread (behind handshakes holding the channel's workers) past the
+    client's timeout was applied seconds after the client was told DeadlineExceededError. The client
+    now sends ``sent_at`` (its monotonic clock, the daemon's too on one host): a message sent 5 s ago
+    with a 2 s timeout is CANCELLED at once, stores nothing and keeps its lease; the same store sent
+    now is applied."""
+    import time
+
+    from kvtier.attach_wire import encode_keys
+
+    d, caller, s = attached
+    keys = _keys(2, seed=9)
+    load = _call(s, {"kind": "load_prefix", "id": 1, "keys": encode_keys(keys), "total_tokens": None})
+    store = {"kind": "store_prefix", "lease_id": load["lease_id"], "keys": encode_keys(keys), "slots": load["slots"],
+             "release": True, "timeout_s": 2.0}
+    late = _call(s, {**store, "id": 2, "sent_at": time.monotonic() - 5.0})
+    assert late["error"]["code"] == "CANCELLED" and late["id"] == 2, late
+    assert d.tiers.lookup(caller, "p", keys).tiers == []
+    assert _call(s, {**store, "id": 3, "sent_at": time.monotonic()}) == {"stored_pages": 2, "id": 3}
+
+
+def test_call_deadline_reads_sent_at_on_the_daemons_clock_only_when_it_can_be():
+    """``sent_at`` shortens the deadline when it lies on the daemon's clock; one that cannot (after
+    the receipt: another clock) is ignored; a bad one is INVALID_ARGUMENT."""
+    from kvtier.server.daemon.attach import SENT_AT_SLACK_S, call_deadline
+    from kvtier.server.daemon.errors import InvalidArgument
+
+    received = 1000.0
+    assert call_deadline({"timeout_s": 2.0}, received) == 1002.0
+    assert call_deadline({"timeout_s": 2.0, "sent_at": 999.5}, received) == 1001.5
+    assert call_deadline({"timeout_s": 2.0, "sent_at": 997.5}, received) == 999.5  # passed before it was read
+    assert call_deadline({"timeout_s": 2.0, "sent_at": 1000.0 + 2 * SENT_AT_SLACK_S}, received) == 1002.0
+    assert call_deadline({"timeout_s": 2.0, "sent_at": 990.0}, received) == 992.0  # waited 10 s unread
+    for bad in ("x", True, float("inf"), float("nan"), [1]):
+        with pytest.raises(InvalidArgument, match="sent_at"):
+            call_deadline({"timeout_s": 2.0, "sent_at": bad}, received)
