@@ -334,6 +334,7 @@ class OffloadStore:
             with self._lock:
                 self._sources.pop((caller.tenant, key), None)
                 self._puts.pop(tkey, None)
+        self.stack.drain_writes()  # the delete committed before the Drop answers, holding nothing
         return nbytes
 
     def contains(self, caller: Caller, key: str) -> bool:

@@ -275,7 +275,7 @@ class UnitStore:
         give the waiting parts it completed back to the pending table (``joined``: the other part,
         from this writer's earlier call, waits again). Parts it left waiting are withdrawn."""
         if made:
-            self.stack.remove(made)
+            self.stack.remove(made)  # (queued on a write-behind disk; durable with the next commit)
         for tkey, other in joined:
             if other is not None:
                 if p.part == KV:
@@ -419,10 +419,13 @@ class UnitStore:
         # (attack pass 7, A7-7: one tenant's clear of an empty space held them all for the backlog)
         self.stack.quiesce(lambda k: isinstance(k, bytes) and k.startswith(prefix))
         with self._guard.exclusive():  # no put commits, no read promotes: the order below is free
-            # a unit may lie in several tiers: counted once
-            units = self.stack.remove_prefix(prefix, ready=lambda: still_wanted(wanted, "ClearUnits"))
+            # a unit may lie in several tiers: counted once. Under the guard no disk commit is waited
+            # for (the disk queues its deletes; attack pass 9, A9-4): only records in flight
+            units = self.stack.remove_prefix(prefix, ready=lambda: still_wanted(wanted, "ClearUnits"),
+                                             quiesced=True)
             self.clears += 1
             removed = self.pending.drop_prefix(prefix)
+        self.stack.drain_writes()  # its deletes committed before it answers, holding nothing
         self._count(caller, cleared=removed + len(units))
         return removed + len(units)
 

@@ -808,14 +808,36 @@ class DiskTier(Tier):
 
     def remove(self, keys: Sequence[bytes]) -> int:
         """Drop records; while unhealthy (or when the delete fails on a storage fault) they leave the
-        index at once and are deleted from LMDB when the tier recovers (tombstones)."""
+        index at once and are deleted from LMDB when the tier recovers (tombstones).
+
+        With write-behind the delete is a job queued after the puts already queued (the order LMDB
+        must see), not a transaction waited for here: a removal holds the index lock (and whatever
+        its caller holds: a ClearUnits the unit store's clear guard) for no disk commit (attack pass
+        9, A9-4: every tenant's PutUnits waited for a commit behind one tenant's clear). The records
+        leave the index and stop being served at once; a caller that must know them gone from LMDB
+        (Drop, ClearUnits) then waits for the queue, holding nothing (:meth:`drain`)."""
         if self.health.healthy:
             self._env()  # opened (and the index loaded) before the index is asked
         with self.index.lock:
-            self.drain()  # its delete must follow the queued puts
             present = [k for k in dict.fromkeys(keys) if k in self.index]
             if not present:
                 return 0
+            writer = self._writer
+            if self.health.healthy and writer is not None and writer.failure is None:
+                job = DiskJob(deletes=[(k, self._seq.get(k)) for k in present])
+                try:
+                    writer.submit(job, present)  # their pending puts stop being served
+                except WriteBehindFailed:
+                    pass  # a failure since the health check: the tombstones below, deleted on recovery
+                else:
+                    for k in present:
+                        self._seq.pop(k, None)
+                        self._touched.pop(k, None)
+                        self.index.remove(k)
+                        self._sizes.pop(k, None)
+                    return len(present)
+            self.drain()  # its delete must follow the queued puts
+            present = [k for k in present if k in self.index]
             if self.health.healthy:
                 try:
                     env, _, _, _ = self._env()

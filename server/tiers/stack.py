@@ -418,22 +418,38 @@ class TierStack:
         wanted = set(keys)
         return self._remove_where(lambda tier: list(keys), wanted.__contains__, ready)[0]
 
-    def remove_prefix(self, prefix: bytes, *, ready: Callable[[], None] | None = None) -> set[bytes]:
+    def remove_prefix(self, prefix: bytes, *, ready: Callable[[], None] | None = None,
+                      quiesced: bool = False) -> set[bytes]:
         """Drop every record whose key starts with ``prefix`` from every tier, as :meth:`remove`
         (those on their way down too; ``ready`` as there); returns the keys dropped (a key held by
-        two tiers once)."""
+        two tiers once). ``quiesced``: the caller waited for the writes already (:meth:`quiesce`,
+        holding nothing), so only the records in flight are waited for here (a ClearUnits holding
+        the unit store's clear guard: attack pass 9, A9-4)."""
         def match(k: object) -> bool:
             return isinstance(k, bytes) and k.startswith(prefix)
-        return self._remove_where(lambda tier: [k for k in tier.index.keys() if match(k)], match, ready)[1]
+        return self._remove_where(lambda tier: [k for k in tier.index.keys() if match(k)], match, ready,
+                                  quiesced=quiesced)[1]
+
+    def drain_writes(self) -> None:
+        """Wait, holding no lock, until the writes and removals queued so far in the tiers below the
+        first (the disk's write-behind) are committed: a Drop or a ClearUnits answers once its
+        deletes are in LMDB, so a crash after it cannot bring the records back."""
+        for tier in self.cascade[1:]:
+            tier.drain()
 
     def _remove_where(self, keys_of: Callable[[Tier], list[bytes]], match: Callable[[bytes], bool],
-                      ready: Callable[[], None] | None = None) -> tuple[int, set[bytes]]:
+                      ready: Callable[[], None] | None = None, *, quiesced: bool = False) -> tuple[int, set[bytes]]:
         """:meth:`_remove_each`, or with ``ready``: wait for flights and writes holding no lock
-        (:meth:`quiesce`), take every tier's index lock in stack order, call ``ready``, then remove
-        (a record that set off down after the wait lands after the removal, as a put that raced it)."""
+        (:meth:`quiesce`; flights only when ``quiesced``), take every tier's index lock in stack
+        order, call ``ready``, then remove (a record that set off down after the wait lands after the
+        removal, as a put that raced it). A disk tier with write-behind queues its deletes
+        (:meth:`~kvtier.server.tiers.disk.DiskTier.remove`): :meth:`drain_writes` waits for them."""
         if ready is None:
             return self._remove_each(keys_of, match)
-        self.quiesce(match)
+        if quiesced:
+            self.settle(match)
+        else:
+            self.quiesce(match)
         with contextlib.ExitStack() as held:
             for tier in self.tiers:
                 held.enter_context(tier.index.lock)

@@ -366,3 +366,61 @@ def test_parts_pair_only_within_one_writer():
     assert s.exists(ME, sp, [b"j"]) == 0 and read_all(s, ME, sp, [b"j"], "both") == {}
     with pytest.raises(InvalidArgument, match="at most 64 bytes"):
         s.put(ME, sp, [b"x"], "kv", a[0], writer=b"w" * 65)
+
+
+def test_a_clear_waits_for_no_disk_commit_while_it_holds_the_clear_guard(tmp_path):
+    """Attack pass 9, A9-4: a ClearUnits drained the disk's write-behind once holding nothing (A7-7)
+    and again, through the stack's removal, holding the unit store's clear guard exclusive, so every
+    tenant's PutUnits waited up to one disk commit behind one tenant's clear. Here a commit is held
+    (the test's slow-disk file) and a job is queued after the clear's first wait; the clear then takes
+    the guard: the removal queues its deletes instead of waiting, so a put of another space completes
+    while the commit is still held, and the clear answers once its deletes are committed."""
+    import threading
+
+    from kvtier.server.tiers import DiskTierConfig
+
+    slow = tmp_path / "slow"
+    page_rec = UnitStore(TierStack([])).space(space_req()).codec.page_nbytes()
+    stack = TierStack.from_configs([HostTierConfig(capacity_bytes=2 * page_rec),
+                                    DiskTierConfig(path=str(tmp_path / "d"), capacity_bytes=64 << 20,
+                                                   write_behind=True, slow_file=str(slow))])
+    for t in stack.tiers:
+        if hasattr(t, "open"):
+            t.open()
+    try:
+        s = UnitStore(stack)
+        sp, other = s.space(space_req()), s.space(space_req(scope="other"))
+        for i in range(4):  # two go down to the disk (committed: the file is absent)
+            s.put(ME, sp, [b"u%d" % i], "both", torch.cat(parts(i)))
+        real_quiesce = stack.quiesce
+        entered: list[bool] = []
+
+        def quiesce_then_queue(match):
+            real_quiesce(match)
+            if not entered:  # the clear's own wait is over: hold the disk and queue a write behind it
+                entered.append(True)
+                slow.write_text("")
+                s.put(ME, other, [b"late"], "both", torch.cat(parts(9)))  # evicts to the held disk
+
+        stack.quiesce = quiesce_then_queue
+        cleared: list[int] = []
+        clear = threading.Thread(target=lambda: cleared.append(s.clear(ME, sp)))
+        clear.start()
+        try:
+            for _ in range(200):
+                if entered:
+                    break
+                threading.Event().wait(0.01)
+            done = threading.Event()
+            put = threading.Thread(target=lambda: (s.put(ME, other, [b"free"], "both", torch.cat(parts(8))), done.set()))
+            put.start()
+            assert done.wait(3), "a put waited for the disk behind the clear's guard"
+        finally:
+            slow.unlink()
+            clear.join(30)
+            put.join(30)
+        assert cleared == [4]
+        assert s.exists(ME, sp, [b"u0", b"u1", b"u2", b"u3"]) == 0
+        assert torch.equal(read_all(s, ME, other, [b"late"], "both")[0], torch.cat(parts(9)))
+    finally:
+        stack.close()
