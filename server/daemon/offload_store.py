@@ -230,9 +230,10 @@ class OffloadStore:
                 self._sources.pop((caller.tenant, key), None)
                 self._puts.pop(tkey, None)
 
-    def get(self, caller: Caller, key: str) -> HostCopy:
+    def get(self, caller: Caller, key: str, *, settle: bool = True) -> HostCopy:
         """The tenant's copy under ``key``, checked (a damaged record is dropped and NOT_FOUND; one on
-        an unhealthy tier is UNAVAILABLE)."""
+        an unhealthy tier is UNAVAILABLE). A copy on its way down between two tiers is waited for
+        (``settle``) and read where it lands, never NOT_FOUND."""
         tkey = self._key(caller, key)
         for tier in self.stack.cascade:
             with tier.borrow([tkey]) as (rec,):
@@ -247,6 +248,9 @@ class OffloadStore:
                     continue
             return HostCopy(copy, info.latent_nbytes + info.index_nbytes, info.n_tokens, model.fingerprint(),
                             model.fingerprint_digest(), self._sources.get((caller.tenant, key), ""))
+        if self.stack.in_flight(tkey) and settle:  # on its way down: found where it lands (A9-7)
+            self.stack.settle(lambda k: k == tkey)
+            return self.get(caller, key, settle=False)
         held = self._unhealthy_holder(tkey)
         if held is not None:
             raise Unavailable(f"the offloaded copy under key {key!r} is on the {held.name} tier; {self._retry_hint(held)}")
@@ -316,6 +320,7 @@ class OffloadStore:
                 while the drop waited for the tiers (checked holding their locks,
                 :meth:`TierStack.remove`): nothing is dropped (attack pass 5, A5-7)."""
         tkey = self._key(caller, key)
+        self.stack.settle(lambda k: k == tkey)  # a copy on its way down is found where it lands (A9-7)
         nbytes = known_nbytes
         for tier in self.stack.cascade if known_nbytes is None else ():
             with tier.borrow([tkey]) as (rec,):
@@ -338,6 +343,6 @@ class OffloadStore:
         return nbytes
 
     def contains(self, caller: Caller, key: str) -> bool:
-        """Whether any tier holds the tenant's copy under ``key``."""
-        tkey = self._key(caller, key)
-        return any(t.contains([tkey])[0] for t in self.stack.cascade)
+        """Whether any tier holds the tenant's copy under ``key``, also while it moves down between
+        two (:meth:`TierStack.holds`)."""
+        return self.stack.holds(self._key(caller, key))

@@ -214,6 +214,23 @@ class TierStack:
             log.warning("records in flight between tiers did not land within %g s; removing without them", timeout)
         return done
 
+    def holds(self, key: bytes) -> bool:
+        """Whether a cascade tier holds ``key`` or its record is on its way down between two. Plain
+        reads in stack order, a tier's index and then the flights: a victim is counted in flight
+        before it leaves its tier's index and lands in the next index before it stops being in
+        flight, so a record moving down is seen at one of the reads (attack pass 9, A9-7: a copy in
+        flight was in no index, an Offload of its key was taken instead of ALREADY_EXISTS, and the
+        old copy landed later under the new one)."""
+        flights = self._flights
+        for tier in self.cascade:
+            if tier.contains([key])[0] or key in flights:
+                return True
+        return False
+
+    def in_flight(self, key: bytes) -> bool:
+        """Whether ``key``'s record is on its way down between two tiers now (a plain read)."""
+        return key in self._flights
+
     def quiesce(self, match: Callable[[bytes], bool]) -> None:
         """Wait for what a removal of the keys ``match`` es would wait for, holding no lock: their
         records in flight between two tiers (:meth:`settle`) and every tier's acknowledged writes

@@ -267,3 +267,68 @@ def test_a_restore_with_drop_during_its_copys_offload_waits_for_it_and_takes_it_
         if slow.exists():
             slow.unlink()
         d.close()
+
+
+def test_a_copy_on_its_way_down_to_the_disk_is_still_there_for_every_call(tmp_path, monkeypatch):
+    """Attack pass 9, A9-7: a copy evicted from the host tier whose disk write waited for the disk (a
+    synchronous commit of another copy held it) was in no tier's index: an Offload of its key was
+    taken instead of ALREADY_EXISTS (the old copy then landed on the disk under the new one and came
+    back after an eviction), a Restore was NOT_FOUND and a Drop dropped nothing (the copy came back).
+    A copy in flight is now held: the Offload is ALREADY_EXISTS, and a Drop waits for it to land and
+    drops it."""
+    import threading
+
+    from kvtier.server.daemon.tier_settings import TierSettings
+    from kvtier.server.tiers.disk_faults import SLOW_FILE_ENV
+
+    slow = tmp_path / "slow"
+    monkeypatch.setenv(SLOW_FILE_ENV, str(slow))
+    per_copy = 200 << 10  # one 64-token copy of 4 layers is ~197 KB
+    d = _daemon(host_memory_bytes=2 * per_copy + (16 << 10),
+                tiers=TierSettings(disk_path=str(tmp_path / "disk"), disk_bytes=64 << 20, disk_write_behind=False,
+                                   policy="lru"))
+    try:
+        _pool(d)
+        slots, rows = _fill(d, "p", PS, seed=21)
+        store, stack = d.offload_store, d.tiers.stack
+        for k in ("X", "K"):
+            kv_ops.offload(d.pools, store, ME, "p", k, slots, free_slots=False)
+        assert [len(t.index) for t in stack.cascade] == [2, 0]
+        slow.write_text("")  # every disk commit now waits until the file is removed
+        xkey, kkey = store._key(ME, "X"), store._key(ME, "K")  # noqa: SLF001
+        threads = [threading.Thread(target=kv_ops.offload, args=(d.pools, store, ME, "p", f, slots),
+                                    kwargs={"free_slots": False}) for f in ("F1", "F2")]
+
+        def until(cond) -> None:
+            for _ in range(300):
+                if cond():
+                    return
+                threading.Event().wait(0.02)
+            pytest.fail("the copy never set off down")
+
+        threads[0].start()  # evicts X: its disk commit is held, holding the disk
+        until(lambda: stack.in_flight(xkey))
+        threads[1].start()  # evicts K: its disk write waits for the disk, so K is in flight
+        until(lambda: stack.in_flight(kkey))
+        assert store.contains(ME, "K")
+        with pytest.raises(AlreadyExists):
+            kv_ops.offload(d.pools, store, ME, "p", "K", slots, free_slots=False)
+        dropped: list[object] = []
+        drop = threading.Thread(target=lambda: dropped.append(store.drop(ME, "K")))
+        drop.start()
+        threading.Event().wait(0.2)
+        assert not dropped  # it waits for K to land
+        slow.unlink()
+        for t in (*threads, drop):
+            t.join(30)
+        assert dropped and dropped[0] is not None  # it found the copy and dropped it
+        assert not store.contains(ME, "K")
+        with pytest.raises(NotFound):
+            store.get(ME, "K")
+        back, _ = kv_ops.restore(d.pools, store, ME, "p", "X", None, drop=False)
+        with d.pools.locked(ME, "p", exclusive=False) as e:
+            assert torch.equal(e.pool.get_kv_buffer_rows(0, back).reshape(PS, -1), rows)
+    finally:
+        if slow.exists():
+            slow.unlink()
+        d.close()
