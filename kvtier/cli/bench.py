@@ -69,6 +69,8 @@ def bench(quick: bool, out: Path, as_json: bool, only: tuple[str, ...], sglang_p
         cases = [c for c in cases if c.name in only]
     try:
         # the way to it checked before any directory is made there (A8-12), and what is at results.json (A7-6)
+        if os.path.lexists(out) and not os.path.isdir(out):  # a device node, a FIFO, a socket: never written through
+            raise OutputPathError(f"--out {out} exists and is not a directory; pass a directory (made if missing)")
         check_output_path(Path(out) / "results.json", "--out file")
         private_dirs(out, "--out")  # 0700 (and any parent it makes): the results are this user's alone, whatever the umask
     except OutputPathError as e:
@@ -83,7 +85,10 @@ def bench(quick: bool, out: Path, as_json: bool, only: tuple[str, ...], sglang_p
         set_copy_threads(torch_threads)
     load_before = list(os.getloadavg())
     started = time.time()
-    work = Path(tempfile.mkdtemp(prefix=".kvtier-bench-", dir=out))  # same file system as --out (fsync is real)
+    try:
+        work = Path(tempfile.mkdtemp(prefix=".kvtier-bench-", dir=out))  # same file system as --out (fsync is real)
+    except OSError as e:
+        raise click.ClickException(f"cannot make a work directory in --out {out}: {e.strerror}; pass another --out DIR") from None
     try:
         results = run_cases(cases, lambda _case: BenchContext(quick=quick, workdir=work, sglang_python=sglang_python),
                             console=console)
