@@ -240,6 +240,7 @@ class AttachedPool:
         self._lock = threading.Lock()
         self._calls = 0  # id of the last request sent on the connection
         self._orphans: list[str] = []  # leases of load replies that came after their call timed out
+        self._outstanding: int | None = None  # id of a prefix call that timed out, its reply not read yet
         self._detached = False
         self._finalizer = weakref.finalize(self, _release, memory, self._staging, sock, client)
 
@@ -322,30 +323,32 @@ class AttachedPool:
 
     def _call(self, message: dict[str, Any], timeout: float | None) -> dict[str, Any]:
         """Send one request on the session's connection and return its reply (matched by ``id``: a
-        reply that arrives after its call timed out is read and dropped by the next call)."""
+        reply that arrives after its call timed out is read and dropped by the next call).
+
+        The daemon runs one prefix call of a connection at a time. A call that timed out may still
+        be running there, so the next call first waits, within its own timeout, for that call's
+        reply (read and dropped; a load's lease released) and only then sends: it is not refused
+        RESOURCE_EXHAUSTED for the old call (attack pass 9, A9-6). If the old reply does not come
+        in time, the call raises DeadlineExceededError without having sent anything."""
         wait = timeout if timeout is not None else getattr(self.client, "timeout", 30.0)
+        end = time.monotonic() + wait
         with self._lock:
             if self._detached:
                 raise RuntimeError("the pool was detached; attach again to use it")
-            self._calls += 1
-            message["id"] = self._calls
-            if 0 < wait <= MAX_TIMEOUT_S:  # the daemon changes nothing for a caller that gave up (A8-6)
-                message["timeout_s"] = wait
-            self._sock.settimeout(wait)
             try:
+                self._settle_outstanding(end)
+                self._calls += 1
+                message["id"] = self._calls
+                if 0 < wait <= MAX_TIMEOUT_S:  # the daemon changes nothing for a caller that gave up (A8-6)
+                    message["timeout_s"] = wait
+                self._sock.settimeout(max(end - time.monotonic(), 1e-3))
                 message["sent_at"] = time.monotonic()  # the daemon counts the timeout from here (A9-1)
                 send_message(self._sock, message)
-                while True:
-                    got = recv_message(self._sock, accept_fds=True)
-                    if got is None:
-                        raise UnavailableError("the daemon closed the attach session")
-                    reply = got[0]
-                    if reply.get("id") == self._calls:
-                        _close_fds(got[1])
-                        break
-                    _close_fds(got[1])  # a staging buffer whose request timed out: its descriptor
-                    if "lease_id" in reply and "slots" in reply:  # a load that timed out: nobody holds its lease
-                        self._orphans.append(str(reply["lease_id"]))
+                try:
+                    reply = self._read_until(self._calls, end)
+                except TimeoutError:
+                    self._outstanding = self._calls
+                    raise
                 while self._orphans:  # released now, best effort (the session's end would release them too)
                     self._calls += 1
                     send_message(self._sock, {"kind": "release_prefix", "lease_id": self._orphans.pop(), "id": self._calls})
@@ -358,6 +361,36 @@ class AttachedPool:
         if "error" in reply:
             raise _reply_error(reply)
         return reply
+
+    def _settle_outstanding(self, end: float) -> None:
+        """(Lock held) Read the reply of the prefix call that timed out, if one is still due, by
+        ``end``: nothing else may be sent before it (the daemon runs one prefix call of a connection
+        at a time). A late load's lease is kept to be released. Raises TimeoutError past ``end``."""
+        if self._outstanding is None:
+            return
+        late = self._read_until(self._outstanding, end)
+        self._outstanding = None
+        if "lease_id" in late and "slots" in late:
+            self._orphans.append(str(late["lease_id"]))
+
+    def _read_until(self, call_id: int, end: float) -> dict[str, Any]:
+        """(Lock held) Read replies until the one of ``call_id``, by ``end`` (``time.monotonic()``);
+        others are dropped (a late load's lease is kept to be released, a late staging reply's
+        descriptor closed). Raises TimeoutError past ``end``."""
+        while True:
+            left = end - time.monotonic()
+            if left <= 0:
+                raise TimeoutError
+            self._sock.settimeout(left)
+            got = recv_message(self._sock, accept_fds=True)
+            if got is None:
+                raise UnavailableError("the daemon closed the attach session")
+            reply = got[0]
+            _close_fds(got[1])  # (a staging buffer whose request timed out: its descriptor)
+            if reply.get("id") == call_id:
+                return reply
+            if "lease_id" in reply and "slots" in reply:  # a load that timed out: nobody holds its lease
+                self._orphans.append(str(reply["lease_id"]))
 
     def offload(self, key: str, slots: Any, *, free_slots: bool = False, **kw: Any) -> Any:
         """Copy ``slots`` (as written through the tensors) into the host tier under ``key``."""
@@ -383,6 +416,12 @@ class AttachedPool:
         with self._lock:
             if self._detached:
                 raise RuntimeError("the pool was detached")
+            try:
+                self._settle_outstanding(time.monotonic() + timeout)
+            except TimeoutError:
+                raise DeadlineExceededError(f"the daemon did not answer an earlier call within {timeout:g} s") from None
+            except (OSError, WireError) as e:
+                raise UnavailableError(f"the attach connection to the daemon failed: {e}") from None
             self._calls += 1
             _, shm = request_staging(self._sock, nbytes, timeout, self._calls)
             self._staging.append(shm)

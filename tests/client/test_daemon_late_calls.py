@@ -274,3 +274,34 @@ def test_an_allocation_told_its_deadline_passed_while_it_made_room_leaks_no_page
             slow.unlink()
         c.describe_pool("default")  # waits for the pool's lock: the late allocation has ended
         assert c.allocate_slots("default", PAGES * 64).numel() == PAGES * 64  # nothing leaked
+
+
+def test_after_an_attached_prefix_call_timed_out_the_next_call_waits_for_it_within_its_own_timeout(tmp_path):
+    """Attack pass 9, A9-6: after a prefix call on the attach connection timed out (the pool was held),
+    the session's next call was refused RESOURCE_EXHAUSTED at once ("one prefix call at a time"), the
+    code that means "the pool is full", though the old call ended seconds later. The next call now
+    first reads the old call's reply within its own timeout, then runs: here it succeeds once the disk
+    goes on, and the timed-out load left no lease (every page is free again at the end)."""
+    import time
+
+    slow = tmp_path / "slow"
+    with DaemonProcess(extra_args=_held_disk_args(tmp_path), env={"KVTIER_TEST_DISK_SLOW_FILE": str(slow)}) as d, \
+            KVTierClient(d.address, timeout=60) as c:
+        held = c.allocate_slots("default", 64)
+        ap = c.attach("default")
+        try:
+            slow.write_text("")  # every disk commit waits until the file is removed
+            holder = threading.Thread(target=lambda: c.offload("default", "blocker", held, free_slots=True))
+            holder.start()
+            time.sleep(1.0)  # the Offload holds the pool's lock in its commit
+            keys = [bytes([i]) * 16 for i in range(2)]
+            with pytest.raises(DeadlineExceededError):
+                ap.load_prefix(keys, timeout=0.5)
+            threading.Timer(1.0, slow.unlink).start()  # the disk goes on a second later
+            lease = ap.load_prefix([bytes([9]) * 16], timeout=30)
+            assert len(lease.slots) == 64
+            ap.release_prefix(lease)
+            holder.join(60)
+        finally:
+            ap.detach()
+        assert c.describe_pool("default").free_pages == PAGES  # the blocker's pages went with its offload; no lease is left
