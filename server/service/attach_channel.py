@@ -10,8 +10,10 @@ it never blocks on a message or a lock. A readable connection is handed to a sma
 (``kvtier-attach-work``), which reads its one message (or the EOF), calls the domain
 (:class:`~kvtier.server.daemon.attach.AttachService`) and answers without waiting (the sockets are
 non-blocking: a peer whose socket buffer is full does not read its replies and is closed); the
-connection is then watched again. A worker waits on a pool's lock only in an attach handshake,
-shared, for at most :data:`~kvtier.server.daemon.attach.POOL_LOCK_SECONDS` (then UNAVAILABLE). So a
+connection is then watched again. A connection still in its handshake goes to a pool of its own
+(``kvtier-attach-hello``): only an attach handshake waits on a pool's lock, shared, for at most
+:data:`~kvtier.server.daemon.attach.POOL_LOCK_SECONDS` (then UNAVAILABLE), and a burst of them never
+delays an established session's messages (attack pass 9, A9-8). So a
 connection's messages are handled one at a time, in order, and the end of a session (EOF or
 ECONNRESET: the worker detached, exited, crashed or was SIGKILLed) is seen at once and handed to
 :class:`_SessionEnds` (:meth:`~kvtier.server.daemon.core.Daemon.end_session` in a thread of its pool):
@@ -71,6 +73,10 @@ MAX_CONNECTIONS = MAX_ATTACH_SESSIONS + MAX_HANDSHAKES
 """Open connections at most (every session plus the handshakes): one more is answered
 RESOURCE_EXHAUSTED and closed."""
 WORKERS = 4
+HELLO_WORKERS = 4
+"""Threads that serve connections in their handshake (an attach waits up to 0.5 s for its pool's
+shared lock): apart from the :data:`WORKERS` that read established sessions' messages, so a burst of
+handshakes to a busy pool never delays another session's prefix call (attack pass 9, A9-8: up to 8 s)."""
 CALL_THREADS = 16  # prefix calls of sessions (they wait for pool locks: never on the channel's workers)
 LISTEN_BACKLOG = 512  # connections the kernel queues before the selector accepts them
 ACCEPTS_PER_ROUND = 32
@@ -216,6 +222,7 @@ class AttachChannel:
         self._refusal_logged = -1e9
         self._ends = _SessionEnds(daemon)
         self._pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="kvtier-attach-work")
+        self._hello = ThreadPoolExecutor(HELLO_WORKERS, thread_name_prefix="kvtier-attach-hello")
         self._calls = ThreadPoolExecutor(CALL_THREADS, thread_name_prefix="kvtier-attach-call")
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvtier-attach", daemon=True)
@@ -250,7 +257,8 @@ class AttachChannel:
                 conn: _Conn = key.data
                 self._sel.unregister(conn.sock)
                 conn.serving = True
-                self._pool.submit(self._serve, conn)
+                # a handshake may wait for a pool's lock: on threads of its own (A9-8)
+                (self._pool if conn.session is not None else self._hello).submit(self._serve, conn)
         while True:
             try:
                 conn = self._rewatch.get_nowait()
@@ -522,6 +530,7 @@ class AttachChannel:
         self._wake()
         self._thread.join(5.0)
         self._pool.shutdown(wait=True)
+        self._hello.shutdown(wait=True)
         self._calls.shutdown(wait=True, cancel_futures=True)
         with self._conns_lock:
             conns = list(self._conns)

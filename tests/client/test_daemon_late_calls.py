@@ -305,3 +305,57 @@ def test_after_an_attached_prefix_call_timed_out_the_next_call_waits_for_it_with
         finally:
             ap.detach()
         assert c.describe_pool("default").free_pages == PAGES  # the blocker's pages went with its offload; no lease is left
+
+
+def test_handshakes_waiting_on_a_busy_pool_never_delay_another_sessions_calls(tmp_path):
+    """Attack pass 9, A9-8: the attach channel's 4 workers read every connection's messages, and an
+    attach handshake holds one for up to 0.5 s waiting for its pool's lock; 16 processes attaching to a
+    held pool kept them busy, and another tenant's session on an idle pool waited seconds for each
+    prefix call. Handshakes now run on workers of their own: while 16 threads keep attaching to the
+    held pool, 10 calls of a session on another pool each answer within a 1 s deadline."""
+    import time
+
+    from kvtier.client.errors import UnavailableError
+
+    slow = tmp_path / "slow"
+    # with write-behind, so that the held commit holds the pool only, not the disk index a lookup reads
+    args = [a for a in _held_disk_args(tmp_path) if a != "--no-disk-write-behind"]
+    with DaemonProcess(extra_args=args, env={"KVTIER_TEST_DISK_SLOW_FILE": str(slow)}) as d, \
+            KVTierClient(d.address, timeout=60) as c:
+        c.create_pool("glm-5.2", num_layers=2, size_tokens=512, pool_id="idle")
+        ap = c.attach("idle")
+        held = c.allocate_slots("default", 64)
+        stop = threading.Event()
+        try:
+            slow.write_text("")  # every disk commit waits until the file is removed
+            holder = threading.Thread(target=lambda: c.offload("default", "blocker", held, free_slots=True))
+            holder.start()
+            time.sleep(1.0)  # the Offload holds pool "default"
+
+            def keep_attaching() -> None:
+                with KVTierClient(d.address, timeout=2, retries=0) as mine:
+                    while not stop.is_set():
+                        try:
+                            mine.attach("default", timeout=2).detach()
+                        except (UnavailableError, DeadlineExceededError, KVTierError):
+                            pass
+
+            flood = [threading.Thread(target=keep_attaching) for _ in range(16)]
+            for t in flood:
+                t.start()
+            time.sleep(1.0)
+            took = []
+            for i in range(10):
+                t0 = time.monotonic()
+                lease = ap.load_prefix([bytes([i]) * 16], timeout=1.0)
+                ap.release_prefix(lease, timeout=1.0)
+                took.append(time.monotonic() - t0)
+            assert max(took) < 2.0  # both calls within their 1 s deadlines, every time
+        finally:
+            stop.set()
+            if slow.exists():
+                slow.unlink()
+            for t in flood:
+                t.join(30)
+            holder.join(60)
+            ap.detach()
