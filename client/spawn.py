@@ -100,10 +100,12 @@ class DaemonProcess:
 
     def _wait_serving(self, deadline: float) -> None:
         if self.tls_root_cert is not None:
+            from kvtier.client.base import read_pem_file
+
             creds = grpc.ssl_channel_credentials(
-                root_certificates=Path(self.tls_root_cert).read_bytes(),
-                private_key=Path(self.tls_client_key).read_bytes() if self.tls_client_key else None,
-                certificate_chain=Path(self.tls_client_cert).read_bytes() if self.tls_client_cert else None)
+                root_certificates=read_pem_file(self.tls_root_cert, "tls_root_cert"),
+                private_key=read_pem_file(self.tls_client_key, "tls_client_key") if self.tls_client_key else None,
+                certificate_chain=read_pem_file(self.tls_client_cert, "tls_client_cert") if self.tls_client_cert else None)
             opts = [("grpc.ssl_target_name_override", self.tls_server_name)] if self.tls_server_name else []
             channel = grpc.secure_channel(self.address, creds, options=opts)
         else:

@@ -51,8 +51,13 @@ def _settings(ctx: click.Context, _param: click.Parameter, _value: Any) -> TierS
         if config_file:  # check the file's [tiers] now (a clear usage error) and put the flags over it
             import tomllib
 
-            with open(config_file, "rb") as f:
-                base = TierSettings.coerce(tomllib.load(f).get("tiers"))
+            from kvtier.server.daemon.private_files import AuthConfigError, read_trusted_file
+
+            try:  # the daemon's own checks first: a regular file no other user could write, read without
+                raw = read_trusted_file(config_file, "--config")  # blocking (/dev/zero, a FIFO: A9-9)
+            except AuthConfigError as e:
+                raise click.ClickException(str(e)) from None
+            base = TierSettings.coerce(tomllib.loads(raw.decode("utf-8", errors="replace")).get("tiers"))
         mooncake = {k.split(".", 1)[1]: v for k, v in flags.items() if k.startswith("mooncake.")}
         plain = {k: v for k, v in flags.items() if not k.startswith("mooncake.")}
         return TierSettings(**{**base.__dict__, **plain, "mooncake": mooncake_config(base.mooncake, **mooncake)})
