@@ -53,9 +53,14 @@ before any byte moves and leaves everything as it was. A failure while moving by
 destination pages -- they are never presented as valid -- and raises :class:`TransferError`.
 Never because the caller left (cancelled, past its deadline: told it failed, it still holds its
 pages; attack pass 8, A8-10): the caller is checked once the destination lock is held, before
-anything changes (Cancelled); a transport that asks the caller between batches (gRPC; the engine's
-generation check) may stop part way when it is gone, so the rows it replaces are copied first and
-written back then (Cancelled, the pages as they were).
+anything changes (Cancelled). The gRPC transport asks the caller between batches and may stop part
+way when it is gone: the rows it replaces are copied first and written back then (Cancelled, the
+pages as they were), unless the pages were not written since their allocation (nothing to put
+back). The engine's read (Mooncake) and its final page check, bounded by :data:`FINAL_CHECK_S` of
+its own, do not stop for the caller; no rows are copied (that copy halved a pull against the raw
+engine read). If that read or check fails after the caller left, the pages stay allocated to it
+and the answer (Cancelled) says they hold partly pulled rows: the one failed PullKV that leaves its
+destination changed, a source page having changed during the read as well.
 Destination pages pass :meth:`PoolEntry.check_writable` like every write: the caller's own pages or
 fresh pages of its own prefix lease (a decode side receiving the pages its LoadPrefix did not
 find); after a failure the latter leave the lease, freed, and the lease stays open.
@@ -63,6 +68,7 @@ find); after a failure the latter leave the lease, freed, and the lease stays op
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import secrets
@@ -100,6 +106,9 @@ PEER_LAYOUT_TIMEOUT_S = 30.0
 PEER_STREAM_TIMEOUT_S = 600.0
 MAX_PEER_LAYOUTS = 1024  # peers' pool layouts kept (the oldest goes first)
 
+
+#: Seconds the peer has to answer a Mooncake pull's final page check (its own bound, not the caller's).
+FINAL_CHECK_S = 5.0
 
 @dataclass(frozen=True)
 class PullSpec:
@@ -334,8 +343,11 @@ class TransferState:
         still has the generation ``expect`` gives it (same daemon, still allocated, not being
         written), so none changed while the engine read it."""
         known = self._peer_layouts.get((address, caller.tenant, spec.peer_pool_id))
+        # bounded by its own time, not the caller's: the bytes are here already, and a check stopped
+        # because the caller left would leave the pages neither old nor checked
+        bounded = dataclasses.replace(spec, is_active=lambda: True, deadline=time.monotonic() + FINAL_CHECK_S)
         try:
-            ans = peer.layout(spec.peer_pool_id, src.tolist(), spec, known[0] if known else "")
+            ans = peer.layout(spec.peer_pool_id, src.tolist(), bounded, known[0] if known else "")
         except KVTierError as e:  # freed (InvalidArgument), being written (Busy), pool gone (NotFound)
             raise PageChanged(f"the source pages changed while the engine read them: {e}") from None
         if ans.daemon_id != peer_id:
@@ -454,12 +466,15 @@ class TransferState:
                 # a caller that gave up while the pull waited for the destination pool was told it
                 # failed: nothing may change then, its pages stay its own as they are (A8-10)
                 still_wanted(spec.wanted, "PullKV")
-                # a transport that asks the caller between batches may stop part way because the caller
-                # left: the rows it replaces are kept to be written back then (a copy in process never
-                # stops). Pages not written since their allocation (a decode side's fresh slots, the
-                # usual destination) hold nothing to put back: no copy, which would halve the pull's speed
+                # the gRPC transport asks the caller between batches and may stop part way because the
+                # caller left: the rows it replaces are kept to be written back then. Pages not written
+                # since their allocation (a decode side's fresh slots, the usual destination) hold
+                # nothing to put back. The engine's read (Mooncake) is one read, and its final check does
+                # not stop for the caller: it keeps no rows (a copy of the destination halved the pull
+                # against the raw engine read), and a copy in process never stops
                 dst_slots = slots_of_pages(torch.from_numpy(dst), entry.page_size)
-                keep = snapshot is None and not entry.unwritten(dst)
+                keep = snapshot is None and transport.name != "mooncake" and not entry.unwritten(dst)
+                unwritten = entry.unwritten(dst)
                 undo = entry.pool.get_cpu_copy(dst_slots) if keep else None
                 start = time.perf_counter()
                 entry.changed(dst)  # their bytes change from here on (whole, old again, or freed on failure)
@@ -474,9 +489,14 @@ class TransferState:
                             entry.pool.load_cpu_copy(undo, dst_slots)
                             raise Cancelled("the PullKV was cancelled or ran past its deadline while its pages moved; "
                                             "the destination pages hold their old bytes again; nothing was changed") from e
-                        raise Cancelled("the PullKV was cancelled or ran past its deadline while its pages moved; the "
-                                        "destination pages, never written since they were allocated, stay allocated "
-                                        "(their bytes were undefined and still are); nothing was changed") from e
+                        if unwritten:
+                            raise Cancelled("the PullKV was cancelled or ran past its deadline while its pages moved; "
+                                            "the destination pages, never written since they were allocated, stay "
+                                            "allocated (their bytes were undefined and still are); nothing was "
+                                            "changed") from e
+                        raise Cancelled(f"the PullKV's engine read failed after its caller left ({e}); the destination "
+                                        f"pages stay allocated to it but hold partly pulled rows: write or pull them "
+                                        f"again before reading them") from e
                     freed = _free_destination(entry, dst, owner)
                     raise TransferError(f"pull from {address} pool {spec.peer_pool_id!r} failed; the {freed} destination "
                                         f"pages {dst.tolist()[:16]} were freed (a prefix lease's fresh pages among "
