@@ -143,16 +143,12 @@ class Tier(ABC):
         return not self.health.healthy and key in self.index
 
     def lookup(self, keys: Sequence[bytes]) -> int:
-        """Length of the longest prefix of ``keys`` whose records are all present (0 while unhealthy)."""
+        """Length of the longest prefix of ``keys`` whose records are all present (0 while unhealthy).
+        Plain membership reads, no index lock, as :meth:`contains`: a LoadPrefix asking the disk tier
+        does not wait for a commit holding its lock (the rest of attack pass 8's A8-4)."""
         if not self.health.healthy:
             return 0
-        with self.index.lock:
-            n = 0
-            for k in keys:
-                if k not in self.index:
-                    break
-                n += 1
-            return n
+        return prefix_present(self.index, keys)
 
     @abstractmethod
     def nbytes(self, keys: Sequence[bytes]) -> list[int | None]:
@@ -262,3 +258,13 @@ class Tier(ABC):
             if not isinstance(o, torch.Tensor) or o.dtype != torch.uint8 or o.dim() != 1 or not o.is_cpu \
                     or not o.is_contiguous():
                 raise ValueError("read_into buffers must be contiguous 1-D uint8 host tensors")
+
+
+def prefix_present(index: Any, keys: Sequence[bytes]) -> int:
+    """How many of ``keys``, from the first, ``index`` holds (up to the first it does not)."""
+    n = 0
+    for k in keys:
+        if k not in index:
+            break
+        n += 1
+    return n

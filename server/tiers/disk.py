@@ -56,13 +56,14 @@ import os
 import struct
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import lmdb
 import torch
 
 from kvtier.server.hostmem import HostArena
 from kvtier.server.hostmem.malloc import keep_freed_memory
-from kvtier.server.tiers.base import EvictHook, RecordLike, Tier, record_nbytes
+from kvtier.server.tiers.base import EvictHook, RecordLike, Tier, prefix_present, record_nbytes
 from kvtier.server.tiers.disk_faults import (
     check_disk_path, check_injected_fault, describe_fault, free_bytes, hold_before_commit, is_io_fault, open_failure,
 )
@@ -374,21 +375,27 @@ class DiskTier(Tier):
         end) and the answer then comes from under the lock."""
         if not self.health.healthy:
             return [False] * len(keys)
+        return self._read_index(lambda index: [k in index for k in keys], [False] * len(keys))
+
+    def _read_index(self, read: Callable[[Any], Any], unhealthy: Any) -> Any:
+        """``read(index)`` without the index lock once the environment is open and no reload runs
+        (:attr:`_reloads` the same before and after), else under the lock (``unhealthy`` if the tier
+        turned unhealthy meanwhile)."""
         if self._loaded_pid == os.getpid() and self._env_obj is not None:
             g = self._reloads
             if not g & 1:
-                index = self.index
-                out = [k in index for k in keys]
+                out = read(self.index)
                 if self._reloads == g:
                     return out
         self._env()
         with self.index.lock:
-            return [k in self.index for k in keys] if self.health.healthy else [False] * len(keys)
+            return read(self.index) if self.health.healthy else unhealthy
 
     def lookup(self, keys: Sequence[bytes]) -> int:
-        if self.health.healthy:
-            self._env()
-        return super().lookup(keys)
+        """As :meth:`contains`: lock-free once open, under the lock while the index reloads."""
+        if not self.health.healthy:
+            return 0
+        return self._read_index(lambda index: prefix_present(index, keys), 0)
 
     def admits(self, items: Sequence[tuple[bytes, RecordLike]]) -> list[bool]:
         """For each ``(key, record)``, whether the policy admits it (:meth:`TierIndex.admit`: always

@@ -549,3 +549,46 @@ def test_every_reader_slot_taken_is_a_miss_not_an_unhealthy_tier(tmp_path, recor
         t.join(30)
     assert torch.equal(read(disk, k, codec.page_nbytes()), records[k])
     disk.close()
+
+
+def test_presence_checks_do_not_wait_for_the_index_lock_and_see_a_reload_whole(tmp_path, records):
+    """Attack pass 8, A8-4 (LoadPrefix part) and A8-7: ``contains`` and ``lookup`` took the disk tier's
+    index lock, which a synchronous commit holds for as long as the disk takes, so an Offload's key
+    check and a LoadPrefix's lookup of an idle tenant waited seconds. They read the index without it
+    now: with another thread holding the lock, both answer at once and right. While an index reload
+    runs (its counter odd) they ask under the lock instead, so a half-refilled index is never read."""
+    import threading
+
+    disk = disk_at(tmp_path)
+    keys = list(records)[:3]
+    for k in keys:
+        disk.write([(k, records[k])])
+    held, let_go = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with disk.index.lock:
+            held.set()
+            let_go.wait(10)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    held.wait(5)
+    try:
+        answers: list[object] = []
+        t = threading.Thread(target=lambda: answers.extend([disk.contains([keys[0], b"absent"]),
+                                                            disk.lookup([keys[0], keys[1], b"absent", keys[2]])]))
+        t.start()
+        t.join(2)
+        assert answers == [[True, False], 2]  # at once, with the lock held elsewhere
+        disk._reloads += 1  # noqa: SLF001 - as while an index reload runs
+        waited = threading.Thread(target=lambda: answers.append(disk.contains([keys[2]])))
+        waited.start()
+        waited.join(0.5)
+        assert waited.is_alive()  # it asks under the lock, which the holder has
+    finally:
+        let_go.set()
+        holder.join(5)
+    waited.join(5)
+    disk._reloads += 1  # noqa: SLF001
+    assert answers[-1] == [True]
+    disk.close()
