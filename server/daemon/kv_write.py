@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -28,6 +29,7 @@ from kvtier.native import load
 from kvtier.server.daemon.config import MIN_CHUNK_BYTES
 from kvtier.server.daemon.errors import Cancelled, InvalidArgument, NotFound
 from kvtier.server.daemon.kv_ops import INDEX_K, INDEX_SCALE, LATENT, KVSelection, plan_segments
+from kvtier.server.daemon.locks import LockBusy
 from kvtier.server.daemon.pools import PoolEntry, PoolRegistry
 from kvtier.server.daemon.tenants import Caller
 
@@ -88,6 +90,7 @@ class KVWriteBuffer:
             direct = entry.pool.latent_row_views(sel.latent_layers, self.slots, MAX_CLAIM_RUNS)
         self.in_place = direct is not None
         """True when the latent rows land in the pool as they arrive (a CPU pool, reserved or claimed pages)."""
+        self._restored = False  # restore() ran (rows back; the claim may still be held)
         self.claimed = self.in_place and not self.reserved
         """True for named slots written in place: their pages must be claimed, and the rows they
         replace are kept in the undo buffer (:meth:`restore`)."""
@@ -222,9 +225,12 @@ class KVWriteBuffer:
 
     def restore(self) -> None:
         """Copy back the rows a claimed write replaced (the bytes landed so far of each latent
-        segment, from the undo buffer); the pool's exclusive lock held, the claim not yet ended."""
-        if not self.claimed:
+        segment, from the undo buffer), once: a second call does nothing. The claim, not yet ended,
+        keeps every other call off these rows, so this needs no pool lock (:func:`write_kv` restores
+        before its caller's deadline when it cannot get the lock in time)."""
+        if not self.claimed or self._restored:
             return
+        self._restored = True
         for (undo, run_starts, runs), filled in zip(self._lands, self._undo_end):
             if runs is None:
                 continue
@@ -255,7 +261,7 @@ def begin_write(registry: PoolRegistry, caller: Caller, sel: KVSelection) -> KVW
 
 
 def write_kv(registry: PoolRegistry, caller: Caller, buf: KVWriteBuffer,
-             wanted: Callable[[], bool] = lambda: True) -> int:
+             wanted: Callable[[], bool] = lambda: True, time_left: Callable[[], float | None] | None = None) -> int:
     """Commit a complete :class:`KVWriteBuffer` of :func:`begin_write` into its pool; returns the
     bytes written. The caller calls :func:`abort_claimed` when this raises.
 
@@ -271,7 +277,7 @@ def write_kv(registry: PoolRegistry, caller: Caller, buf: KVWriteBuffer,
     """
     buf.check_complete()
     sel = buf.selection
-    with registry.locked(caller, sel.pool_id, exclusive=True) as entry:
+    with _commit_lock(registry, caller, buf, wanted, time_left) as entry:
         _check_same_pool(entry, buf)
         slots = entry.slots(buf.slots, unique=True, claimed_ok=buf.claimed)
         entry.check_writable(buf.pages, entry.owner_of(caller))
@@ -282,6 +288,42 @@ def write_kv(registry: PoolRegistry, caller: Caller, buf: KVWriteBuffer,
             entry.unclaim(buf.pages)
             buf.claimed = False  # committed: nothing to restore
     return buf.nbytes
+
+
+#: Seconds between two looks at the caller while a claimed write's commit waits for its pool.
+COMMIT_POLL_S = 0.05
+
+
+@contextmanager
+def _commit_lock(registry: PoolRegistry, caller: Caller, buf: KVWriteBuffer, wanted: Callable[[], bool],
+                 time_left: Callable[[], float | None] | None) -> Iterator[PoolEntry]:
+    """The pool's exclusive lock for a commit. A claimed write (its rows already in place) waits in
+    slices, looking at its caller: one that left, or whose deadline (``time_left()`` seconds) comes
+    within a margin, gets its replaced rows back at once, without the lock (the claim keeps every
+    other call off them), and Cancelled, before its client is told the call failed. Restored later,
+    under the lock, the old rows went over what an attached worker wrote through its tensors once
+    told the write had failed (attack pass 9, A9-2)."""
+    if not buf.claimed:
+        with registry.locked(caller, buf.selection.pool_id, exclusive=True) as entry:
+            yield entry
+        return
+    entry = registry.get(caller, buf.selection.pool_id)
+    while True:
+        left = time_left() if time_left is not None else None
+        margin = 0.0 if left is None else min(0.25, max(0.05, left / 10))
+        if not wanted() or (left is not None and left <= margin):
+            buf.restore()  # before the client hears of it: nothing of this write stays
+            raise Cancelled("the WriteKV was cancelled or ran past its deadline before its commit; the rows it "
+                            "replaced are back; nothing was written")
+        wait = COMMIT_POLL_S if left is None else max(0.0, min(COMMIT_POLL_S, left - margin))
+        try:
+            with entry.lock.exclusive(timeout=wait):
+                if entry.deleted:
+                    raise NotFound(f"no pool {buf.selection.pool_id!r}")
+                yield entry
+                return
+        except LockBusy:
+            continue
 
 
 def abort_claimed(registry: PoolRegistry, caller: Caller, buf: KVWriteBuffer) -> None:

@@ -41,15 +41,21 @@ class RWLock:
                     self._cond.notify_all()
 
     @contextmanager
-    def exclusive(self) -> Iterator[None]:
-        """Hold the lock alone (writes, moves, restores, slot allocation and free, delete)."""
+    def exclusive(self, timeout: float | None = None) -> Iterator[None]:
+        """Hold the lock alone (writes, moves, restores, slot allocation and free, delete).
+
+        Raises:
+            LockBusy: ``timeout`` seconds passed without getting it (None: wait as long as it takes).
+        """
         with self._cond:
             self._writers_waiting += 1
             try:
-                while self._writer or self._readers:
-                    self._cond.wait()
+                if not self._cond.wait_for(lambda: not (self._writer or self._readers), timeout):
+                    raise LockBusy("the lock is held")
             finally:
                 self._writers_waiting -= 1
+                if not self._writers_waiting:
+                    self._cond.notify_all()  # readers held back by this waiting writer go on
             self._writer = True
         try:
             yield

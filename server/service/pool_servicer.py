@@ -100,7 +100,8 @@ class PoolServicer(pool_pb2_grpc.PoolServiceServicer):
                 if buf.reserved:
                     slots, nbytes = kv_write.write_new_kv(self.pools, caller, buf, caller_waits(context))
                 else:
-                    slots, nbytes = None, kv_write.write_kv(self.pools, caller, buf, caller_waits(context))
+                    slots, nbytes = None, kv_write.write_kv(self.pools, caller, buf, caller_waits(context),
+                                                              context.time_remaining)
             except BaseException:
                 kv_write.abort_write(self.pools, caller, buf)
                 raise

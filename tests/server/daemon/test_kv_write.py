@@ -263,3 +263,57 @@ def test_a_write_of_indexer_parts_only_is_staged_not_claimed(d):
         keys, scales = e.pool.get_index_k_scale(0, slots)
     assert torch.equal(keys.view(torch.uint8).reshape(PS, -1), idx[0][0])
     assert torch.equal(scales.reshape(-1), idx[0][1])
+
+
+def test_a_claimed_write_whose_commit_cannot_get_the_pool_in_time_puts_its_rows_back_before_its_deadline(d):
+    """Attack pass 9, A9-2 (WriteKV): a write into named slots whose commit waited for its pool past
+    the caller's deadline wrote the replaced rows back only once it got the lock, seconds after the
+    client was told DEADLINE_EXCEEDED: over what an attached worker had written through its tensors
+    since. Now a claimed write's commit waits in slices and, once its deadline is within a margin,
+    puts the old rows back at once without the lock (the claim keeps other calls off them) and is
+    CANCELLED; the abort that follows under the lock does not put them back again. Here the pool is
+    held by another thread; the commit gives up with 0.3 s left; then the "worker" writes its own rows
+    straight into the pool, and after the abort they are still there."""
+    import threading
+    import time
+
+    pool(d, A)
+    with d.pools.locked(A, "p", exclusive=True) as e:
+        slots = e.alloc(2 * PS)
+        p = e.pool
+    old = torch.full((2 * PS, 656), 0x55, dtype=torch.uint8)
+    for x in range(4):
+        p.set_kv_buffer(x, slots, old)
+    data, _, _ = stream_bytes(slots.numel(), range(4), (), seed=9)
+    buf = kv_write.begin_write(d.pools, A, KVSelection("p", slots.tolist(), tuple(range(4)), ()))
+    buf.add_packed(0, memoryview(data))
+    held, let_go = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with d.pools.locked(A, "p", exclusive=True):
+            held.set()
+            let_go.wait(10)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    held.wait(5)
+    deadline = time.monotonic() + 0.6
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(Cancelled, match="rows it replaced are back"):
+            kv_write.write_kv(d.pools, A, buf, wanted=lambda: time.monotonic() < deadline,
+                              time_left=lambda: deadline - time.monotonic())
+        assert time.monotonic() < deadline  # answered before the caller's deadline
+        assert time.monotonic() - t0 >= 0.2  # it did wait for the pool first
+        for x in range(4):  # the old rows back, read without the lock (the holder has it)
+            assert torch.equal(p.get_kv_buffer_rows(x, slots).reshape(2 * PS, -1), old)
+        mine = torch.full((2 * PS, 656), 0x77, dtype=torch.uint8)
+        for x in range(4):  # the worker, told the write failed, writes through its tensors
+            p.set_kv_buffer(x, slots, mine)
+    finally:
+        let_go.set()
+        holder.join(5)
+    kv_write.abort_claimed(d.pools, A, buf)  # ends the claim; no second restore
+    for x in range(4):
+        assert torch.equal(read_rows(d, A, "p", slots, layer=x), mine)
+    assert d.pools.get(A, "p").claimed_pages == 0
