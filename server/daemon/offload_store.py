@@ -162,10 +162,11 @@ class OffloadStore:
         """Store ``copy`` as one record (latent + indexer + src_loc) in the top tier (older records,
         the tenant's own first when over a quota, move down to make room).
 
-        Only the key's own lock is held while the record is placed, and none while a durable copy
-        waits for the disk's commit: Offloads and Restores of other keys, of every tenant, go on
-        meanwhile (attack pass 7, A7-2, and pass 8, A8-7: one tenant's durable offload held every
-        tenant's Offload and Restore(drop) for as long as the disk took).
+        Only the key's own lock is held, while the record is placed and while a durable copy waits
+        for the disk's commit: Offloads and Restores of other keys, of every tenant, go on meanwhile
+        (attack pass 7, A7-2, and pass 8, A8-7: one tenant's durable offload held every tenant's
+        Offload and Restore(drop) for as long as the disk took). A Restore(drop) or a Drop of the same
+        key waits for the put's outcome, so none takes a copy its Offload then reports failed (A9-3).
 
         Returns:
             True if the copy is durable: committed to a persistent tier (LMDB) before this returned.
@@ -196,39 +197,38 @@ class OffloadStore:
                 self._sources[(caller.tenant, key)] = copy.source_pool
                 self._put_seq += 1
                 seq = self._puts[tkey] = self._put_seq
-        stored = [t for t in self.stack.cascade if t.persistent and t.name in placed]
-        for t in stored:  # durable means committed: wait for the disk tier's write-behind (no lock held)
-            t.drain()
-        with self._lock:
-            if self._puts.get(tkey) != seq:  # dropped or taken meanwhile: it was stored, and is another call's now
-                return bool(stored)
-        # its transaction failed (storage fault: unhealthy; LMDB's map full with nothing left to
-        # evict: the tier serves on without it): the copy is not there, and never reported durable
-        missing = [t for t in stored if not t.health.healthy or not t.contains([tkey])[0]]
-        if missing:
-            placed = [n for n in placed if all(t.name != n for t in missing)]
-        gone = bool(placed) and not wanted()
-        if not placed or gone:
-            self._unput(caller, key, tkey, seq)
-            if gone:
-                still_wanted(lambda: False, "Offload")  # its copy is taken back: nothing was changed
-            sick = next((t for t in self.stack.cascade if not t.health.healthy), None)
-            if sick is not None:
-                raise Unavailable(f"no tier could take the {rec.numel()}-byte copy {key!r}; {self._retry_hint(sick)}")
-            raise self._refusal(caller.tenant, key, int(rec.numel()))
-        return any(t.persistent for t in self.stack.cascade if t.name in placed)
+            stored = [t for t in self.stack.cascade if t.persistent and t.name in placed]
+            for t in stored:  # durable means committed: wait for the disk tier's write-behind (only this key's lock held)
+                t.drain()
+            with self._lock:
+                if self._puts.get(tkey) != seq:  # dropped or taken meanwhile: it was stored, and is another call's now
+                    return bool(stored)
+            # its transaction failed (storage fault: unhealthy; LMDB's map full with nothing left to
+            # evict: the tier serves on without it): the copy is not there, and never reported durable
+            missing = [t for t in stored if not t.health.healthy or not t.contains([tkey])[0]]
+            if missing:
+                placed = [n for n in placed if all(t.name != n for t in missing)]
+            gone = bool(placed) and not wanted()
+            if not placed or gone:
+                self._unput_held(caller, key, tkey, seq)
+                if gone:
+                    still_wanted(lambda: False, "Offload")  # its copy is taken back: nothing was changed
+                sick = next((t for t in self.stack.cascade if not t.health.healthy), None)
+                if sick is not None:
+                    raise Unavailable(f"no tier could take the {rec.numel()}-byte copy {key!r}; {self._retry_hint(sick)}")
+                raise self._refusal(caller.tenant, key, int(rec.numel()))
+            return any(t.persistent for t in self.stack.cascade if t.name in placed)
 
-    def _unput(self, caller: Caller, key: str, tkey: bytes, seq: int) -> None:
-        """Take back the put numbered ``seq`` (a copy its caller will be told failed), unless a newer
-        put or a Drop has replaced it since."""
-        with self._keys.holding(tkey):
-            with self._lock:
-                if self._puts.get(tkey) != seq:
-                    return
-            self.stack.remove([tkey])
-            with self._lock:
-                self._sources.pop((caller.tenant, key), None)
-                self._puts.pop(tkey, None)
+    def _unput_held(self, caller: Caller, key: str, tkey: bytes, seq: int) -> None:
+        """(The key's lock held.) Take back the put numbered ``seq`` (a copy its caller will be told
+        failed), unless it was dropped or taken since."""
+        with self._lock:
+            if self._puts.get(tkey) != seq:
+                return
+        self.stack.remove([tkey])
+        with self._lock:
+            self._sources.pop((caller.tenant, key), None)
+            self._puts.pop(tkey, None)
 
     def get(self, caller: Caller, key: str, *, settle: bool = True) -> HostCopy:
         """The tenant's copy under ``key``, checked (a damaged record is dropped and NOT_FOUND; one on

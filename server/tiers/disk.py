@@ -914,6 +914,12 @@ class DiskTier(Tier):
                     views = [txn.get(k) if ent is None else ent[1] for k, ent in zip(keys, held)]
                 else:
                     views = list(map(txn.get, keys))
+                # a record the index no longer holds (removed or evicted, its delete queued behind the
+                # write-behind) is a miss: the index decides, LMDB catches up (attack pass 9)
+                index = self.index
+                for i, k in enumerate(keys):
+                    if views[i] is not None and k not in index and (held is None or held[i] is None):
+                        views[i] = None
                 # a record LMDB gives for a key it was not written under is never copied out (disk_keysums.py)
                 strays = unbound(txn, self._sums, keys, views, None if held is None else [e is not None for e in held])
                 for i in strays:

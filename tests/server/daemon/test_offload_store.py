@@ -332,3 +332,65 @@ def test_a_copy_on_its_way_down_to_the_disk_is_still_there_for_every_call(tmp_pa
         if slow.exists():
             slow.unlink()
         d.close()
+
+
+def test_a_restore_with_drop_never_takes_a_copy_whose_offload_then_fails(tmp_path, monkeypatch):
+    """A9-3's other side: a Restore(drop=True) that came while a durable Offload waited for its disk
+    commit took the copy, and the Offload, its caller gone by then, was told CANCELLED ("nothing was
+    changed") for a copy another call had consumed. The Restore now waits for the put's outcome:
+    here the Offload's caller leaves during the held commit, the copy is taken back, and the Restore
+    is NOT_FOUND."""
+    import threading
+
+    from kvtier.server.daemon.tier_settings import TierSettings
+    from kvtier.server.tiers.disk_faults import SLOW_FILE_ENV
+
+    slow = tmp_path / "slow"
+    monkeypatch.setenv(SLOW_FILE_ENV, str(slow))
+    d = _daemon(host_memory_bytes=4 << 20, tiers=TierSettings(disk_path=str(tmp_path / "disk"), disk_bytes=64 << 20,
+                                                                  write_through=True))
+    try:
+        _pool(d)
+        slots, _ = _fill(d, "p", PS, seed=31)
+        slow.write_text("")  # every disk commit waits until the file is removed
+        there = threading.Event()
+        there.set()
+        offloaded: list[BaseException | object] = []
+
+        def offload() -> None:
+            try:
+                offloaded.append(kv_ops.offload(d.pools, d.offload_store, ME, "p", "K", slots, free_slots=False,
+                                                wanted=there.is_set))
+            except BaseException as e:  # noqa: BLE001 - the test looks at it
+                offloaded.append(e)
+
+        t = threading.Thread(target=offload)
+        t.start()
+        tkey = d.offload_store._key(ME, "K")  # noqa: SLF001
+        for _ in range(250):  # the copy is in the host tier; its durable commit is held
+            if d.tiers.stack.cascade[0].contains([tkey])[0]:
+                break
+            threading.Event().wait(0.02)
+        restored: list[BaseException | object] = []
+
+        def restore() -> None:
+            try:
+                restored.append(kv_ops.restore(d.pools, d.offload_store, ME, "p", "K", None, drop=True))
+            except BaseException as e:  # noqa: BLE001
+                restored.append(e)
+
+        r = threading.Thread(target=restore)
+        r.start()
+        threading.Event().wait(0.3)
+        assert not restored  # it waits for the Offload's outcome
+        there.clear()  # the Offload's caller leaves
+        slow.unlink()
+        t.join(30)
+        r.join(30)
+        assert isinstance(offloaded[0], Cancelled)
+        assert isinstance(restored[0], NotFound)
+        assert not d.offload_store.contains(ME, "K")
+    finally:
+        if slow.exists():
+            slow.unlink()
+        d.close()

@@ -391,3 +391,22 @@ def test_a_drain_after_a_failed_job_returns_only_once_the_tier_heard_of_the_fail
     told_at_drain.append(heard.is_set())
     wb.close()
     assert told_at_drain == [True]
+
+
+def test_a_removed_record_is_a_miss_while_its_delete_waits_in_the_queue(tmp_path, records):
+    """A write-behind disk queues a removal's delete (attack pass 9, A9-4), so LMDB holds the record
+    until the writer gets to it; reads go by the index, so it is a miss from the removal on (a
+    Restore(drop) took a copy its failed Offload had just taken back). Once the delete commits, LMDB
+    no longer holds it either."""
+    tier = tier_at(tmp_path)
+    k = next(iter(records))
+    tier.write([(k, records[k])])
+    tier.drain()
+    held = HeldWriter(tier)
+    assert tier.remove([k]) == 1
+    assert read(tier, k, records[k].numel()) is None
+    with tier.borrow([k]) as (rec,):
+        assert rec is None
+    held.release()
+    tier.close()
+    assert k not in lmdb_contents(tmp_path)
