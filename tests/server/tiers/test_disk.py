@@ -428,7 +428,7 @@ def _plant_empty_value(path: str, key: bytes) -> None:
 @pytest.mark.parametrize("write_behind", [False, True])
 def test_an_empty_record_is_refused_and_an_empty_value_reads_as_damaged(tmp_path, records, write_behind):
     """A zero-length record is bad input (ValueError, nothing written); a zero-length value that
-    another process put into LMDB reads as a damaged record (a miss, counted ``damaged``, dropped)
+    another process put into LMDB under a key the tier holds reads as a damaged record (a miss, counted ``damaged``, dropped)
     through read_into and borrow, never a TypeError out of the native copy. A good record read in
     the same batch still comes back byte-exact."""
     tier = DiskTier(DiskTierConfig(path=str(tmp_path), capacity_bytes=8 * MiB, write_behind=write_behind))
@@ -437,7 +437,7 @@ def test_an_empty_record_is_refused_and_an_empty_value_reads_as_damaged(tmp_path
         tier.write([(b"empty", torch.empty(0, dtype=torch.uint8))])
     assert tier.contains([b"empty"]) == [False]
     good_key, good = next(iter(records.items()))
-    tier.write([(good_key, good)])
+    tier.write([(good_key, good), (b"z1", good), (b"z2", good)])  # z1, z2: held by the index, then emptied
     tier.drain()
     _plant_empty_value(str(tmp_path), b"z1")
     out = [torch.empty(good.numel(), dtype=torch.uint8) for _ in range(2)]
