@@ -116,3 +116,22 @@ def others_symlink(tmp_path):
     (sticky / "evil").symlink_to(victim)
     os.lchown(sticky / "evil", 65534, 65534)
     return sticky, victim
+
+
+@pytest.fixture
+def make_node(tmp_path):
+    """``make_node(kind)``: our own FIFO (``"fifo"``) or character device with /dev/zero's numbers
+    (``"char-device"``; mknod needs root, which the suite runs as) at ``tmp_path/node``; returns its path.
+    Never the real /dev nodes."""
+    import stat
+
+    def make(kind: str):
+        node = tmp_path / "node"
+        if kind == "fifo":
+            os.mkfifo(node)
+        else:
+            assert os.geteuid() == 0, "mknod needs root (the suite runs as root)"
+            os.mknod(node, 0o600 | stat.S_IFCHR, os.makedev(1, 5))
+        return node
+
+    return make

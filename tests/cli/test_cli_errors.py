@@ -604,29 +604,19 @@ def test_a_host_tier_the_machine_cannot_map_is_one_line(tmp_path):
 
 # ----- files that are not regular files ----------------------------------------------------------------
 @pytest.mark.parametrize("kind", ["char-device", "fifo"])
-def test_a_config_that_is_not_a_regular_file_is_one_line_at_once(tmp_path, kind):
+def test_a_config_that_is_not_a_regular_file_is_one_line_at_once(tmp_path, kind, make_node):
     """Attack pass 9, A9-9: ``kvtier serve --config /dev/zero`` read the device until the host ran
     out of memory (1 GB/s), and ``--config FIFO`` hung in open(): the serve flags' ``[tiers]`` check read
     the file with a plain open before the daemon's own check. It now reads it through that check: one
     line, at once. (Our own device node, a copy of /dev/zero's numbers, and our own FIFO.)"""
-    node = tmp_path / "node"
-    if kind == "fifo":
-        os.mkfifo(node)
-    else:
-        assert os.geteuid() == 0, "mknod needs root (the suite runs as root)"
-        os.mknod(node, 0o600 | stat.S_IFCHR, os.makedev(1, 5))  # /dev/zero's major and minor
+    node = make_node(kind)
     r = serve(tmp_path, "--config", str(node), timeout=30)
     assert one_line_error(r) == f"Error: --config {node}: not a regular file"
 
 
 @pytest.mark.parametrize("kind", ["char-device", "fifo"])
-def test_a_client_tls_file_that_is_not_a_regular_file_is_one_line_at_once(tmp_path, kind):
+def test_a_client_tls_file_that_is_not_a_regular_file_is_one_line_at_once(kind, make_node):
     """A9-9's client sibling: ``KVTIER_TLS_CA=/dev/zero kvtier status`` read the device to 4 GB."""
-    node = tmp_path / "ca"
-    if kind == "fifo":
-        os.mkfifo(node)
-    else:
-        assert os.geteuid() == 0, "mknod needs root (the suite runs as root)"
-        os.mknod(node, 0o600 | stat.S_IFCHR, os.makedev(1, 5))
+    node = make_node(kind)
     r = kvtier("status", "--server", "127.0.0.1:1", "--timeout", "1", env={"KVTIER_TLS_CA": str(node)}, timeout=30)
     assert one_line_error(r) == f"Error: tls_root_cert {node}: not a regular file"

@@ -157,18 +157,13 @@ def test_bench_refuses_an_out_directory_through_another_users_symlink(tmp_path, 
 
 
 @pytest.mark.parametrize("kind", ["fifo", "char-device"])
-def test_bench_refuses_an_out_that_is_a_device_node_or_a_fifo_in_one_line(tmp_path, kind):
+def test_bench_refuses_an_out_that_is_a_device_node_or_a_fifo_in_one_line(kind, make_node):
     """Attack pass 9, A9-5: ``kvtier bench --out /dev/null`` (or a FIFO) ended in a traceback from the
     work directory it tried to make inside. It is refused at start in one line, and the node is left
     as it was. (Our own node, never the real /dev/null.)"""
     import stat
 
-    node = tmp_path / "node"
-    if kind == "fifo":
-        os.mkfifo(node)
-    else:
-        assert os.geteuid() == 0, "mknod needs root (the suite runs as root)"
-        os.mknod(node, 0o600 | stat.S_IFCHR, os.makedev(1, 3))
+    node = make_node(kind)
     r = subprocess.run([sys.executable, "-m", "kvtier.cli", "bench", "--quick", "--case", "capacity", "--out", str(node)],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode != 0

@@ -21,7 +21,7 @@ from kvtier.server.tiers import (
 from kvtier.server.tiers.disk_lock import LOCK_NAME
 from kvtier.server.tiers.errors import TierUnavailableError
 from kvtier.server.tiers import disk as disk_module
-from tierkit import record_of
+from tierkit import HeldLock, record_of
 
 MiB = 1 << 20
 
@@ -563,17 +563,7 @@ def test_presence_checks_do_not_wait_for_the_index_lock_and_see_a_reload_whole(t
     keys = list(records)[:3]
     for k in keys:
         disk.write([(k, records[k])])
-    held, let_go = threading.Event(), threading.Event()
-
-    def hold() -> None:
-        with disk.index.lock:
-            held.set()
-            let_go.wait(10)
-
-    holder = threading.Thread(target=hold)
-    holder.start()
-    held.wait(5)
-    try:
+    with HeldLock(disk.index.lock):
         answers: list[object] = []
         t = threading.Thread(target=lambda: answers.extend([disk.contains([keys[0], b"absent"]),
                                                             disk.lookup([keys[0], keys[1], b"absent", keys[2]])]))
@@ -585,9 +575,6 @@ def test_presence_checks_do_not_wait_for_the_index_lock_and_see_a_reload_whole(t
         waited.start()
         waited.join(0.5)
         assert waited.is_alive()  # it asks under the lock, which the holder has
-    finally:
-        let_go.set()
-        holder.join(5)
     waited.join(5)
     disk._reloads += 1  # noqa: SLF001
     assert answers[-1] == [True]

@@ -265,6 +265,8 @@ def test_telling_a_tier_of_a_copy_up_never_waits_for_its_index_lock():
     the eviction that follows still takes the copy first, as the test above."""
     import threading
 
+    from tierkit import HeldLock
+
     from kvtier.server.tiers.sim import SimTierConfig
     from kvtier.server.tiers.stack import TierStack
 
@@ -276,22 +278,11 @@ def test_telling_a_tier_of_a_copy_up_never_waits_for_its_index_lock():
     for k in (b"a", b"b", b"c", b"d", b"e"):
         stack.put(k, 10, source="device")
     on_device.add(b"b")
-    held, let_go = threading.Event(), threading.Event()
-
-    def hold() -> None:
-        with disk.index.lock:
-            held.set()
-            let_go.wait(10)
-
-    holder = threading.Thread(target=hold)
-    holder.start()
-    held.wait(5)
-    told = threading.Thread(target=lambda: stack.copied_up([b"b", b"d"]))
-    told.start()
-    told.join(2)
-    returned = not told.is_alive()
-    let_go.set()
-    holder.join(5)
+    with HeldLock(disk.index.lock):
+        told = threading.Thread(target=lambda: stack.copied_up([b"b", b"d"]))
+        told.start()
+        told.join(2)
+        returned = not told.is_alive()
     told.join(5)
     assert returned  # it did not wait for the lock the other thread held
     stack.put(b"f", 10, source="device")  # the disk makes room: its copy of b goes first, not a

@@ -58,3 +58,28 @@ def keys_for(n: int, seed: int = 0) -> list[bytes]:
 def record_of(codec, pool, page: int, seed: int) -> torch.Tensor:
     fill_page(pool, page, seed)
     return codec.encode_from_pool(pool, slots_of_pages(torch.tensor([page]), PAGE))
+
+
+class HeldLock:
+    """Holds ``lock`` on a thread of its own from ``__enter__`` until ``__exit__`` (a slow commit
+    holding a tier's index lock, without the slow commit)."""
+
+    def __init__(self, lock) -> None:
+        import threading
+
+        self._lock, self._held, self._let_go = lock, threading.Event(), threading.Event()
+        self._thread = threading.Thread(target=self._hold, daemon=True)
+
+    def _hold(self) -> None:
+        with self._lock:
+            self._held.set()
+            self._let_go.wait(30)
+
+    def __enter__(self) -> HeldLock:
+        self._thread.start()
+        assert self._held.wait(5), "the lock was never taken"
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._let_go.set()
+        self._thread.join(5)
