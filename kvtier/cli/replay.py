@@ -252,7 +252,9 @@ def replay(trace_path: str, model: str, n_requests: int | None, server: str | No
             if not os.path.isdir(parent):
                 raise ValueError(f"--json {json_path}: the directory {parent} does not exist; create it or give another path")
             check_output_path(json_path, "--json")  # a device node, FIFO or socket there was replaced (attack pass 7, A7-6)
-        if plot_dir is not None:
+        if plot_dir is not None:  # a device node or FIFO there: refused now, not after the sweep (A9-5)
+            if os.path.lexists(plot_dir) and not os.path.isdir(plot_dir):
+                raise ValueError(f"--plot {plot_dir} exists and is not a directory; pass a directory (made if missing)")
             check_output_path(Path(plot_dir) / "policy-sweep.png", "--plot")
     except (ValueError, OutputPathError) as e:
         raise click.UsageError(str(e)) from None

@@ -192,3 +192,18 @@ def test_cli_refuses_an_output_path_through_another_users_symlink(tmp_path, flag
     assert r.exit_code == 2, r.output
     assert f"symlink {sticky / 'evil'} is owned by uid 65534" in r.output and "Traceback" not in r.output
     assert os.listdir(victim) == []
+
+
+@pytest.mark.parametrize("kind", ["fifo", "char-device"])
+def test_replay_plot_that_is_a_device_node_or_a_fifo_is_refused_before_the_sweep(kind, make_node):
+    """Attack pass 9, A9-5: ``kvtier replay --sweep ... --plot /dev/null`` ran the whole sweep, then
+    ended in a NotADirectoryError traceback. Refused at start in one line; the node is left as it was."""
+    import stat
+
+    node = make_node(kind)
+    r = CliRunner().invoke(main, ["replay", "--trace", str(TRACE), "--requests", "3", "--simulate", "--sweep", "1000",
+                                  "--plot", str(node)])
+    assert r.exit_code == 2, r.output
+    assert f"--plot {node} exists and is not a directory" in r.output and "Traceback" not in r.output
+    mode = os.lstat(node).st_mode
+    assert stat.S_ISFIFO(mode) if kind == "fifo" else stat.S_ISCHR(mode)
