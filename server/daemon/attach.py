@@ -330,9 +330,15 @@ def call_deadline(request: dict[str, Any], received: float) -> float | None:
             :data:`~kvtier.attach_wire.MAX_TIMEOUT_S`; ``sent_at`` is not a finite number or null.
     """
     sent = request.get("sent_at")
-    if sent is not None and (isinstance(sent, bool) or not isinstance(sent, (int, float))
-                             or (isinstance(sent, float) and not math.isfinite(sent))):
-        raise InvalidArgument(f"sent_at must be a number (the client's monotonic clock) or null, got {str(sent)[:40]!r}")
+    if sent is not None:
+        try:  # an int too large for a float (10**400) is refused as one that is not finite (A10-3)
+            ok = not isinstance(sent, bool) and isinstance(sent, (int, float)) and math.isfinite(float(sent))
+        except OverflowError:
+            ok = False
+        if not ok:
+            raise InvalidArgument(f"sent_at must be a finite number (the client's monotonic clock) or null, "
+                                  f"got {str(sent)[:40]!r}")
+        sent = float(sent)
     timeout = request.get("timeout_s")
     if timeout is None:
         return None

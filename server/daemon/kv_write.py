@@ -424,6 +424,7 @@ def write_new_kv(registry: PoolRegistry, caller: Caller, buf: KVWriteBuffer,
         _check_wanted(wanted)
         _write_staged(entry, buf, buf.slots)
         entry.grant(buf.slots, owner)
+        entry.changed(torch.unique(buf.slots // entry.page_size))  # written, not just allocated (A10-5)
     return buf.slots, buf.nbytes
 
 

@@ -64,6 +64,9 @@ def test_a_write_that_allocates_lands_every_chunk_where_its_slot_says(d, chunk):
             assert torch.equal(keys.view(torch.uint8).reshape(150, -1), idx[x][0])
             assert torch.equal(scales.reshape(-1), idx[x][1])
         assert bool(e.page_allocated[[2, 4, 5]].all())
+        # they hold the caller's KV now, not whatever the allocator left (attack pass 10, A10-5: a
+        # PullKV or Restore into them kept no undo rows, and a cancelled one left a mix)
+        assert not e.unwritten([2, 4, 5])
 
 
 def test_an_aborted_write_gives_its_pages_back_and_a_cancelled_commit_writes_nothing(d):

@@ -334,6 +334,6 @@ def test_call_deadline_reads_sent_at_on_the_daemons_clock_only_when_it_can_be():
     assert call_deadline({"timeout_s": 2.0, "sent_at": 997.5}, received) == 999.5  # passed before it was read
     assert call_deadline({"timeout_s": 2.0, "sent_at": 1000.0 + 2 * SENT_AT_SLACK_S}, received) == 1002.0
     assert call_deadline({"timeout_s": 2.0, "sent_at": 990.0}, received) == 992.0  # waited 10 s unread
-    for bad in ("x", True, float("inf"), float("nan"), [1]):
+    for bad in ("x", True, float("inf"), float("nan"), [1], 10**400, -(2**1030)):  # (A10-3: ints past a float)
         with pytest.raises(InvalidArgument, match="sent_at"):
             call_deadline({"timeout_s": 2.0, "sent_at": bad}, received)
