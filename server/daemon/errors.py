@@ -92,3 +92,10 @@ def still_wanted(wanted: Callable[[], bool], call: str) -> None:
     deadline still ran, leaking pages nobody knew of and dropping the restored copy)."""
     if not wanted():
         raise Cancelled(f"the {call} was cancelled or ran past its deadline while it waited; nothing was changed")
+
+
+def time_left_of(wanted: Callable[[], bool]) -> Callable[[], float | None] | None:
+    """The seconds-to-deadline function a ``wanted`` check carries (a gRPC call's, set by the
+    service's ``caller_waits``), or None (no deadline known): a call that must answer before its
+    caller's deadline bounds its last waits by it."""
+    return getattr(wanted, "time_left", None)

@@ -333,6 +333,8 @@ def restore(registry: PoolRegistry, store: OffloadStore, caller: Caller, pool_id
                     entry.pool.load_cpu_copy(old, t)
                     entry.changed(pages)
                 raise
+        if drop:
+            store.settle_drop(wanted)  # its delete committed (or queued, its deadline near) before the answer
     return t, hc.nbytes
 
 

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from kvtier.server.daemon.errors import (AlreadyExists, InvalidArgument, NotFound, ResourceExhausted, Unavailable,
-                                         always, still_wanted)
+                                         always, still_wanted, time_left_of)
 from kvtier.server.daemon.locks import KeyLocks
 from kvtier.server.daemon.quotas import Quotas
 from kvtier.server.daemon.tenants import Caller, tenant_key
@@ -211,6 +211,7 @@ class OffloadStore:
             gone = bool(placed) and not wanted()
             if not placed or gone:
                 self._unput_held(caller, key, tkey, seq)
+                self.stack.drain_writes(time_left_of(wanted))  # taken back for good before it answers (A10-2)
                 if gone:
                     still_wanted(lambda: False, "Offload")  # its copy is taken back: nothing was changed
                 sick = next((t for t in self.stack.cascade if not t.health.healthy), None)
@@ -272,6 +273,12 @@ class OffloadStore:
         finally:
             with self._lock:
                 self._taken.pop(tkey, None)
+
+    def settle_drop(self, wanted: Callable[[], bool] = always) -> None:
+        """After a Restore with drop let its locks go: wait for the drop's delete to commit (bounded
+        by the caller's deadline, :meth:`TierStack.drain_writes`), so a crash after the answer
+        cannot bring the taken copy back (attack pass 10, A10-2)."""
+        self.stack.drain_writes(time_left_of(wanted))
 
     def quiesce_key(self, caller: Caller, key: str) -> None:
         """Wait for what a removal of the tenant's copy under ``key`` waits for (its record in flight
@@ -339,7 +346,9 @@ class OffloadStore:
             with self._lock:
                 self._sources.pop((caller.tenant, key), None)
                 self._puts.pop(tkey, None)
-        self.stack.drain_writes()  # the delete committed before the Drop answers, holding nothing
+        # the delete committed before the Drop answers, holding nothing (or, its deadline coming
+        # first, queued: the Drop is done and answers before it; A10-1)
+        self.stack.drain_writes(time_left_of(wanted))
         return nbytes
 
     def contains(self, caller: Caller, key: str) -> bool:

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvtier.server.daemon.errors import InvalidArgument, always, still_wanted
+from kvtier.server.daemon.errors import InvalidArgument, always, still_wanted, time_left_of
 from kvtier.server.daemon.locks import RWLock
 from kvtier.server.daemon.quotas import Quotas
 from kvtier.server.daemon.tenants import Caller, tenant_key, tenant_of_key
@@ -425,7 +425,7 @@ class UnitStore:
                                              quiesced=True)
             self.clears += 1
             removed = self.pending.drop_prefix(prefix)
-        self.stack.drain_writes()  # its deletes committed before it answers, holding nothing
+        self.stack.drain_writes(time_left_of(wanted))  # its deletes committed before it answers, holding nothing
         self._count(caller, cleared=removed + len(units))
         return removed + len(units)
 

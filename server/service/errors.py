@@ -182,4 +182,5 @@ def caller_waits(context: grpc.ServicerContext) -> Callable[[], bool]:
         remaining = context.time_remaining()
         return remaining is None or remaining > 0
 
+    wanted.time_left = context.time_remaining  # type: ignore[attr-defined]  # (time_left_of)
     return wanted

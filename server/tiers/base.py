@@ -117,10 +117,12 @@ class Tier(ABC):
         self._stats = TierStats(self.name, capacity_bytes=index.capacity)
         self._stats_lock = threading.Lock()  # leaf: taken after index.lock, never before it
 
-    def drain(self) -> None:
+    def drain(self, timeout: float | None = None) -> bool:
         """Wait until every write this tier has acknowledged is in its storage (the disk tier's
-        write-behind transactions committed, or failed and the tier unhealthy). Default: writes are
-        stored when ``write`` returns; nothing to wait for."""
+        write-behind transactions committed, or failed and the tier unhealthy); False when
+        ``timeout`` seconds passed first. Default: writes are stored when ``write`` returns;
+        nothing to wait for."""
+        return True
 
     def probe(self) -> None:
         """Check that an unhealthy tier can serve again (e.g. a small write and delete); raise an

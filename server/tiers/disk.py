@@ -677,14 +677,17 @@ class DiskTier(Tier):
                 if not self._make_room_for(job, busy, on_evict):
                     raise
 
-    def drain(self) -> None:
-        """Wait until every write-behind transaction has committed (or failed). A no-op without
-        write-behind; the tier drains by itself before it flushes, closes, removes or reloads."""
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until every write-behind transaction queued so far has committed (or failed); False
+        when ``timeout`` seconds passed first. A no-op without write-behind; the tier drains by
+        itself before it flushes, closes or reloads."""
         if self._writer is not None:
-            self._writer.drain()
+            if not self._writer.drain(timeout):
+                return False
             if self._writer.failure is not None and self.health.healthy and not self._resyncing:
                 with self.index.lock:  # a map-full failure: the index back in step, so presence is true
                     self._resync_if_due()
+        return True
 
     def write(self, items: Sequence[tuple[bytes, RecordLike]], *, on_evict: EvictHook | None = None,
               replace: bool = False) -> list[bytes]:

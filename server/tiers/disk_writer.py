@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -213,20 +214,25 @@ class WriteBehind:
             self._thread.start()
         self._changed.notify_all()
 
-    def drain(self) -> None:
+    def drain(self, timeout: float | None = None) -> bool:
         """Wait until every job queued before this call has been applied (or dropped by a failure):
         jobs queued meanwhile are not waited for (module docstring). While the writer holds a job
-        back for room, make it here. A no-op on the writer thread itself."""
+        back for room, make it here. A no-op on the writer thread itself. Returns False when
+        ``timeout`` seconds (None: no bound) passed first."""
         if threading.current_thread() is self._thread:
-            return
+            return True
+        end = None if timeout is None else time.monotonic() + timeout
         with self._changed:
             ticket = self._queued
         while True:
             with self._changed:
                 while self._finished < ticket and self.full is None:
-                    self._changed.wait()
+                    left = None if end is None else end - time.monotonic()
+                    if left is not None and left <= 0:
+                        return False
+                    self._changed.wait(left)
                 if self._finished >= ticket:
-                    return
+                    return True
             self.make_room_now(None)
 
     def make_room_now(self, submitting: DiskJob | None) -> None:

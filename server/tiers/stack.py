@@ -447,12 +447,22 @@ class TierStack:
         return self._remove_where(lambda tier: [k for k in tier.index.keys() if match(k)], match, ready,
                                   quiesced=quiesced)[1]
 
-    def drain_writes(self) -> None:
+    def drain_writes(self, time_left: Callable[[], float | None] | None = None) -> bool:
         """Wait, holding no lock, until the writes and removals queued so far in the tiers below the
         first (the disk's write-behind) are committed: a Drop or a ClearUnits answers once its
-        deletes are in LMDB, so a crash after it cannot bring the records back."""
+        deletes are in LMDB, so a crash after it cannot bring the records back. ``time_left()``: the
+        seconds to the caller's deadline (None: none); the wait ends a margin before it (a tenth, at
+        most 0.25 s, at least 0.05 s), so the caller hears its answer: the removal is done, its
+        delete queued (attack pass 10, A10-1: told DEADLINE_EXCEEDED, the copy was gone). Returns
+        False when it ended so."""
         for tier in self.cascade[1:]:
-            tier.drain()
+            left = time_left() if time_left is not None else None
+            if left is None:
+                tier.drain()
+                continue
+            if not tier.drain(max(0.0, left - min(0.25, max(0.05, left / 10)))):
+                return False
+        return True
 
     def _remove_where(self, keys_of: Callable[[Tier], list[bytes]], match: Callable[[bytes], bool],
                       ready: Callable[[], None] | None = None, *, quiesced: bool = False) -> tuple[int, set[bytes]]:

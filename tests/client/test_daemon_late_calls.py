@@ -359,3 +359,4 @@ def test_handshakes_waiting_on_a_busy_pool_never_delay_another_sessions_calls(tm
                 t.join(30)
             holder.join(60)
             ap.detach()
+

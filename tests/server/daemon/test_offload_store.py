@@ -394,3 +394,56 @@ def test_a_restore_with_drop_never_takes_a_copy_whose_offload_then_fails(tmp_pat
         if slow.exists():
             slow.unlink()
         d.close()
+
+
+def test_a_drop_whose_delete_cannot_commit_before_its_deadline_answers_before_it(tmp_path, monkeypatch):
+    """Attack pass 10, A10-1: a Drop removes the copy from the indexes, queues its delete on the
+    disk's write-behind and waits for the commit before it answers; with a slow disk the caller's
+    deadline passed in that wait, and the caller was told DEADLINE_EXCEEDED for a copy that was gone.
+    The wait now ends a margin before the deadline. Here the disk's commits are held right after the
+    removal (behind another copy's write); the Drop, 1 s from its deadline, answers within it, the
+    copy gone; once the disk goes on, its delete commits."""
+    import threading
+    import time
+
+    from kvtier.server.daemon.tier_settings import TierSettings
+    from kvtier.server.tiers.disk_faults import SLOW_FILE_ENV
+
+    slow = tmp_path / "slow"
+    monkeypatch.setenv(SLOW_FILE_ENV, str(slow))
+    d = _daemon(host_memory_bytes=4 << 20, tiers=TierSettings(disk_path=str(tmp_path / "disk"), disk_bytes=64 << 20,
+                                                                  write_through=True))
+    try:
+        _pool(d)
+        slots, _ = _fill(d, "p", PS, seed=41)
+        kv_ops.offload(d.pools, d.offload_store, ME, "p", "K", slots, free_slots=False)
+        stack = d.tiers.stack
+        real_remove = stack.remove
+        late: list[threading.Thread] = []
+
+        def remove_then_hold(keys, **kw):
+            n = real_remove(keys, **kw)
+            slow.write_text("")  # the disk holds every commit from now on
+            t = threading.Thread(target=kv_ops.offload, args=(d.pools, d.offload_store, ME, "p", "other", slots),
+                                 kwargs={"free_slots": False})
+            t.start()  # its write-through commit goes first and waits
+            late.append(t)
+            time.sleep(0.2)
+            return n
+
+        monkeypatch.setattr(stack, "remove", remove_then_hold)
+        deadline = time.monotonic() + 1.0
+
+        def wanted() -> bool:
+            return time.monotonic() < deadline
+
+        wanted.time_left = lambda: deadline - time.monotonic()  # as a gRPC call's check carries it
+        assert d.offload_store.drop(ME, "K", wanted=wanted) is not None
+        assert time.monotonic() < deadline  # answered before its caller's deadline
+        assert not d.offload_store.contains(ME, "K")
+    finally:
+        if slow.exists():
+            slow.unlink()
+        for t in late:
+            t.join(30)
+        d.close()
