@@ -3,6 +3,8 @@ keeps none (RESOURCE_EXHAUSTED, nothing stored)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -18,6 +20,18 @@ ME = Caller.default()
 
 def _daemon(**config) -> Daemon:
     return Daemon(DaemonConfig(device="cpu", **config))
+
+
+def _slow_disk_daemon(tmp_path, monkeypatch, host_memory_bytes: int = 4 << 20, **tiers) -> tuple[Daemon, Any]:
+    """A daemon with a disk tier under ``tmp_path/disk`` (64 MiB unless ``disk_bytes``) whose commits the
+    test holds with the slow-disk file (returned: write "" to hold, unlink to let go)."""
+    from kvtier.server.daemon.tier_settings import TierSettings
+    from kvtier.server.tiers.disk_faults import SLOW_FILE_ENV
+
+    slow = tmp_path / "slow"
+    monkeypatch.setenv(SLOW_FILE_ENV, str(slow))
+    tiers.setdefault("disk_bytes", 64 << 20)
+    return _daemon(host_memory_bytes=host_memory_bytes, tiers=TierSettings(disk_path=str(tmp_path / "disk"), **tiers)), slow
 
 
 def _pool(d: Daemon, pool_id: str = "p", tokens: int = 512):
@@ -165,13 +179,7 @@ def test_a_copy_whose_disk_commit_is_slow_holds_up_no_offload_or_restore_of_anot
     it is, so without write-behind it waits for the disk's commit: that is the tier's own lock.)"""
     import threading
 
-    from kvtier.server.daemon.tier_settings import TierSettings
-    from kvtier.server.tiers.disk_faults import SLOW_FILE_ENV
-
-    slow = tmp_path / "slow"
-    monkeypatch.setenv(SLOW_FILE_ENV, str(slow))
-    d = _daemon(host_memory_bytes=4 << 20, tiers=TierSettings(disk_path=str(tmp_path / "disk"), disk_bytes=256 << 20,
-                                                                  disk_write_behind=False))
+    d, slow = _slow_disk_daemon(tmp_path, monkeypatch, disk_bytes=256 << 20, disk_write_behind=False)
     a, b = Caller(tenant="team-a"), Caller(tenant="team-b")
     try:
         for caller, tokens in ((a, 4096), (b, 512)):
@@ -229,13 +237,7 @@ def test_a_restore_with_drop_during_its_copys_offload_waits_for_it_and_takes_it_
     NOT_FOUND."""
     import threading
 
-    from kvtier.server.daemon.tier_settings import TierSettings
-    from kvtier.server.tiers.disk_faults import SLOW_FILE_ENV
-
-    slow = tmp_path / "slow"
-    monkeypatch.setenv(SLOW_FILE_ENV, str(slow))
-    d = _daemon(host_memory_bytes=4 << 20, tiers=TierSettings(disk_path=str(tmp_path / "disk"), disk_bytes=64 << 20,
-                                                                  disk_write_behind=False, write_through=True))
+    d, slow = _slow_disk_daemon(tmp_path, monkeypatch, disk_bytes=64 << 20, disk_write_behind=False, write_through=True)
     try:
         _pool(d)
         slots, rows = _fill(d, "p", PS, seed=13)
@@ -278,15 +280,9 @@ def test_a_copy_on_its_way_down_to_the_disk_is_still_there_for_every_call(tmp_pa
     drops it."""
     import threading
 
-    from kvtier.server.daemon.tier_settings import TierSettings
-    from kvtier.server.tiers.disk_faults import SLOW_FILE_ENV
-
-    slow = tmp_path / "slow"
-    monkeypatch.setenv(SLOW_FILE_ENV, str(slow))
     per_copy = 200 << 10  # one 64-token copy of 4 layers is ~197 KB
-    d = _daemon(host_memory_bytes=2 * per_copy + (16 << 10),
-                tiers=TierSettings(disk_path=str(tmp_path / "disk"), disk_bytes=64 << 20, disk_write_behind=False,
-                                   policy="lru"))
+    d, slow = _slow_disk_daemon(tmp_path, monkeypatch, host_memory_bytes=2 * per_copy + (16 << 10),
+                                disk_write_behind=False, policy="lru")
     try:
         _pool(d)
         slots, rows = _fill(d, "p", PS, seed=21)
@@ -342,13 +338,7 @@ def test_a_restore_with_drop_never_takes_a_copy_whose_offload_then_fails(tmp_pat
     is NOT_FOUND."""
     import threading
 
-    from kvtier.server.daemon.tier_settings import TierSettings
-    from kvtier.server.tiers.disk_faults import SLOW_FILE_ENV
-
-    slow = tmp_path / "slow"
-    monkeypatch.setenv(SLOW_FILE_ENV, str(slow))
-    d = _daemon(host_memory_bytes=4 << 20, tiers=TierSettings(disk_path=str(tmp_path / "disk"), disk_bytes=64 << 20,
-                                                                  write_through=True))
+    d, slow = _slow_disk_daemon(tmp_path, monkeypatch, disk_bytes=64 << 20, write_through=True)
     try:
         _pool(d)
         slots, _ = _fill(d, "p", PS, seed=31)
@@ -406,13 +396,7 @@ def test_a_drop_whose_delete_cannot_commit_before_its_deadline_answers_before_it
     import threading
     import time
 
-    from kvtier.server.daemon.tier_settings import TierSettings
-    from kvtier.server.tiers.disk_faults import SLOW_FILE_ENV
-
-    slow = tmp_path / "slow"
-    monkeypatch.setenv(SLOW_FILE_ENV, str(slow))
-    d = _daemon(host_memory_bytes=4 << 20, tiers=TierSettings(disk_path=str(tmp_path / "disk"), disk_bytes=64 << 20,
-                                                                  write_through=True))
+    d, slow = _slow_disk_daemon(tmp_path, monkeypatch, disk_bytes=64 << 20, write_through=True)
     try:
         _pool(d)
         slots, _ = _fill(d, "p", PS, seed=41)
