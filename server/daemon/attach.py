@@ -49,7 +49,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvtier.attach")
 
 MAX_STAGING_BUFFERS = 8  # per session
-POOL_LOCK_SECONDS = 0.5
+POOL_LOCK_SECONDS = 0.02  # a handshake holds a channel worker at most this long for a busy pool (A10-4); the client retries
 """How long a handshake waits for its pool's shared lock (it runs in one of the attach channel's few
 workers): past it the attach is answered UNAVAILABLE (the pool is busy; the client retries)."""
 

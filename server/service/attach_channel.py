@@ -74,8 +74,8 @@ MAX_CONNECTIONS = MAX_ATTACH_SESSIONS + MAX_HANDSHAKES
 RESOURCE_EXHAUSTED and closed."""
 WORKERS = 4
 HELLO_WORKERS = 4
-"""Threads that serve connections in their handshake (an attach waits up to 0.5 s for its pool's
-shared lock): apart from the :data:`WORKERS` that read established sessions' messages, so a burst of
+"""Threads that serve connections in their handshake (an attach waits up to 20 ms for its pool's
+shared lock, then UNAVAILABLE and the client retries): apart from the :data:`WORKERS` that read established sessions' messages, so a burst of
 handshakes to a busy pool never delays another session's prefix call (attack pass 9, A9-8: up to 8 s)."""
 CALL_THREADS = 16  # prefix calls of sessions (they wait for pool locks: never on the channel's workers)
 LISTEN_BACKLOG = 512  # connections the kernel queues before the selector accepts them
