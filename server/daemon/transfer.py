@@ -472,9 +472,9 @@ class TransferState:
                 # nothing to put back. The engine's read (Mooncake) is one read, and its final check does
                 # not stop for the caller: it keeps no rows (a copy of the destination halved the pull
                 # against the raw engine read), and a copy in process never stops
-                dst_slots = slots_of_pages(torch.from_numpy(dst), entry.page_size)
-                keep = snapshot is None and transport.name != "mooncake" and not entry.unwritten(dst)
                 unwritten = entry.unwritten(dst)
+                keep = snapshot is None and transport.name != "mooncake" and not unwritten
+                dst_slots = slots_of_pages(torch.from_numpy(dst), entry.page_size) if keep else None
                 undo = entry.pool.get_cpu_copy(dst_slots) if keep else None
                 start = time.perf_counter()
                 entry.changed(dst)  # their bytes change from here on (whole, old again, or freed on failure)
